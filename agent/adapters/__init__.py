@@ -1,0 +1,1 @@
+"""Runtime adapters: turn a runtime's own notion of requests into lifecycle records."""

@@ -1,0 +1,130 @@
+"""The `phasescope` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from .sidecar import Sidecar
+
+    listen = args.listen or [None]
+    sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"phasescope agent: writing {args.db}; listening on " + ", ".join(map(str, sidecar.bound)), flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        sidecar.stop()
+        st = sidecar.stats
+        print(f"phasescope agent: stopped; {st.records_total} records, {st.rows_written_total} rows written, "
+              f"{st.bad_frames_total} bad frames", flush=True)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(requests=args.requests, seed=args.seed, device=args.device)
+    summary = run_demo(args.db, cfg, quiet=args.json)
+    if args.json:
+        print(json.dumps(summary, default=str, indent=2))
+    return 0
+
+
+def _cmd_summary(args: argparse.Namespace) -> int:
+    from .queries import latest_run, phase_summary, probe_health, request_summary
+    from .store import Store
+    from .summary import print_summary
+
+    con = Store.open_readonly(args.db)
+    try:
+        run_id = args.run or latest_run(con)
+        if run_id is None:
+            print(f"{args.db}: no runs yet", file=sys.stderr)
+            return 1
+        summary = {"db": args.db, "run_id": run_id, "phases": phase_summary(con, run_id),
+                   "requests": request_summary(con, run_id), "probe": probe_health(con, run_id)}
+    finally:
+        con.close()
+    if args.json:
+        print(json.dumps(summary, default=str, indent=2))
+    else:
+        print_summary(summary)
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .schema import SCHEMA_VERSION, TABLES
+
+    console = Console()
+    console.print(f"phasescope store schema version {SCHEMA_VERSION}")
+    for table, cols in TABLES.items():
+        t = Table(title=table, title_justify="left")
+        for c in ("column", "type", "meaning"):
+            t.add_column(c)
+        for name, typ, doc in cols:
+            t.add_row(name, typ, doc)
+        console.print(t)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phasescope", description="Observability and diagnostics for LLM inference.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("agent", help="run the sidecar: receive probe records and write DuckDB",
+                       description="Run the sidecar agent. Probes connect over a 0600 Unix socket "
+                                   "(default $XDG_RUNTIME_DIR/phasescope/agent.sock or /tmp/phasescope-UID/agent.sock) "
+                                   "or tcp:127.0.0.1:PORT. SIGTERM/SIGINT write what was received and checkpoint.")
+    a.add_argument("--db", default="phasescope.duckdb", help="DuckDB file to write (default: %(default)s)")
+    a.add_argument("--listen", action="append", metavar="ADDR",
+                   help="unix:/path/agent.sock or tcp:127.0.0.1:PORT; repeatable (default: the default socket)")
+    a.add_argument("--checkpoint-s", type=float, default=10.0, help="checkpoint interval, s (default: %(default)s)")
+    a.set_defaults(func=_cmd_agent)
+
+    d = sub.add_parser("demo", help="run a small random-weight Llama under a service-like workload and summarise",
+                       description="Build a small Llama with random weights (no download), serve a workload with a "
+                                   "shared system prompt, short and long prompts and outputs, with the probe and an "
+                                   "in-process sidecar writing the DuckDB file; print a per-phase summary.")
+    d.add_argument("--db", default="phasescope.duckdb", help="DuckDB file (default: %(default)s)")
+    d.add_argument("--requests", type=int, default=48, help="number of requests (default: %(default)s)")
+    d.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
+    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.set_defaults(func=_cmd_demo)
+
+    s = sub.add_parser("summary", help="print a run's per-phase summary from a DuckDB file no agent holds",
+                       description="Per-phase step times and request latencies of one run.")
+    s.add_argument("db", help="DuckDB file")
+    s.add_argument("--run", help="run id (default: the latest)")
+    s.add_argument("--json", action="store_true", help="JSON output")
+    s.set_defaults(func=_cmd_summary)
+
+    sc = sub.add_parser("schema", help="print the store's tables and columns",
+                        description="Every table and column of the DuckDB store, with units.")
+    sc.set_defaults(func=_cmd_schema)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

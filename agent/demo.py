@@ -1,0 +1,191 @@
+"""`phasescope demo`: the main job on its embedded default.
+
+Builds a small Llama from a config with random weights (never a download; CPU
+by default, CUDA + bf16 when a GPU is there), serves a service-like workload
+through it with the probe attached and an in-process sidecar writing a DuckDB
+file, and prints a per-phase summary.
+
+The workload: requests arrive over time (Poisson), share a system prompt, carry
+short or long user prompts and want short or long outputs. The demo server
+batches waiting requests (static batching through HF `generate`, left padding).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .transport import Address
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    request_id: str
+    prompt: list[int]
+    output_tokens: int
+    arrival_offset_s: float
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Model and workload of the demo; defaults run in well under a minute on 2 CPU cores."""
+
+    requests: int = 48
+    seed: int = 0
+    max_batch: int = 8
+    system_prompt_tokens: int = 96
+    short_prompt: tuple[int, int] = (8, 48)
+    long_prompt: tuple[int, int] = (256, 512)
+    long_prompt_share: float = 0.3
+    short_output: tuple[int, int] = (4, 16)
+    long_output: tuple[int, int] = (48, 96)
+    long_output_share: float = 0.3
+    arrival_rate_per_s: float = 12.0
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2
+    device: str | None = None  # None: cuda if available else cpu
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_model(cfg: DemoConfig) -> tuple[Any, Any]:
+    """A random-weight Llama (eval mode) and its torch device."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(cfg.seed)
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.hidden_size * 11 // 4,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
+    config._name_or_path = f"phasescope-demo-llama-{cfg.layers}L-{cfg.hidden_size}d"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return model, device
+
+
+def make_workload(cfg: DemoConfig) -> list[DemoRequest]:
+    """Deterministic service-like requests for `cfg.seed`."""
+    rng = random.Random(cfg.seed)
+    system = [rng.randrange(2, cfg.vocab_size) for _ in range(cfg.system_prompt_tokens)]
+    out, t = [], 0.0
+    for i in range(cfg.requests):
+        lo, hi = cfg.long_prompt if rng.random() < cfg.long_prompt_share else cfg.short_prompt
+        user = [rng.randrange(2, cfg.vocab_size) for _ in range(rng.randint(lo, hi))]
+        olo, ohi = cfg.long_output if rng.random() < cfg.long_output_share else cfg.short_output
+        t += rng.expovariate(cfg.arrival_rate_per_s)
+        out.append(DemoRequest(f"demo-{i:04d}", [1] + system + user, rng.randint(olo, ohi), t))
+    return out
+
+
+def serve(model: Any, device: Any, probe: Any, workload: list[DemoRequest], max_batch: int,
+          progress: Any = None) -> dict[str, list[int]]:
+    """Serve `workload` in arrival order with static batches; returns tokens per request."""
+    import torch
+
+    from .adapters.hf_generate import GenerateRequests
+
+    start = time.monotonic_ns()
+    pending = list(workload)
+    results: dict[str, list[int]] = {}
+    while pending:
+        now_s = (time.monotonic_ns() - start) / 1e9
+        if pending[0].arrival_offset_s > now_s:
+            time.sleep(pending[0].arrival_offset_s - now_s)
+            continue
+        batch = [r for r in pending[:max_batch] if r.arrival_offset_s <= now_s]
+        pending = pending[len(batch):]
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):
+            ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt):] = 1
+        tracker = GenerateRequests(
+            probe, [r.request_id for r in batch], [len(r.prompt) for r in batch],
+            arrival_ns=[start + int(r.arrival_offset_s * 1e9) for r in batch],
+        )
+        with torch.inference_mode():
+            seqs = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), streamer=tracker,
+                max_new_tokens=max(r.output_tokens for r in batch), do_sample=False,
+                pad_token_id=0, eos_token_id=None,
+            )
+        new = seqs[:, width:].cpu().tolist()
+        # each request keeps its own number of tokens (static batching computes the rest anyway)
+        tracker.finish([r.output_tokens for r in batch])
+        for row, r in enumerate(batch):
+            results[r.request_id] = new[row][: r.output_tokens]
+        if progress is not None:
+            progress(len(batch))
+    return results
+
+
+def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Run the whole demo; returns the summary (also printed unless quiet)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .probe import attach
+    from .queries import phase_summary, probe_health, request_summary
+    from .sidecar import Sidecar
+    from .store import Store
+    from .summary import print_summary
+
+    cfg = cfg or DemoConfig()
+    console = Console(stderr=True, quiet=quiet)
+    with console.status("building a random-weight Llama"):
+        model, device = build_model(cfg)
+    workload = make_workload(cfg)
+    tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
+    addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
+    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1).start()
+    probe = None
+    try:
+        probe = attach(model, agent=addr, runtime="hf-generate", flush_interval_s=0.05)
+        with Progress(TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                      TimeElapsedColumn(), console=console, transient=False) as bar:
+            task = bar.add_task("serve", total=len(workload))
+            serve(model, device, probe, workload, cfg.max_batch, progress=lambda n: bar.advance(task, n))
+        run_id = probe.run_id
+        probe.close()
+        sidecar.wait_rows(lambda: sidecar.stats.open_connections == 0 and sidecar._queue.empty(), 10)
+    finally:
+        if probe is not None:
+            probe.close()
+        sidecar.stop()
+        try:
+            os.rmdir(tmp)
+        except OSError:
+            pass
+    con = Store.open_readonly(db_path)
+    try:
+        summary = {
+            "db": db_path,
+            "run_id": run_id,
+            "model": model.config._name_or_path,
+            "device": str(device),
+            "phases": phase_summary(con, run_id),
+            "requests": request_summary(con, run_id),
+            "probe": probe_health(con, run_id),
+        }
+    finally:
+        con.close()
+    if not quiet:
+        print_summary(summary)
+    return summary

@@ -1,0 +1,285 @@
+"""Records at the bottom: what the probe and collectors produce, and their wire format.
+
+Stdlib only. Every record is an immutable NamedTuple whose field names carry their
+units (`ts_ns`, `host_ms`, `kv_bytes`). Timestamps are `time.monotonic_ns()` of the
+producing host (CLOCK_MONOTONIC, shared by all processes of one machine); a
+`Hello` record carries the offset to wall-clock time.
+
+Wire format (little-endian), one frame:
+
+    header  : magic b"PS" | version u8 | flags u8 | record_count u32 | payload_len u32
+    payload : record_count x (type u8 | fixed-size struct of that type)
+
+Each record type has a fixed size, so a frame is validated exactly: unknown
+versions, unknown types, short or long payloads and oversized frames raise
+`FrameError` with a message that says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from typing import Iterable, NamedTuple, Union
+
+WIRE_VERSION = 1
+MAGIC = b"PS"
+HEADER = struct.Struct("<2sBBII")
+MAX_FRAME_BYTES = 1 << 20  # payload limit; a probe flush never builds more
+REQUEST_ID_BYTES = 32
+
+
+class FrameError(ValueError):
+    """A frame that cannot be decoded; the connection that sent it is closed."""
+
+
+# --- enumerations (stored as small ints on the wire, as text in the store) ---
+
+PHASES = ("prefill", "decode", "mixed", "idle")
+PHASE_PREFILL, PHASE_DECODE, PHASE_MIXED, PHASE_IDLE = range(4)
+
+REQUEST_EVENTS = ("arrival", "scheduled", "token", "finished", "aborted", "preempted")
+(REQ_ARRIVAL, REQ_SCHEDULED, REQ_TOKEN, REQ_FINISHED, REQ_ABORTED, REQ_PREEMPTED) = range(6)
+
+
+# --- records ---
+
+class Hello(NamedTuple):
+    """First record on every connection: who is sending."""
+
+    ts_ns: int
+    wall_minus_mono_ns: int  # add to a ts_ns to get Unix-epoch nanoseconds
+    pid: int
+    rank: int
+    world_size: int
+    run_id: str  # <= 16 bytes
+    model: str  # <= 48 bytes
+    runtime: str  # <= 16 bytes ("hf-generate", "hf-cb", "vllm", "module")
+
+
+class Step(NamedTuple):
+    """One engine step = one forward of the model on one rank."""
+
+    ts_ns: int  # host time the forward started
+    step_id: int
+    rank: int
+    phase: int  # index into PHASES
+    num_seqs: int
+    prefill_tokens: int  # new prompt tokens computed in this step
+    decode_tokens: int  # generated-token positions computed in this step
+    context_tokens: int  # tokens already in the KV cache that this step attends to
+    host_ms: float  # wall time of the forward call on the host
+    gpu_ms: float  # CUDA-event time of the forward; NaN when not sampled / no GPU
+
+
+class RequestEvent(NamedTuple):
+    """One lifecycle event of one request."""
+
+    ts_ns: int
+    rank: int
+    event: int  # index into REQUEST_EVENTS
+    request_id: str  # <= 32 bytes (longer ids are shortened with a hash)
+    tokens: int  # arrival: prompt tokens; token: new tokens; finished: output tokens
+    cached_tokens: int  # scheduled: prompt tokens served from the prefix cache
+
+
+class KVSnapshot(NamedTuple):
+    """State of the paged KV cache of one rank at one instant."""
+
+    ts_ns: int
+    rank: int
+    page_size_tokens: int
+    total_pages: int
+    used_pages: int
+    free_pages: int
+    live_tokens: int  # tokens held in used pages
+    largest_free_run: int  # longest run of contiguous free page ids
+    pages_allocated_total: int  # monotonic counter
+    pages_freed_total: int  # monotonic counter
+    kv_bytes: int  # bytes of KV actually held (used pages)
+    kv_dtype: str  # <= 12 bytes, e.g. "bfloat16"
+
+
+class PrefixCounters(NamedTuple):
+    """Monotonic prefix-cache counters of one rank (rates come from deltas)."""
+
+    ts_ns: int
+    rank: int
+    queried_tokens_total: int
+    hit_tokens_total: int
+    recomputed_tokens_total: int  # recomputation after preemption, never a hit
+    evicted_blocks_total: int
+
+
+class GpuSample(NamedTuple):
+    """One NVML reading of one GPU."""
+
+    ts_ns: int
+    gpu_index: int
+    util_pct: float
+    mem_used_bytes: int
+    mem_total_bytes: int
+    power_w: float
+    temp_c: float
+    sm_clock_mhz: float
+    xid_errors_total: int
+
+
+class ProbeHealth(NamedTuple):
+    """The probe's own counters (monotonic) of one process."""
+
+    ts_ns: int
+    rank: int
+    pid: int
+    records_total: int
+    dropped_total: int
+    errors_total: int
+    frames_sent_total: int
+    send_failures_total: int
+    gpu_unsampled_total: int
+
+
+Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth]
+
+# type byte -> (class, struct); the order of fields equals the NamedTuple's
+_LAYOUT: dict[int, tuple[type, struct.Struct]] = {
+    1: (Hello, struct.Struct("<qqIHH16s48s16s")),
+    2: (Step, struct.Struct("<qQHBIIIQdd")),
+    3: (RequestEvent, struct.Struct("<qHB32sII")),
+    4: (KVSnapshot, struct.Struct("<qHIIIIQIQQQ12s")),
+    5: (PrefixCounters, struct.Struct("<qHQQQQ")),
+    6: (GpuSample, struct.Struct("<qHfQQfffQ")),
+    7: (ProbeHealth, struct.Struct("<qHIQQQQQQ")),
+}
+_TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}
+RECORD_TYPES: tuple[type, ...] = tuple(cls for cls, _ in _LAYOUT.values())
+
+
+def _string_fields(s: struct.Struct) -> tuple[int, ...]:
+    """Indexes of the `Ns` fields in a struct format."""
+    out, idx, num = [], 0, ""
+    for ch in s.format.lstrip("<"):
+        if ch.isdigit():
+            num += ch
+            continue
+        if ch == "s":
+            out.append(idx)
+        idx += 1
+        num = ""
+    return tuple(out)
+
+
+# indexes of the string fields of each type (bytes on the wire)
+_STR_FIELDS: dict[int, tuple[int, ...]] = {code: _string_fields(s) for code, (_, s) in _LAYOUT.items()}
+
+
+def short_id(text: str, width: int = REQUEST_ID_BYTES) -> str:
+    """`text` if it fits `width` UTF-8 bytes, else a stable shortened form with a hash."""
+    raw = text.encode("utf-8")
+    if len(raw) <= width:
+        return text
+    digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
+    head = raw[: width - len(digest) - 1].decode("utf-8", "ignore")
+    return f"{head}~{digest}"
+
+
+def record_size(cls: type) -> int:
+    """Bytes one record of `cls` takes on the wire (type byte included)."""
+    return 1 + _LAYOUT[_TYPE_OF[cls]][1].size
+
+
+def encode_records(records: Iterable[Record]) -> tuple[bytes, int]:
+    """Encode records into a payload; returns (payload, count)."""
+    parts: list[bytes] = []
+    for rec in records:
+        code = _TYPE_OF[type(rec)]
+        layout = _LAYOUT[code][1]
+        strs = _STR_FIELDS[code]
+        if strs:
+            values = list(rec)
+            for i in strs:
+                values[i] = values[i].encode("utf-8")
+            parts.append(bytes((code,)) + layout.pack(*values))
+        else:
+            parts.append(bytes((code,)) + layout.pack(*rec))
+    return b"".join(parts), len(parts)
+
+
+def encode_frame(records: Iterable[Record], version: int = WIRE_VERSION) -> bytes:
+    """One frame holding `records`. Raises FrameError if it would be oversized."""
+    payload, count = encode_records(records)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame payload of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(MAGIC, version, 0, count, len(payload)) + payload
+
+
+def decode_header(header: bytes) -> tuple[int, int]:
+    """Validate a frame header; returns (record_count, payload_len)."""
+    if len(header) != HEADER.size:
+        raise FrameError(f"truncated header: {len(header)} of {HEADER.size} bytes")
+    magic, version, _flags, count, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise FrameError(f"unsupported wire version {version} (this build speaks {WIRE_VERSION})")
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"oversized frame: payload of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    if count > length:
+        raise FrameError(f"record count {count} cannot fit in {length} payload bytes")
+    return count, length
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def decode_payload(payload: bytes, count: int) -> list[Record]:
+    """Decode `count` records from `payload`; the payload must be consumed exactly."""
+    out: list[Record] = []
+    pos, end = 0, len(payload)
+    for n in range(count):
+        if pos >= end:
+            raise FrameError(f"payload ends after {n} of {count} records")
+        code = payload[pos]
+        layout_entry = _LAYOUT.get(code)
+        if layout_entry is None:
+            raise FrameError(f"unknown record type {code} at byte {pos}")
+        cls, layout = layout_entry
+        stop = pos + 1 + layout.size
+        if stop > end:
+            raise FrameError(f"truncated {cls.__name__} record at byte {pos}")
+        values = layout.unpack_from(payload, pos + 1)
+        strs = _STR_FIELDS[code]
+        if strs:
+            values = list(values)
+            for i in strs:
+                values[i] = _text(values[i])
+        out.append(cls(*values))
+        pos = stop
+    if pos != end:
+        raise FrameError(f"{end - pos} trailing bytes after {count} records")
+    return out
+
+
+def decode_frame(frame: bytes) -> list[Record]:
+    """Decode one whole frame (header and payload)."""
+    count, length = decode_header(frame[: HEADER.size])
+    payload = frame[HEADER.size :]
+    if len(payload) != length:
+        raise FrameError(f"payload is {len(payload)} bytes, header says {length}")
+    return decode_payload(payload, count)
+
+
+def same_record(a: Record, b: Record) -> bool:
+    """Equality that treats NaN == NaN and float32 rounding (for tests and dedup)."""
+    if type(a) is not type(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, float) and isinstance(y, float):
+            if math.isnan(x) and math.isnan(y):
+                continue
+            if not math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6):
+                return False
+        elif x != y:
+            return False
+    return True

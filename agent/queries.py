@@ -1,0 +1,94 @@
+"""Named read queries over the store (aggregated in DuckDB; never whole tables).
+
+Each takes a DuckDB connection and optional `run_id` and returns plain dicts.
+Step time is the CUDA-event time when the step was timed, else the host time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+
+STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
+
+
+def _run_filter(run_id: str | None, alias: str = "s") -> tuple[str, list[Any]]:
+    if run_id is None:
+        return "", []
+    return f" AND {alias}.run_id = ?", [run_id]
+
+
+def runs(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """Runs in the store, newest first."""
+    rows = con.execute(
+        """SELECT run_id, any_value(model), any_value(runtime), count(*) AS sources,
+                  max(world_size), min(connected_ns)
+           FROM sources GROUP BY run_id ORDER BY min(connected_ns) DESC"""
+    ).fetchall()
+    keys = ("run_id", "model", "runtime", "sources", "world_size", "connected_ns")
+    return [dict(zip(keys, r)) for r in rows]
+
+
+def latest_run(con: duckdb.DuckDBPyConnection) -> str | None:
+    r = runs(con)
+    return r[0]["run_id"] if r else None
+
+
+def phase_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> list[dict[str, Any]]:
+    """Per phase: step count, step-time percentiles (ms), tokens, and whether GPU-timed."""
+    where, params = _run_filter(run_id)
+    rows = con.execute(
+        f"""SELECT phase, count(*) AS steps,
+                   quantile_cont({STEP_MS}, 0.5) AS p50_ms,
+                   quantile_cont({STEP_MS}, 0.95) AS p95_ms,
+                   quantile_cont({STEP_MS}, 0.99) AS p99_ms,
+                   sum(prefill_tokens) AS prefill_tokens,
+                   sum(decode_tokens) AS decode_tokens,
+                   count(*) FILTER (WHERE NOT isnan(gpu_ms)) AS gpu_timed
+            FROM steps t JOIN sources s USING (source_id)
+            WHERE true {where}
+            GROUP BY phase ORDER BY phase""",
+        params,
+    ).fetchall()
+    keys = ("phase", "steps", "p50_ms", "p95_ms", "p99_ms", "prefill_tokens", "decode_tokens", "gpu_timed")
+    return [dict(zip(keys, r)) for r in rows]
+
+
+def request_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
+    """Request counts and TTFT / TPOT / queue / E2E percentiles (seconds)."""
+    where = "" if run_id is None else "WHERE run_id = ?"
+    params = [] if run_id is None else [run_id]
+    row = con.execute(
+        f"""SELECT count(*),
+                   count(*) FILTER (WHERE status = 'finished'),
+                   quantile_cont(ttft_s, 0.5), quantile_cont(ttft_s, 0.95),
+                   quantile_cont(tpot_s, 0.5), quantile_cont(tpot_s, 0.95),
+                   quantile_cont(queue_s, 0.5), quantile_cont(queue_s, 0.95),
+                   quantile_cont(e2e_s, 0.5), quantile_cont(e2e_s, 0.95),
+                   sum(output_tokens), sum(prompt_tokens),
+                   (max(last_token_ns) - min(arrival_ns)) / 1e9
+            FROM requests {where}""",
+        params,
+    ).fetchone()
+    keys = ("requests", "finished", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s",
+            "queue_p50_s", "queue_p95_s", "e2e_p50_s", "e2e_p95_s", "output_tokens", "prompt_tokens", "span_s")
+    out = dict(zip(keys, row))
+    span = out.get("span_s") or 0
+    out["output_tokens_per_s"] = (out["output_tokens"] or 0) / span if span > 0 else None
+    return out
+
+
+def probe_health(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
+    """Latest counters of every source of the run, summed."""
+    where, params = _run_filter(run_id)
+    row = con.execute(
+        f"""WITH last AS (
+                SELECT h.*, row_number() OVER (PARTITION BY h.source_id ORDER BY h.ts_ns DESC) AS rn
+                FROM probe_health h JOIN sources s USING (source_id) WHERE true {where})
+            SELECT coalesce(sum(records_total), 0), coalesce(sum(dropped_total), 0),
+                   coalesce(sum(errors_total), 0), coalesce(sum(gpu_unsampled_total), 0)
+            FROM last WHERE rn = 1""",
+        params,
+    ).fetchone()
+    return dict(zip(("records_total", "dropped_total", "errors_total", "gpu_unsampled_total"), row))

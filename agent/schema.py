@@ -1,0 +1,169 @@
+"""The DuckDB schema: every table and column, documented, with one schema version.
+
+Raw tables are append-only and hold what the records say (timestamps in
+monotonic ns of the producing host; `sources.wall_minus_mono_ns` converts them).
+Views derive the per-request metrics exactly as DESIGN.md defines them.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+
+# table -> (column DDL, one-line doc); the order is the insert order
+TABLES: dict[str, list[tuple[str, str, str]]] = {
+    "sources": [
+        ("source_id", "INTEGER", "one row per probe connection (a process/rank of a run)"),
+        ("connected_ns", "BIGINT", "sidecar wall clock at connect, Unix ns"),
+        ("ts_ns", "BIGINT", "probe monotonic clock at connect"),
+        ("wall_minus_mono_ns", "BIGINT", "add to any ts_ns of this source for Unix ns"),
+        ("pid", "INTEGER", "process id of the probe"),
+        ("rank", "SMALLINT", "tensor-parallel rank"),
+        ("world_size", "SMALLINT", "number of ranks"),
+        ("run_id", "VARCHAR", "run (experiment) id; ranks of one run share it"),
+        ("model", "VARCHAR", "model name or path"),
+        ("runtime", "VARCHAR", "hf-generate, hf-cb, vllm, module"),
+    ],
+    "steps": [
+        ("source_id", "INTEGER", "sources.source_id"),
+        ("ts_ns", "BIGINT", "host monotonic time the forward started"),
+        ("step_id", "BIGINT", "per-source forward counter (same id on every rank)"),
+        ("rank", "SMALLINT", "tensor-parallel rank"),
+        ("phase", "VARCHAR", "prefill, decode, mixed, idle"),
+        ("num_seqs", "INTEGER", "sequences in the batch"),
+        ("prefill_tokens", "INTEGER", "prompt tokens computed"),
+        ("decode_tokens", "INTEGER", "generated-token positions computed"),
+        ("context_tokens", "BIGINT", "cached tokens attended to"),
+        ("host_ms", "DOUBLE", "wall time of the forward on the host, ms"),
+        ("gpu_ms", "DOUBLE", "CUDA-event time of the forward, ms; NaN when not timed"),
+    ],
+    "request_events": [
+        ("source_id", "INTEGER", "sources.source_id"),
+        ("ts_ns", "BIGINT", "monotonic time of the event"),
+        ("rank", "SMALLINT", "rank that reported it"),
+        ("event", "VARCHAR", "arrival, scheduled, token, finished, aborted, preempted"),
+        ("request_id", "VARCHAR", "runtime's request id (<= 32 bytes)"),
+        ("tokens", "INTEGER", "arrival: prompt tokens; token: new tokens; finished: output tokens"),
+        ("cached_tokens", "INTEGER", "scheduled: prompt tokens served from the prefix cache"),
+    ],
+    "kv_snapshots": [
+        ("source_id", "INTEGER", "sources.source_id"),
+        ("ts_ns", "BIGINT", "monotonic time of the snapshot"),
+        ("rank", "SMALLINT", "rank"),
+        ("page_size_tokens", "INTEGER", "P, tokens per page"),
+        ("total_pages", "INTEGER", "pages in the cache"),
+        ("used_pages", "INTEGER", "pages allocated to sequences"),
+        ("free_pages", "INTEGER", "pages free for allocation"),
+        ("live_tokens", "BIGINT", "tokens held in used pages"),
+        ("largest_free_run", "INTEGER", "longest run of contiguous free pages"),
+        ("pages_allocated_total", "BIGINT", "monotonic count of page allocations"),
+        ("pages_freed_total", "BIGINT", "monotonic count of page frees"),
+        ("kv_bytes", "BIGINT", "KV bytes held"),
+        ("kv_dtype", "VARCHAR", "KV element dtype"),
+    ],
+    "prefix_counters": [
+        ("source_id", "INTEGER", "sources.source_id"),
+        ("ts_ns", "BIGINT", "monotonic time"),
+        ("rank", "SMALLINT", "rank"),
+        ("queried_tokens_total", "BIGINT", "prompt tokens looked up in the prefix cache"),
+        ("hit_tokens_total", "BIGINT", "prompt tokens served from it"),
+        ("recomputed_tokens_total", "BIGINT", "tokens recomputed after preemption (never hits)"),
+        ("evicted_blocks_total", "BIGINT", "cached blocks evicted"),
+    ],
+    "gpu_samples": [
+        ("source_id", "INTEGER", "sources.source_id (0: the sidecar's own sampler)"),
+        ("ts_ns", "BIGINT", "monotonic time"),
+        ("gpu_index", "SMALLINT", "NVML device index"),
+        ("util_pct", "REAL", "GPU busy percentage"),
+        ("mem_used_bytes", "BIGINT", "device memory used"),
+        ("mem_total_bytes", "BIGINT", "device memory total"),
+        ("power_w", "REAL", "power draw, W"),
+        ("temp_c", "REAL", "temperature, C"),
+        ("sm_clock_mhz", "REAL", "SM clock, MHz"),
+        ("xid_errors_total", "BIGINT", "XID errors seen"),
+    ],
+    "probe_health": [
+        ("source_id", "INTEGER", "sources.source_id"),
+        ("ts_ns", "BIGINT", "monotonic time"),
+        ("rank", "SMALLINT", "rank"),
+        ("pid", "INTEGER", "process id"),
+        ("records_total", "BIGINT", "records produced"),
+        ("dropped_total", "BIGINT", "records dropped (ring full, no sidecar, send failed)"),
+        ("errors_total", "BIGINT", "exceptions caught inside hooks and threads"),
+        ("frames_sent_total", "BIGINT", "frames delivered to the socket"),
+        ("send_failures_total", "BIGINT", "failed sends (connection lost)"),
+        ("gpu_unsampled_total", "BIGINT", "steps left untimed (event pool empty)"),
+    ],
+}
+
+# record class name -> table (columns after source_id map 1:1 to record fields,
+# except that enum ints become text)
+TABLE_OF_RECORD = {
+    "Step": "steps",
+    "RequestEvent": "request_events",
+    "KVSnapshot": "kv_snapshots",
+    "PrefixCounters": "prefix_counters",
+    "GpuSample": "gpu_samples",
+    "ProbeHealth": "probe_health",
+}
+
+VIEWS: dict[str, str] = {
+    # per request, exactly as DESIGN.md defines; seconds
+    "requests": """
+        WITH e AS (
+            SELECT s.run_id, r.request_id, r.event, r.ts_ns, r.tokens, r.cached_tokens
+            FROM request_events r JOIN sources s USING (source_id)
+        ), agg AS (
+            SELECT run_id, request_id,
+                min(ts_ns) FILTER (WHERE event = 'arrival') AS arrival_ns,
+                min(ts_ns) FILTER (WHERE event = 'scheduled') AS scheduled_ns,
+                min(ts_ns) FILTER (WHERE event = 'token') AS first_token_ns,
+                max(ts_ns) FILTER (WHERE event = 'token') AS last_token_ns,
+                coalesce(sum(tokens) FILTER (WHERE event = 'token'), 0) AS output_tokens,
+                max(tokens) FILTER (WHERE event = 'arrival') AS prompt_tokens,
+                max(cached_tokens) FILTER (WHERE event = 'scheduled') AS cached_tokens,
+                count(*) FILTER (WHERE event = 'preempted') AS preemptions,
+                CASE WHEN bool_or(event = 'aborted') THEN 'aborted'
+                     WHEN bool_or(event = 'finished') THEN 'finished'
+                     ELSE 'running' END AS status
+            FROM e GROUP BY run_id, request_id
+        )
+        SELECT *,
+            (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
+            (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
+            (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
+            (last_token_ns - first_token_ns) / 1e9 AS decode_s,
+            CASE WHEN output_tokens > 1
+                 THEN (last_token_ns - first_token_ns) / 1e9 / (output_tokens - 1) END AS tpot_s,
+            (last_token_ns - arrival_ns) / 1e9 AS e2e_s
+        FROM agg
+    """,
+    # one row per output token after the first token event: a chunk of k tokens
+    # arriving `gap` after the previous one gives k samples of gap / k
+    "itl": """
+        WITH t AS (
+            SELECT s.run_id, r.request_id, r.ts_ns, r.tokens,
+                   lag(r.ts_ns) OVER (PARTITION BY s.run_id, r.request_id ORDER BY r.ts_ns) AS prev_ns
+            FROM request_events r JOIN sources s USING (source_id)
+            WHERE r.event = 'token' AND r.tokens > 0
+        )
+        SELECT run_id, request_id, ts_ns, (ts_ns - prev_ns) / 1e9 / tokens AS itl_s
+        FROM t, range(tokens) AS k(i)
+        WHERE prev_ns IS NOT NULL
+    """,
+}
+
+
+def ddl() -> list[str]:
+    """Statements that create the schema (idempotent)."""
+    out = ["CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)"]
+    for table, cols in TABLES.items():
+        body = ", ".join(f"{name} {typ}" for name, typ, _ in cols)
+        out.append(f"CREATE TABLE IF NOT EXISTS {table} ({body})")
+        for name, _, doc in cols:
+            out.append(f"COMMENT ON COLUMN {table}.{name} IS '{doc.replace(chr(39), chr(39) * 2)}'")
+    for view, sql in VIEWS.items():
+        out.append(f"CREATE OR REPLACE VIEW {view} AS {sql}")
+    out.append(
+        "INSERT INTO meta VALUES ('schema_version', '%d') ON CONFLICT (key) DO NOTHING" % SCHEMA_VERSION
+    )
+    return out

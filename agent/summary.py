@@ -1,0 +1,43 @@
+"""Terminal rendering of a run's summary (rich tables)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _s_as_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    """Per-phase step times, request latencies and probe health."""
+    console = console or Console()
+    console.print(f"[bold]phasescope[/] run [cyan]{summary['run_id']}[/] · {summary.get('model', '')}"
+                  f" on {summary.get('device', '?')} → {summary['db']}")
+    t = Table(title="Engine steps by phase, ms", caption="CUDA-event time where timed, else host time")
+    for col in ("phase", "steps", "p50", "p95", "p99", "prefill tok", "decode tok", "timed"):
+        t.add_column(col, justify="right" if col != "phase" else "left")
+    for p in summary["phases"]:
+        t.add_row(p["phase"], str(p["steps"]), _ms(p["p50_ms"]), _ms(p["p95_ms"]), _ms(p["p99_ms"]),
+                  str(p["prefill_tokens"]), str(p["decode_tokens"]), str(p["gpu_timed"]))
+    console.print(t)
+    r = summary["requests"]
+    rt = Table(title="Requests, ms", caption="TTFT = first token - arrival; TPOT = decode time / (output tokens - 1)")
+    for col in ("metric", "p50", "p95"):
+        rt.add_column(col, justify="right" if col != "metric" else "left")
+    for name in ("ttft", "tpot", "queue", "e2e"):
+        rt.add_row(name.upper(), _s_as_ms(r.get(f"{name}_p50_s")), _s_as_ms(r.get(f"{name}_p95_s")))
+    console.print(rt)
+    tps = r.get("output_tokens_per_s")
+    console.print(f"requests: {r['requests']} ({r['finished']} finished) · output tokens: {r['output_tokens']}"
+                  + (f" · {tps:.0f} tok/s" if tps else ""))
+    h = summary.get("probe") or {}
+    if h:
+        console.print(f"probe: {h['records_total']} records, {h['dropped_total']} dropped, {h['errors_total']} errors")

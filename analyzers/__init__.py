@@ -1,0 +1,1 @@
+"""Analyzers: pure functions from the store to findings."""

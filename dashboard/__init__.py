@@ -1,0 +1,1 @@
+"""Streamlit diagnostics app (read-only over the store)."""

@@ -1,0 +1,1 @@
+"""Exporters: Prometheus, OpenTelemetry (OTLP), alert rules, Grafana JSON."""
