@@ -67,9 +67,11 @@ class Sidecar:
         self._on_batch = on_batch
         self._loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[asyncio.base_events.Server] = []
+        self._tasks: set[asyncio.Task] = set()
         self._loop_thread: threading.Thread | None = None
         self._writer_thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # stop() was called
+        self._writer_stop = threading.Event()  # the network side is down: write the rest and close
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.bound: list[Address] = []
@@ -85,6 +87,7 @@ class Sidecar:
         self._started.wait(10)
         if self._start_error is not None:
             self.store.close()
+            self._stopping.set()
             raise self._start_error
         self._writer_thread = threading.Thread(target=self._write_loop, name="phasescope-writer", daemon=True)
         self._writer_thread.start()
@@ -98,12 +101,13 @@ class Sidecar:
         if self._loop is not None:
             fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
             try:
-                fut.result(5)
+                fut.result(10)
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.warning("sidecar shutdown: %r", exc)
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._loop_thread is not None:
                 self._loop_thread.join(5)
+        self._writer_stop.set()
         if self._writer_thread is not None:
             self._writer_thread.join(30)
         for a in self.bound:
@@ -137,6 +141,7 @@ class Sidecar:
             self._loop.run_until_complete(self._bind_all())
         except BaseException as exc:  # noqa: BLE001 - reported to start()
             self._start_error = exc
+            self._loop.close()
             self._started.set()
             return
         self._started.set()
@@ -160,13 +165,22 @@ class Sidecar:
                 self.bound.append(Address("tcp", addr.path, port))
             self._servers.append(server)
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, drain_s: float = 2.0) -> None:
+        """Stop accepting; let connections whose probe already closed deliver their last frames."""
         for s in self._servers:
             s.close()
-        for s in self._servers:
-            await s.wait_closed()
+        deadline = time.monotonic() + drain_s
+        while self._tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         st = self.stats
         st.connections_total += 1
         st.open_connections += 1
@@ -206,6 +220,7 @@ class Sidecar:
         finally:
             st.open_connections -= 1
             writer.close()
+            self._tasks.discard(task)
 
     # --- storage side --------------------------------------------------------
 
@@ -213,7 +228,7 @@ class Sidecar:
         assert self.store is not None
         next_checkpoint = time.monotonic() + self.checkpoint_interval_s
         while True:
-            stopping = self._stopping.wait(self.batch_interval_s)
+            stopping = self._writer_stop.wait(self.batch_interval_s)
             batch: list[tuple[int, list]] = []
             try:
                 while True:

@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny random-weight Llama and an in-process sidecar on a temp socket."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A 2-layer random-weight Llama (GQA: 4 heads, 2 KV heads), eval mode, CPU."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        pad_token_id=0, eos_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def short_tmp():
+    """A short temp folder (Unix socket paths are limited to ~107 bytes)."""
+    d = tempfile.mkdtemp(prefix="ps-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sidecar(short_tmp):
+    """A running in-process sidecar writing short_tmp/store.duckdb on short_tmp/agent.sock."""
+    from phasescope.agent.sidecar import Sidecar
+
+    sc = Sidecar(os.path.join(short_tmp, "store.duckdb"), listen=[f"unix:{short_tmp}/agent.sock"],
+                 batch_interval_s=0.05).start()
+    yield sc
+    sc.stop()
