@@ -187,6 +187,11 @@ class Probe:
         """Queue any record (adapters and collectors use this). Never raises."""
         self._push(record)
 
+    @property
+    def connected(self) -> bool:
+        """Whether the flush thread holds a connection to the sidecar now."""
+        return self._sender is not None and self._sender.connected
+
     def health(self) -> ProbeHealth:
         """The probe's counters now."""
         return ProbeHealth(
