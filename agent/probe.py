@@ -102,6 +102,7 @@ class Probe:
         poll_interval_s: float = 0.002,
         exact_tokens: bool = True,
         connect: bool = True,
+        sink: Callable[[list[Record]], None] | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         if not hasattr(model, "register_forward_pre_hook"):
@@ -150,7 +151,9 @@ class Probe:
             self._pool = EventPool(self._device, event_pool_size)
 
         self._stop = threading.Event()
-        self._sender = Sender(self.addr, self._hello_frame) if connect else None
+        # `sink` (tests, benchmarks) receives record batches in place of a socket
+        self._sink = sink
+        self._sender = Sender(self.addr, self._hello_frame) if connect and sink is None else None
         self._threads: list[threading.Thread] = []
         self._handles = [
             model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
@@ -378,6 +381,13 @@ class Probe:
 
     def _flush_once(self) -> None:
         ring, sender = self._ring, self._sender
+        if self._sink is not None:
+            batch = []
+            while ring:
+                batch.append(ring.popleft())
+            if batch:
+                self._sink(batch)
+            return
         while ring:
             if sender is None or not sender.ready():
                 if sender is None:  # no transport: keep counting, never grow

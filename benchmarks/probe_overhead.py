@@ -1,0 +1,167 @@
+"""Probe overhead and per-phase step times for HF `generate` on a random-weight Llama.
+
+Prints a table: per-phase step times as the probe measured them (CUDA events on a
+GPU, host time on CPU), end-to-end `generate` time without and with the probe
+(alternating runs, medians and their ratio), and the probe's own cost per step
+(the two hooks called in a tight loop on real decode-step arguments).
+
+    python benchmarks/probe_overhead.py                       # CPU, tiny model
+    python benchmarks/probe_overhead.py --device cuda --model 1b   # ~1.1B bf16 on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from phasescope.agent import attach
+from phasescope.agent.events import PHASES, Step
+
+MODELS = {
+    # TinyLlama-1.1B geometry: 22 layers, 2048 hidden, 32 heads, 4 KV heads
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000),
+    "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=4096),
+}
+
+
+def build(name: str, device: torch.device) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**MODELS[name], max_position_embeddings=4096, pad_token_id=0, eos_token_id=None)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def batch(device: torch.device, batch_size: int, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(64, 512, (batch_size,), generator=g).tolist()
+    width = max(lens)
+    ids = torch.zeros((batch_size, width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lens):
+        ids[i, width - n:] = torch.randint(2, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the benchmark's own clock, never the probe's
+
+
+def timed_generate(model, ids, mask, new_tokens, device) -> tuple[float, torch.Tensor]:
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def hook_cost_us(model, ids, mask, device, iters: int) -> tuple[float, float]:
+    """Median µs of (pre-hook + post-hook) on real decode-step kwargs; with and without CUDA timing."""
+    captured = {}
+
+    def grab(m, a, k):
+        if k["input_ids"].shape[1] == 1 and "kw" not in captured:
+            captured["kw"] = dict(k)
+
+    h = model.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       eos_token_id=None)
+    h.remove()
+    kw = captured["kw"]
+    out = {}
+    for timing in (True, False):
+        probe = attach(model, connect=False, cuda_timing=timing, buffer_records=1 << 16)
+        try:
+            samples = []
+            for _ in range(7):
+                t0 = time.perf_counter_ns()
+                for _ in range(iters):
+                    probe._pre_hook(model, (), kw)
+                    probe._post_hook(model, (), kw, None)
+                samples.append((time.perf_counter_ns() - t0) / iters / 1e3)
+                probe.flush(10)
+        finally:
+            probe.close()
+        out[timing] = statistics.median(samples)
+    sync(device)
+    return out[True], out[False]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating with/without-probe rounds")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    name = args.model or ("1b" if device.type == "cuda" else "tiny")
+    model = build(name, device)
+    params = sum(p.numel() for p in model.parameters())
+    ids, mask = batch(device, args.batch, model.config.vocab_size)
+    timed_generate(model, ids, mask, 4, device)  # warm-up
+
+    base, probed, steps = [], [], []
+    for r in range(args.rounds):
+        for with_probe in ((False, True) if r % 2 == 0 else (True, False)):
+            if with_probe:
+                probe = attach(model, sink=lambda recs: steps.extend(x for x in recs if type(x) is Step))
+                try:
+                    dt, out = timed_generate(model, ids, mask, args.new_tokens, device)
+                finally:
+                    probe.close()
+                probed.append(dt)
+                assert probe.errors == 0 and probe.dropped == 0, (probe.errors, probe.dropped)
+            else:
+                dt, ref = timed_generate(model, ids, mask, args.new_tokens, device)
+                base.append(dt)
+    assert torch.equal(out, ref), "the probe changed the generated tokens"
+
+    with_t, without_t = hook_cost_us(model, ids, mask, device, iters=2000)
+    by_phase: dict[str, list[Step]] = {}
+    for s in steps:
+        by_phase.setdefault(PHASES[s.phase], []).append(s)
+    rows = []
+    for phase, ss in sorted(by_phase.items()):
+        gpu = [s.gpu_ms for s in ss if not math.isnan(s.gpu_ms)]
+        rows.append(dict(phase=phase, steps=len(ss), tokens_per_step=statistics.median(
+            [s.prefill_tokens + s.decode_tokens for s in ss]),
+            gpu_ms_p50=statistics.median(gpu) if gpu else None, gpu_timed=len(gpu),
+            host_ms_p50=statistics.median(s.host_ms for s in ss)))
+    res = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", model=name,
+               params=params, batch=args.batch, new_tokens=args.new_tokens, rounds=args.rounds,
+               generate_s_without=statistics.median(base), generate_s_with=statistics.median(probed),
+               ratio=statistics.median(probed) / statistics.median(base),
+               hook_us_per_step_with_cuda_events=with_t, hook_us_per_step_host_only=without_t, phases=rows)
+    print(f"\n{res['device']} · {name} Llama ({params / 1e6:.1f} M params) · batch {args.batch} · "
+          f"{args.new_tokens} new tokens · {args.rounds} alternating rounds")
+    print(f"{'phase':8} {'steps':>6} {'tok/step':>9} {'gpu_ms p50':>11} {'timed':>6} {'host_ms p50':>12}")
+    for r in rows:
+        g = "-" if r["gpu_ms_p50"] is None else f"{r['gpu_ms_p50']:.3f}"
+        print(f"{r['phase']:8} {r['steps']:>6} {r['tokens_per_step']:>9.0f} {g:>11} {r['gpu_timed']:>6} "
+              f"{r['host_ms_p50']:>12.3f}")
+    print(f"generate wall, median: without probe {res['generate_s_without'] * 1e3:.1f} ms, with probe "
+          f"{res['generate_s_with'] * 1e3:.1f} ms, ratio {res['ratio']:.4f}")
+    print(f"probe cost per step (pre+post hooks, median): {with_t:.1f} us with CUDA events, "
+          f"{without_t:.1f} us host-only")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The probe on CUDA: event timing, exact token counts by asynchronous readback, and no device sync.
+
+Skipped without a GPU (CI has none); run on a GPU machine with `pytest tests/agent/test_probe_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from phasescope.agent import attach  # noqa: E402
+from phasescope.agent.events import PHASES, Step  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cuda_llama(tiny_llama):
+    import copy
+
+    return copy.deepcopy(tiny_llama).to("cuda", torch.bfloat16)
+
+
+def test_cuda_steps_are_event_timed_with_exact_counts(cuda_llama):
+    ids = torch.tensor([[0, 0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [0, 0, 9, 9, 9, 9, 9]], device="cuda")
+    mask = (ids != 0).long()
+    got: list[Step] = []
+    with attach(cuda_llama, sink=lambda recs: got.extend(r for r in recs if type(r) is Step)) as probe:
+        cuda_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)
+    assert probe.errors == 0 and probe.gpu_unsampled == 0
+    got.sort(key=lambda s: s.step_id)
+    assert [PHASES[s.phase] for s in got] == ["prefill"] + ["decode"] * 5
+    assert (got[0].num_seqs, got[0].prefill_tokens) == (3, 15)
+    assert [s.context_tokens for s in got[1:]] == [15 + 3 * k for k in range(5)]
+    assert all(not math.isnan(s.gpu_ms) and s.gpu_ms > 0 for s in got)
+
+
+def test_hooks_never_synchronize_the_device(cuda_llama):
+    captured = {}
+
+    def grab(m, a, k):
+        captured.setdefault(k["input_ids"].shape[1], dict(k))
+
+    h = cuda_llama.register_forward_pre_hook(grab, with_kwargs=True)
+    ids = torch.tensor([[3, 4, 5, 6]], device="cuda")
+    cuda_llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                        pad_token_id=0, eos_token_id=None)
+    h.remove()
+    probe = attach(cuda_llama, connect=False)
+    try:
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises (and would be counted)
+        try:
+            for kw in captured.values():
+                for _ in range(50):
+                    probe._pre_hook(cuda_llama, (), kw)
+                    probe._post_hook(cuda_llama, (), kw, None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert probe.errors == 0
+    finally:
+        probe.close()
