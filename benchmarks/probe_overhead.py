@@ -36,7 +36,9 @@ def build(name: str, device: torch.device) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(**MODELS[name], max_position_embeddings=4096, pad_token_id=0, eos_token_id=None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialise on the device: seconds instead of minutes for 1B
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype=dtype).eval()
 
 
 def batch(device: torch.device, batch_size: int, vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
