@@ -144,6 +144,7 @@ class Probe:
         self._device = _model_device(model)
         self._pool = None
         self._pending: collections.deque = collections.deque()
+        self._last_prefill: tuple[int, int, int] | None = None  # poller thread only
         self._poll_interval_s = poll_interval_s
         if cuda_timing and self._device is not None and self._device.type == "cuda":
             from .cuda_timing import EventPool
@@ -318,6 +319,10 @@ class Probe:
         if mask.device.type == "cpu":
             return classify_padded(batch, new_len, cache_len, int(mask.sum()))
         if slot is not None and self.exact_tokens:
+            if new_len == 1 and cache_len > 0:
+                # generate-style decode: the mask only grew by ones since the prefill,
+                # so the poller derives the real count from the prefill's; no readback
+                return ("padded_rel", batch, new_len, cache_len)
             from .cuda_timing import queue_readback
 
             if queue_readback(slot, [mask.sum().reshape(1)]):
@@ -331,9 +336,20 @@ class Probe:
             return shape
         if shape is None:
             return StepShape(PHASE_IDLE, 0, 0, 0, 0)
+        kind = shape[0]
+        if kind == "padded_rel":
+            _, batch, new_len, cache_len = shape
+            base = self._last_prefill  # (batch, width, real tokens) of the last resolved prefill
+            if base is None or base[0] != batch or cache_len < base[1]:
+                return classify_padded(batch, new_len, cache_len, None)
+            return classify_padded(batch, new_len, cache_len, base[2] + batch * (cache_len + new_len - base[1]))
         vals = slot.readback[: slot.n_read].tolist()
-        if shape[0] == "padded":
-            return classify_padded(shape[1], shape[2], shape[3], int(vals[0]))
+        if kind == "padded":
+            _, batch, new_len, cache_len = shape
+            real = int(vals[0])
+            if cache_len == 0:
+                self._last_prefill = (batch, new_len, real)
+            return classify_padded(batch, new_len, cache_len, real)
         n = shape[1]
         return classify_packed(vals[:n], vals[n : 2 * n] if shape[2] else None)
 
