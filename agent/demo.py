@@ -116,7 +116,7 @@ def serve(model: Any, device: Any, probe: Any, workload: list[DemoRequest], max_
         for row, r in enumerate(batch):
             ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[row, width - len(r.prompt):] = 1
-        tracker = GenerateRequests(
+        tracker = None if probe is None else GenerateRequests(
             probe, [r.request_id for r in batch], [len(r.prompt) for r in batch],
             arrival_ns=[start + int(r.arrival_offset_s * 1e9) for r in batch],
         )
@@ -128,7 +128,8 @@ def serve(model: Any, device: Any, probe: Any, workload: list[DemoRequest], max_
             )
         new = seqs[:, width:].cpu().tolist()
         # each request keeps its own number of tokens (static batching computes the rest anyway)
-        tracker.finish([r.output_tokens for r in batch])
+        if tracker is not None:
+            tracker.finish([r.output_tokens for r in batch])
         for row, r in enumerate(batch):
             results[r.request_id] = new[row][: r.output_tokens]
         if progress is not None:
@@ -152,6 +153,13 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
     with console.status("building a random-weight Llama"):
         model, device = build_model(cfg)
     workload = make_workload(cfg)
+    if device.type == "cuda":
+        # A GPU pays seconds of one-time kernel selection for every new shape (measured on an
+        # H200: 10 s for the first pass over this workload, 1 s after). A real server warms up
+        # before taking traffic, so the demo does too, unrecorded and with no arrival gaps.
+        with console.status("warming up the GPU (not recorded)"):
+            serve(model, device, None, [DemoRequest(r.request_id, r.prompt, r.output_tokens, 0.0)
+                                        for r in workload], cfg.max_batch)
     tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
     addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
     sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1).start()
