@@ -89,14 +89,18 @@ class KVSnapshot(NamedTuple):
     ts_ns: int
     rank: int
     page_size_tokens: int
-    total_pages: int
-    used_pages: int
-    free_pages: int
-    live_tokens: int  # tokens held in used pages
+    total_pages: int  # pages that can hold KV (reserved/trash pages excluded)
+    used_pages: int  # referenced by at least one sequence
+    free_pages: int  # in the allocator's free pool
+    cached_pages: int  # referenced by no sequence but kept for prefix reuse (evictable)
+    shared_pages: int  # referenced by two or more sequences
+    shared_refs: int  # sum of the reference counts of the shared pages
+    num_seqs: int  # sequences holding pages
+    live_tokens: int  # tokens held in used pages (a shared page counted once)
     largest_free_run: int  # longest run of contiguous free page ids
     pages_allocated_total: int  # monotonic counter
     pages_freed_total: int  # monotonic counter
-    kv_bytes: int  # bytes of KV actually held (used pages)
+    kv_bytes: int  # bytes of KV held by used pages
     kv_dtype: str  # <= 12 bytes, e.g. "bfloat16"
 
 
@@ -146,7 +150,7 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     1: (Hello, struct.Struct("<qqIHH16s48s16s")),
     2: (Step, struct.Struct("<qQHBIIIQdd")),
     3: (RequestEvent, struct.Struct("<qHB32sII")),
-    4: (KVSnapshot, struct.Struct("<qHIIIIQIQQQ12s")),
+    4: (KVSnapshot, struct.Struct("<qHIIIIIIQIQIQQQ12s")),
     5: (PrefixCounters, struct.Struct("<qHQQQQ")),
     6: (GpuSample, struct.Struct("<qHfQQfffQ")),
     7: (ProbeHealth, struct.Struct("<qHIQQQQQQ")),

@@ -24,7 +24,7 @@ def runs(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     rows = con.execute(
         """SELECT run_id, any_value(model), any_value(runtime), count(*) AS sources,
                   max(world_size), min(connected_ns)
-           FROM sources GROUP BY run_id ORDER BY min(connected_ns) DESC"""
+           FROM sources WHERE runtime != 'sidecar' GROUP BY run_id ORDER BY min(connected_ns) DESC"""
     ).fetchall()
     keys = ("run_id", "model", "runtime", "sources", "world_size", "connected_ns")
     return [dict(zip(keys, r)) for r in rows]

@@ -16,13 +16,33 @@ import socket
 import stat
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
-from .events import HEADER, FrameError, Hello, decode_header, decode_payload
+from .events import HEADER, FrameError, Hello, Record, decode_header, decode_payload
 from .store import Store
 from .transport import Address, parse_address
 
 log = logging.getLogger("phasescope.sidecar")
+
+
+Batch = list[tuple[int, list[Record]]]  # (source_id, records) in arrival order; a source's Hello comes first
+
+
+class RecordSink(Protocol):
+    """A consumer of everything the sidecar ingests (exporters): called on the writer thread."""
+
+    def on_records(self, batch: Batch) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Collector(Protocol):
+    """A producer the sidecar polls itself (NVML, psutil, the server's /metrics)."""
+
+    def sample(self) -> Sequence[Record]: ...
+
+
+SIDECAR_SOURCE_ID = 0  # source of the records the sidecar's own collectors produce
 
 
 class SidecarStats:
@@ -38,6 +58,8 @@ class SidecarStats:
         self.rows_written_total = 0
         self.batches_written_total = 0
         self.checkpoints_total = 0
+        self.sink_errors_total = 0
+        self.collector_errors_total = 0
 
 
 class Sidecar:
@@ -50,7 +72,9 @@ class Sidecar:
         batch_interval_s: float = 0.2,
         checkpoint_interval_s: float = 10.0,
         max_queue_batches: int = 100_000,
-        on_batch: Callable[[list[tuple[int, list]]], None] | None = None,
+        sinks: Sequence[RecordSink] = (),
+        collectors: Sequence[Collector] = (),
+        sample_interval_s: float = 1.0,
     ) -> None:
         if batch_interval_s <= 0 or checkpoint_interval_s <= 0:
             raise ValueError("intervals must be > 0")
@@ -64,7 +88,10 @@ class Sidecar:
         self.stats = SidecarStats()
         self.store: Store | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_batches)
-        self._on_batch = on_batch
+        self.sinks = list(sinks)
+        self.collectors = list(collectors)
+        self.sample_interval_s = sample_interval_s
+        self._sampler_thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task] = set()
@@ -91,6 +118,9 @@ class Sidecar:
             raise self._start_error
         self._writer_thread = threading.Thread(target=self._write_loop, name="phasescope-writer", daemon=True)
         self._writer_thread.start()
+        if self.collectors:
+            self._sampler_thread = threading.Thread(target=self._sample_loop, name="phasescope-sampler", daemon=True)
+            self._sampler_thread.start()
         return self
 
     def stop(self) -> None:
@@ -107,6 +137,8 @@ class Sidecar:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._loop_thread is not None:
                 self._loop_thread.join(5)
+        if self._sampler_thread is not None:
+            self._sampler_thread.join(5)
         self._writer_stop.set()
         if self._writer_thread is not None:
             self._writer_thread.join(30)
@@ -205,7 +237,8 @@ class Sidecar:
                         raise FrameError("the first record on a connection must be Hello")
                     assert self.store is not None
                     source_id = self.store.register_source(records[0])
-                records = [r for r in records if type(r) is not Hello]
+                else:
+                    records = [r for r in records if type(r) is not Hello]  # only the first counts
                 if records:
                     st.records_total += len(records)
                     try:
@@ -239,10 +272,14 @@ class Sidecar:
                 try:
                     self.stats.rows_written_total += self.store.append(batch)
                     self.stats.batches_written_total += 1
-                    if self._on_batch is not None:
-                        self._on_batch(batch)
                 except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the writer
                     log.error("failed to write a batch of %d: %r", len(batch), exc)
+                for sink in self.sinks:
+                    try:
+                        sink.on_records(batch)
+                    except Exception as exc:  # noqa: BLE001 - an exporter must not stop ingestion
+                        self.stats.sink_errors_total += 1
+                        log.warning("sink %s failed: %r", type(sink).__name__, exc)
             now = time.monotonic()
             if stopping or now >= next_checkpoint:
                 try:
@@ -255,7 +292,27 @@ class Sidecar:
                     log.error("checkpoint failed: %r", exc)
                 next_checkpoint = now + self.checkpoint_interval_s
             if stopping:
+                for sink in self.sinks:
+                    try:
+                        sink.close()
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("sink %s close failed: %r", type(sink).__name__, exc)
                 return
+
+    def _sample_loop(self) -> None:
+        while not self._stopping.wait(self.sample_interval_s):
+            records: list[Record] = []
+            for c in self.collectors:
+                try:
+                    records.extend(c.sample())
+                except Exception as exc:  # noqa: BLE001 - quiet for the environment
+                    self.stats.collector_errors_total += 1
+                    log.info("collector %s failed: %r", type(c).__name__, exc)
+            if records:
+                try:
+                    self._queue.put_nowait((SIDECAR_SOURCE_ID, records))
+                except queue.Full:
+                    self.stats.records_dropped_total += len(records)
 
 
 def _prepare_unix_path(path: str) -> None:

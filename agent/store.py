@@ -7,6 +7,7 @@ columnar batches and checkpoints; offline readers use `Store.open_readonly`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -42,6 +43,12 @@ class Store:
         if int(version) != SCHEMA_VERSION:
             self.con.close()
             raise SchemaError(f"{path} has schema version {version}; this build writes {SCHEMA_VERSION}")
+        # source 0 is the sidecar itself (its collectors: NVML, psutil, scraped /metrics)
+        self.con.execute(
+            "INSERT INTO sources SELECT 0, ?, 0, ?, ?, 0, 1, 'sidecar', '', 'sidecar' "
+            "WHERE NOT EXISTS (SELECT 1 FROM sources WHERE source_id = 0)",
+            [time.time_ns(), time.time_ns() - time.monotonic_ns(), os.getpid()],
+        )
         self._next_source = (self.con.execute("SELECT coalesce(max(source_id), 0) FROM sources").fetchone()[0]) + 1
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
         self.rows_written = 0

@@ -83,11 +83,11 @@ def test_sigkill_mid_generation(tiny_llama, short_tmp):
     con = Store.open_readonly(db)
     try:
         sources = con.execute("SELECT count(*) FROM sources WHERE run_id = ?", [run_id]).fetchone()[0]
+        first, second = [r[0] for r in con.execute(
+            "SELECT source_id FROM sources WHERE run_id = ? ORDER BY source_id", [run_id]).fetchall()]
         before, after = con.execute(
-            """SELECT count(*) FILTER (WHERE source_id = (SELECT min(source_id) FROM sources)),
-                      count(*) FILTER (WHERE source_id = (SELECT max(source_id) FROM sources))
-               FROM steps"""
-        ).fetchone()
+            "SELECT count(*) FILTER (WHERE source_id = ?), count(*) FILTER (WHERE source_id = ?) FROM steps",
+            [first, second]).fetchone()
         health = con.execute("SELECT max(dropped_total) FROM probe_health").fetchone()[0]
     finally:
         con.close()
