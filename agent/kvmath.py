@@ -1,0 +1,126 @@
+"""Paged-KV and prefix-cache arithmetic: pure functions, exact definitions (DESIGN.md).
+
+Inputs are plain page tables, so the same code serves every runtime adapter, the
+exporters, the analyzers and the tests that check them against a runtime's own
+ledger. `P` is the page size in tokens.
+
+- block_usage            = used_pages / total_pages
+- token_usage            = live_tokens / (total_pages * P)
+- internal_fragmentation = 1 - live_tokens / (used_pages * P)      (0 when nothing is used)
+- external_fragmentation = 1 - largest_free_run / free_pages        (0 when none or all-contiguous)
+- hit_rate               = delta(hit_tokens) / delta(queried_tokens) over a window
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+
+class PageStats(NamedTuple):
+    """Page accounting of one cache at one instant."""
+
+    page_size: int
+    total_pages: int
+    used_pages: int
+    free_pages: int
+    cached_pages: int
+    shared_pages: int
+    shared_refs: int
+    num_seqs: int
+    live_tokens: int
+    largest_free_run: int
+
+
+def largest_run(ids: Iterable[int]) -> int:
+    """Length of the longest run of consecutive integers in `ids` (duplicates ignored)."""
+    best = run = 0
+    prev = None
+    for i in sorted(set(ids)):
+        run = run + 1 if prev is not None and i == prev + 1 else 1
+        best = max(best, run)
+        prev = i
+    return best
+
+
+def page_stats(
+    page_size: int,
+    total_pages: int,
+    block_tables: Mapping[str, Sequence[int]],
+    seq_tokens: Mapping[str, int],
+    free_pages: Iterable[int],
+    cached_pages: Iterable[int] = (),
+) -> PageStats:
+    """Page accounting from a cache's own structures.
+
+    `block_tables[seq]` lists the pages of a sequence in order; `seq_tokens[seq]`
+    is how many of its tokens are written in the cache (page i holds
+    min(P, tokens - i*P) of them). A page shared by several sequences is one page,
+    and holds the largest count any of them puts there.
+    """
+    if page_size <= 0 or total_pages < 0:
+        raise ValueError("page_size must be > 0 and total_pages >= 0")
+    refs: dict[int, int] = {}
+    fill: dict[int, int] = {}
+    for seq, table in block_tables.items():
+        n = seq_tokens.get(seq, 0)
+        for i, page in enumerate(table):
+            refs[page] = refs.get(page, 0) + 1
+            held = min(page_size, max(0, n - i * page_size))
+            fill[page] = max(fill.get(page, 0), held)
+    shared = [r for r in refs.values() if r > 1]
+    free = list(free_pages)
+    return PageStats(
+        page_size=page_size,
+        total_pages=total_pages,
+        used_pages=len(refs),
+        free_pages=len(free),
+        cached_pages=len(list(cached_pages)),
+        shared_pages=len(shared),
+        shared_refs=sum(shared),
+        num_seqs=sum(1 for t in block_tables.values() if t),
+        live_tokens=sum(fill.values()),
+        largest_free_run=largest_run(free),
+    )
+
+
+def block_usage(used_pages: int, total_pages: int) -> float:
+    return used_pages / total_pages if total_pages else 0.0
+
+
+def token_usage(live_tokens: int, total_pages: int, page_size: int) -> float:
+    return live_tokens / (total_pages * page_size) if total_pages else 0.0
+
+
+def internal_fragmentation(live_tokens: int, used_pages: int, page_size: int) -> float:
+    """Slack inside allocated pages: the page-fragmentation rate."""
+    return 1.0 - live_tokens / (used_pages * page_size) if used_pages else 0.0
+
+
+def external_fragmentation(largest_free_run: int, free_pages: int) -> float:
+    """Free pages that exist but are scattered."""
+    return 1.0 - largest_free_run / free_pages if free_pages else 0.0
+
+
+def rate(delta: float, seconds: float) -> float:
+    """Per-second rate of a counter delta (0 for an empty window)."""
+    return delta / seconds if seconds > 0 else 0.0
+
+
+def hit_rate(hit_delta: int, queried_delta: int) -> float | None:
+    """Prefix-cache hit rate over a window; None when nothing was queried."""
+    return hit_delta / queried_delta if queried_delta > 0 else None
+
+
+def kv_imbalance(kv_bytes_by_rank: Sequence[int]) -> float:
+    """max_r / mean_r - 1 over ranks (0 for one rank or an empty cache)."""
+    if not kv_bytes_by_rank:
+        return 0.0
+    mean = sum(kv_bytes_by_rank) / len(kv_bytes_by_rank)
+    return max(kv_bytes_by_rank) / mean - 1.0 if mean > 0 else 0.0
+
+
+def predicted_waste(seq_tokens: Sequence[int], page_size: int) -> float:
+    """Internal fragmentation the same sequences would have at another page size."""
+    used = sum(-(-n // page_size) for n in seq_tokens if n > 0)
+    live = sum(n for n in seq_tokens if n > 0)
+    return internal_fragmentation(live, used, page_size)
