@@ -1,0 +1,300 @@
+"""HF transformers continuous batching (`init_continuous_batching`, `generate_batch`).
+
+Instruments a `ContinuousBatchingManager` and, once its generation thread has
+built it, the batch processor: scheduler, `PagedAttentionCache`, its cache pool
+and the offloading manager. Everything runs on the generation thread, between
+steps, except `add_request` / `cancel_request` (the caller's thread).
+
+What is recorded, and when:
+- arrival: inside `add_request` (prompt tokens);
+- scheduled: just before the forward that first computes the request (cached
+  tokens = the prefix-cache hit of its admission lookup);
+- token / finished / aborted: right after `update_batch`, i.e. when outputs are
+  handed to the caller;
+- preempted: when the offloading manager evicts a request (CPU offload or soft
+  reset; a soft-reset request's re-prefill counts as recomputed tokens, never
+  as prefix hits);
+- a KV snapshot and the prefix counters just before every `kv_every_steps`-th
+  forward: the block tables are final for that step and `position_offset`
+  already counts the tokens the forward writes.
+
+HF's vocabulary: a "block" holds `page_size` tokens of every layer of one
+attention group (vLLM's block, our page); HF's "page" is one layer's share.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ..kvmath import PageStats, page_stats
+from ..probe import Probe
+from .base import RuntimeAdapter
+
+
+def _main_allocator(cache: Any) -> Any:
+    allocators = cache.cache_allocators
+    return allocators.get("full_attention") or next(iter(allocators.values()))
+
+
+def free_block_ids(cache: Any, allocator: Any) -> list[int]:
+    """Free block ids of `allocator`: loose free blocks plus every block of unassigned sectors."""
+    pool = cache.pool
+    per_sector = allocator.blocks_per_sector
+    ids = [b for tree in pool._free_blocks[allocator.index].trees.values() for b in tree]
+    for sector in pool.free_sectors:
+        ids.extend(range(sector * per_sector, (sector + 1) * per_sector))
+    return ids
+
+
+def hf_page_stats(cache: Any, active_requests: dict[str, Any]) -> PageStats:
+    """Page accounting of a PagedAttentionCache from its own block table, ledger and pool."""
+    alloc = _main_allocator(cache)
+    tables = alloc.block_table
+    seq_tokens = {rid: active_requests[rid].position_offset for rid in tables if rid in active_requests}
+    return page_stats(
+        page_size=alloc.tokens_per_page,
+        total_pages=alloc.num_blocks,
+        block_tables=tables,
+        seq_tokens=seq_tokens,
+        free_pages=free_block_ids(cache, alloc),
+        cached_pages=alloc.ledger.cached_blocks,
+    )
+
+
+class HFContinuousBatching(RuntimeAdapter):
+    """Request lifecycle, paged-KV snapshots and prefix counters for HF continuous batching.
+
+        probe = attach(model, runtime="hf-cb")
+        adapter = HFContinuousBatching(probe).instrument_model(model)   # covers generate_batch too
+        # or: adapter.instrument_manager(model.init_continuous_batching(...))
+    """
+
+    runtime = "hf-cb"
+
+    def __init__(self, probe: Probe, kv_every_steps: int = 1, clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        super().__init__(probe)
+        if kv_every_steps < 1:
+            raise ValueError("kv_every_steps must be >= 1")
+        self.kv_every_steps = kv_every_steps
+        self._clock_ns = clock_ns
+        self._steps = 0
+        self._processors: set[int] = set()
+        self._managers: set[int] = set()
+        self._scheduled: set[str] = set()  # requests seen in a forward since their (re)admission
+        self._lookup: dict[str, tuple[int, int]] = {}  # rid -> (queried, hit) of its latest admission lookup
+        self._recompute: set[str] = set()  # soft-reset requests awaiting their re-prefill
+        self._emitted: dict[str, int] = {}  # rid -> output tokens reported so far
+        self.last_stats: PageStats | None = None
+
+    # --- entry points ---
+
+    def instrument_model(self, model: Any) -> "HFContinuousBatching":
+        """Instrument every manager `model.init_continuous_batching` returns (generate_batch uses it)."""
+
+        def make(orig: Callable) -> Callable:
+            def init_continuous_batching(*a: Any, **k: Any) -> Any:
+                manager = orig(*a, **k)
+                self.instrument_manager(manager)
+                return manager
+
+            return init_continuous_batching
+
+        self.patch(model, "init_continuous_batching", make)
+        return self
+
+    def instrument_manager(self, manager: Any) -> "HFContinuousBatching":
+        """Instrument one manager (before or after start())."""
+        if id(manager) in self._managers:
+            return self
+        self._managers.add(id(manager))
+        emit = self.probe.request_event
+        clock = self._clock_ns
+
+        def make_add(orig: Callable) -> Callable:
+            def add_request(input_ids: Any, *a: Any, **k: Any) -> Any:
+                ts = clock()
+                rid = orig(input_ids, *a, **k)
+                if rid is not None:
+                    emit(rid, "arrival", ts, tokens=len(input_ids))
+                return rid
+
+            return add_request
+
+        self.patch(manager, "add_request", make_add)
+
+        def make_create(orig: Callable) -> Callable:
+            def _create_batch_processor() -> Any:
+                bp = orig()
+                self.guarded(self.instrument_processor)(bp)
+                return bp
+
+            return _create_batch_processor
+
+        self.patch(manager, "_create_batch_processor", make_create)
+        if getattr(manager, "batch_processor", None) is not None:
+            self.instrument_processor(manager.batch_processor)
+        return self
+
+    def instrument_processor(self, bp: Any) -> None:
+        """Instrument a ContinuousBatchProcessor (called on the generation thread)."""
+        if id(bp) in self._processors:
+            return
+        self._processors.add(id(bp))
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        FINISHED, FAILED = RequestStatus.FINISHED, RequestStatus.FAILED
+        cache, sched = bp.cache, bp.scheduler
+        alloc = _main_allocator(cache)
+        index = alloc.index
+        bytes_per_page = alloc.bytes_per_block
+        dtype = str(getattr(cache, "dtype", "")).replace("torch.", "")
+        emit = self.probe.request_event
+        clock = self._clock_ns
+        prefix = self.prefix
+        guarded = self.guarded
+
+        # prefix lookups: remembered per request, counted once it is actually scheduled
+        def make_search(orig: Callable) -> Callable:
+            def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
+                hit = orig(request_id, prompt_ids)
+                self._lookup[request_id] = (len(prompt_ids), hit)
+                return hit
+
+            return search_prefix_match
+
+        self.patch(cache, "search_prefix_match", make_search)
+
+        def make_evict(orig: Callable) -> Callable:
+            def evict_cached_blocks() -> bool:
+                before = len(alloc.ledger.cached_blocks)
+                out = orig()
+                prefix.evicted_blocks += before - len(alloc.ledger.cached_blocks)
+                return out
+
+            return evict_cached_blocks
+
+        self.patch(cache, "evict_cached_blocks", make_evict)
+
+        pool = cache.pool
+
+        def make_get(orig: Callable) -> Callable:
+            def get_free_blocks(idx: int, num_blocks: int) -> list[int]:
+                out = orig(idx, num_blocks)
+                if idx == index:
+                    self.pages_allocated += len(out)
+                return out
+
+            return get_free_blocks
+
+        def make_free(orig: Callable) -> Callable:
+            def free_blocks(idx: int, block_ids: list[int]) -> None:
+                orig(idx, block_ids)
+                if idx == index:
+                    self.pages_freed += len(block_ids)
+
+            return free_blocks
+
+        self.patch(pool, "get_free_blocks", make_get)
+        self.patch(pool, "free_blocks", make_free)
+
+        def before_forward() -> None:
+            ts = clock()
+            io = bp.inputs_and_outputs
+            for fs in getattr(io, "requests_in_batch", ()):
+                state = fs.state
+                rid = state.request_id
+                if rid in self._scheduled or rid.startswith("__warmup_"):
+                    continue
+                self._scheduled.add(rid)
+                queried, hit = self._lookup.pop(rid, (0, 0))
+                if rid in self._recompute:
+                    self._recompute.discard(rid)
+                    prefix.recomputed_tokens += len(state.initial_tokens) - hit
+                    emit(rid, "scheduled", ts, cached_tokens=hit)
+                else:
+                    if cache.use_prefix_sharing:
+                        prefix.queried_tokens += queried
+                        prefix.hit_tokens += hit
+                    emit(rid, "scheduled", ts, cached_tokens=hit)
+            self._steps += 1
+            if (self._steps - 1) % self.kv_every_steps == 0:
+                stats = hf_page_stats(cache, sched.active_requests)
+                self.last_stats = stats
+                self.emit_kv(ts, stats, bytes_per_page, dtype)
+                self.emit_prefix(ts)
+
+        def make_step(orig: Callable) -> Callable:
+            def _generation_step(model: Any) -> Any:
+                guarded(before_forward)()
+                return orig(model)
+
+            return _generation_step
+
+        self.patch(bp, "_generation_step", make_step)
+
+        def after_update(before: list[tuple[Any, int]]) -> None:
+            ts = clock()
+            for state, n0 in before:
+                rid = state.request_id
+                n1 = len(state.generated_tokens)
+                if n1 > n0:
+                    emit(rid, "token", ts, tokens=n1 - n0)
+                    self._emitted[rid] = self._emitted.get(rid, 0) + (n1 - n0)
+                status = state.status
+                if status == FINISHED and rid not in sched.active_requests:
+                    emit(rid, "finished", ts, tokens=self._emitted.pop(rid, 0))
+                    self._scheduled.discard(rid)
+                elif status == FAILED:
+                    emit(rid, "aborted", ts, tokens=self._emitted.pop(rid, 0))
+                    self._scheduled.discard(rid)
+
+        def make_update(orig: Callable) -> Callable:
+            def update_batch() -> Any:
+                before = [(s, len(s.generated_tokens)) for s in list(sched.active_requests.values())]
+                out = orig()
+                guarded(after_update)(before)
+                return out
+
+            return update_batch
+
+        self.patch(bp, "update_batch", make_update)
+
+        def make_cancel(orig: Callable) -> Callable:
+            def clear_cancelled_requests() -> list:
+                states = orig()
+                ts = clock()
+                for state in states:
+                    rid = state.request_id
+                    emit(rid, "aborted", ts, tokens=self._emitted.pop(rid, 0))
+                    self._scheduled.discard(rid)
+                return states
+
+            return clear_cancelled_requests
+
+        self.patch(sched, "clear_cancelled_requests", make_cancel)
+
+        offm = getattr(bp, "offloading_manager", None)
+        if offm is not None:
+
+            def after_offload(before: set[str]) -> None:
+                ts = clock()
+                for rid in before - set(sched.active_requests):
+                    state = sched.waiting_requests.get(rid)
+                    if state is None:
+                        continue
+                    emit(rid, "preempted", ts)
+                    self._scheduled.discard(rid)
+                    if not getattr(state, "is_cpu_offloaded", False):
+                        self._recompute.add(rid)  # soft reset: its KV is gone and will be recomputed
+
+            def make_offload(orig: Callable) -> Callable:
+                def offload_requests() -> bool:
+                    before = set(sched.active_requests)
+                    out = orig()
+                    guarded(after_offload)(before)
+                    return out
+
+                return offload_requests
+
+            self.patch(offm, "offload_requests", make_offload)

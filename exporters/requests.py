@@ -1,0 +1,174 @@
+"""Per-request latency bookkeeping shared by the exporters (bounded state).
+
+Exact definitions (DESIGN.md), all on the producer's monotonic clock:
+
+- queue   = scheduled - arrival
+- TTFT    = first token - arrival
+- prefill = first token - scheduled
+- decode  = last token - first token
+- TPOT    = decode / (output_tokens - 1), only when output_tokens > 1
+- ITL     = each gap between consecutive output tokens; a token event carrying
+            k tokens gives k samples of gap / k
+- E2E     = last token - arrival (the finish timestamp when no token came)
+
+State is kept only for requests in flight, at most `max_requests` of them, and
+a request not heard of for `max_age_s` (producer time) is dropped; both kinds of
+eviction are counted in `evicted_total`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple, Protocol
+
+from phasescope.agent.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
+                                     REQ_TOKEN, RequestEvent)
+
+from .sources import Source
+
+NS = 1e-9
+
+
+class RequestTiming(NamedTuple):
+    """One finished (or aborted) request; timestamps are producer-monotonic ns, None when unknown."""
+
+    source: Source
+    rank: int
+    request_id: str
+    arrival_ns: int | None
+    scheduled_ns: int | None
+    first_token_ns: int | None
+    last_token_ns: int | None
+    end_ns: int  # the finished/aborted event's timestamp
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    preemptions: int
+    aborted: bool
+
+    @property
+    def ttft_s(self) -> float | None:
+        return _span(self.arrival_ns, self.first_token_ns)
+
+    @property
+    def queue_s(self) -> float | None:
+        return _span(self.arrival_ns, self.scheduled_ns)
+
+    @property
+    def prefill_s(self) -> float | None:
+        return _span(self.scheduled_ns, self.first_token_ns)
+
+    @property
+    def decode_s(self) -> float | None:
+        return _span(self.first_token_ns, self.last_token_ns)
+
+    @property
+    def tpot_s(self) -> float | None:
+        d = self.decode_s
+        return d / (self.output_tokens - 1) if d is not None and self.output_tokens > 1 else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return _span(self.arrival_ns, self.last_token_ns if self.last_token_ns is not None else self.end_ns)
+
+
+def _span(a: int | None, b: int | None) -> float | None:
+    return (b - a) * NS if a is not None and b is not None else None
+
+
+class RequestListener(Protocol):
+    """What a tracker reports, as it happens."""
+
+    def first_token(self, source: Source, ttft_s: float) -> None: ...
+
+    def inter_token(self, source: Source, gap_s: float, count: int) -> None: ...
+
+    def finished(self, timing: RequestTiming) -> None: ...
+
+
+class _Req:
+    __slots__ = ("arrival", "scheduled", "first", "last", "prompt", "cached", "tokens", "preempt", "touched")
+
+    def __init__(self) -> None:
+        self.arrival: int | None = None
+        self.scheduled: int | None = None
+        self.first: int | None = None
+        self.last: int | None = None
+        self.prompt = 0
+        self.cached = 0
+        self.tokens = 0
+        self.preempt = 0
+        self.touched = 0
+
+
+class RequestTracker:
+    """Turns RequestEvents into latencies; calls `listener` as they become known."""
+
+    def __init__(self, listener: RequestListener, max_requests: int = 65_536, max_age_s: float = 3600.0) -> None:
+        if max_requests <= 0 or max_age_s <= 0:
+            raise ValueError("max_requests and max_age_s must be > 0")
+        self.listener = listener
+        self.max_requests = max_requests
+        self.max_age_ns = int(max_age_s * 1e9)
+        self._live: OrderedDict[tuple[int, str], _Req] = OrderedDict()  # least recently touched first
+        self._newest_ns = 0
+        self.evicted_total = 0
+        self.finished_total = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def on_event(self, source_id: int, source: Source, ev: RequestEvent) -> None:
+        key = (source_id, ev.request_id)
+        req = self._live.get(key)
+        if req is None:
+            req = self._live[key] = _Req()
+        else:
+            self._live.move_to_end(key)
+        ts = ev.ts_ns
+        req.touched = ts
+        kind = ev.event
+        if kind == REQ_TOKEN:
+            n = max(1, ev.tokens)
+            if req.first is None:
+                req.first = ts
+                if req.arrival is not None:
+                    self.listener.first_token(source, (ts - req.arrival) * NS)
+            elif req.last is not None:
+                self.listener.inter_token(source, (ts - req.last) * NS / n, n)
+            req.last = ts
+            req.tokens += n
+        elif kind == REQ_ARRIVAL:
+            req.arrival = ts
+            req.prompt = ev.tokens
+        elif kind == REQ_SCHEDULED:
+            if req.scheduled is None:
+                req.scheduled = ts
+            req.cached = max(req.cached, ev.cached_tokens)
+        elif kind == REQ_PREEMPTED:
+            req.preempt += 1
+        elif kind in (REQ_FINISHED, REQ_ABORTED):
+            del self._live[key]
+            self.finished_total += 1
+            self.listener.finished(RequestTiming(
+                source=source, rank=ev.rank, request_id=ev.request_id, arrival_ns=req.arrival,
+                scheduled_ns=req.scheduled, first_token_ns=req.first, last_token_ns=req.last, end_ns=ts,
+                prompt_tokens=req.prompt, cached_tokens=req.cached,
+                output_tokens=ev.tokens if ev.tokens > 0 else req.tokens, preemptions=req.preempt,
+                aborted=kind == REQ_ABORTED))
+        if ts > self._newest_ns:
+            self._newest_ns = ts
+        self._evict()
+
+    def _evict(self) -> None:
+        live = self._live
+        while len(live) > self.max_requests:
+            live.popitem(last=False)
+            self.evicted_total += 1
+        horizon = self._newest_ns - self.max_age_ns
+        while live:
+            oldest = next(iter(live.values()))
+            if oldest.touched >= horizon:
+                break
+            live.popitem(last=False)
+            self.evicted_total += 1
