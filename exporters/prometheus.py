@@ -1,0 +1,412 @@
+"""Prometheus exporter: a sidecar `RecordSink` that keeps metrics in an injected registry.
+
+Names follow the OpenTelemetry GenAI conventions mapped to Prometheus
+(`gen_ai.server.time_to_first_token` [s] -> `gen_ai_server_time_to_first_token_seconds`)
+and `phasescope_*` for what they lack. Labels are bounded: `model`, `rank`,
+`phase`, `gpu`, and small enums (`reason`, `token_type`, `kind`); never a request id.
+
+Latency histograms are observed on the ingest path (one `observe` per value).
+Everything that arrives as a snapshot or as a monotonic total (KV, prefix
+counters, probe health, GPU samples) is only remembered on the ingest path and
+turned into samples when Prometheus scrapes (`_SnapshotCollector`), so a
+`PrefixCounters` total becomes a true counter and PromQL
+`rate(phasescope_prefix_hit_tokens_total[5m]) / rate(phasescope_prefix_queried_tokens_total[5m])`
+is the hit rate. Snapshots of a source not heard of for `stale_after_s` are no
+longer exposed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from phasescope.agent import kvmath
+from phasescope.agent.events import (PHASES, GpuSample, Hello, KVSnapshot, PrefixCounters, ProbeHealth,
+                                     RequestEvent, Step)
+from phasescope.agent.sidecar import Batch, SidecarStats
+
+from . import buckets
+from .requests import RequestTiming, RequestTracker
+from .sources import Source, SourceTable
+
+log = logging.getLogger("phasescope.exporters.prometheus")
+
+DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
+
+
+class PrometheusExporter:
+    """Sidecar sink that maintains Prometheus metrics in `registry`."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        max_requests: int = 65_536,
+        request_max_age_s: float = 3600.0,
+        max_pending_steps: int = 4096,
+        stale_after_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if registry is None:
+            raise ValueError("pass a CollectorRegistry (the global one is never used implicitly)")
+        if max_pending_steps <= 0 or stale_after_s <= 0:
+            raise ValueError("max_pending_steps and stale_after_s must be > 0")
+        self.registry = registry
+        self.sources = SourceTable()
+        self.tracker = RequestTracker(self, max_requests=max_requests, max_age_s=request_max_age_s)
+        self._clock = clock
+        self.stale_after_s = stale_after_s
+        self.max_pending_steps = max_pending_steps
+        r = registry
+        # --- requests: OpenTelemetry GenAI names ---
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
+                              "Time to first token (arrival to first output token), s.",
+                              ["model"], buckets=buckets.TTFT_S, registry=r)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds",
+                              "Time per output token after the first, (last - first token) / (output tokens - 1), s.",
+                              ["model"], buckets=buckets.TPOT_S, registry=r)
+        self.e2e = Histogram("gen_ai_server_request_duration_seconds",
+                             "Request duration, arrival to last output token, s.",
+                             ["model"], buckets=buckets.REQUEST_DURATION_S, registry=r)
+        self.token_usage = Histogram("gen_ai_client_token_usage",
+                                     "Input (prompt) and output tokens per request, {token}.",
+                                     ["model", "token_type"], buckets=buckets.TOKEN_USAGE, registry=r)
+        # --- requests: what the conventions lack ---
+        self.itl = Histogram("phasescope_inter_token_latency_seconds",
+                             "Gap between consecutive output tokens (a chunk of k gives k samples of gap/k), s.",
+                             ["model"], buckets=buckets.ITL_S, registry=r)
+        self.queue = Histogram("phasescope_request_queue_time_seconds", "Arrival to scheduled, s.",
+                               ["model"], buckets=buckets.PHASE_TIME_S, registry=r)
+        self.prefill = Histogram("phasescope_request_prefill_time_seconds", "Scheduled to first token, s.",
+                                 ["model"], buckets=buckets.PHASE_TIME_S, registry=r)
+        self.decode = Histogram("phasescope_request_decode_time_seconds", "First to last token, s.",
+                                ["model"], buckets=buckets.PHASE_TIME_S, registry=r)
+        self.requests = Counter("phasescope_requests_finished", "Requests that ended, by reason (finished, aborted).",
+                                ["model", "reason"], registry=r)
+        self.preemptions = Counter("phasescope_request_preemptions", "Preemptions of requests that ended.",
+                                   ["model"], registry=r)
+        # --- engine steps ---
+        self.step_host = Histogram("phasescope_step_host_seconds", "Host wall time of one forward, by phase, s.",
+                                   ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
+        self.step_gpu = Histogram("phasescope_step_gpu_seconds",
+                                  "GPU time of one forward (CUDA events; sampled steps only), by phase, s.",
+                                  ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
+        self.step_tokens = Counter("phasescope_step_tokens",
+                                   "Tokens computed by forwards, kind=prefill (prompt) or decode (generated).",
+                                   ["model", "rank", "kind"], registry=r)
+        self.tp_skew = Histogram("phasescope_tp_step_skew_ratio",
+                                 "Tensor-parallel step skew, max_r(step time) / median_r(step time) - 1.",
+                                 ["model"], buckets=buckets.SKEW_RATIO, registry=r)
+        self.tp_slowest = Counter("phasescope_tp_slowest_rank_steps",
+                                  "Steps in which this rank was the slowest of its tensor-parallel group.",
+                                  ["model", "rank"], registry=r)
+        # latest snapshot per key, with the monotonic time it was received
+        self.kv: dict[tuple[str, int], tuple[float, KVSnapshot]] = {}
+        self.prefix: dict[tuple[str, int], tuple[float, PrefixCounters]] = {}
+        self.probe: dict[tuple[str, int], tuple[float, ProbeHealth]] = {}
+        self.gpu: dict[int, tuple[float, GpuSample]] = {}
+        self._pending_steps: OrderedDict[tuple[str, str, int], dict[int, tuple[float, float]]] = OrderedDict()
+        self.step_groups_evicted_total = 0
+        r.register(_SnapshotCollector(self))
+
+    # --- RecordSink ---------------------------------------------------------
+
+    def on_records(self, batch: Batch) -> None:
+        now = self._clock()
+        sources = self.sources
+        for source_id, records in batch:
+            src = sources.get(source_id)
+            for rec in records:
+                t = type(rec)
+                if t is Step:
+                    self._step(src, rec)
+                elif t is RequestEvent:
+                    self.tracker.on_event(source_id, src, rec)
+                elif t is KVSnapshot:
+                    self.kv[(src.model, rec.rank)] = (now, rec)
+                elif t is PrefixCounters:
+                    self.prefix[(src.model, rec.rank)] = (now, rec)
+                elif t is ProbeHealth:
+                    self.probe[(src.model, rec.rank)] = (now, rec)
+                elif t is GpuSample:
+                    self.gpu[rec.gpu_index] = (now, rec)
+                elif t is Hello:
+                    src = sources.hello(source_id, rec)
+
+    def close(self) -> None:
+        """Nothing to release: the registry and the HTTP server belong to the caller."""
+
+    # --- RequestListener ------------------------------------------------------
+
+    def first_token(self, source: Source, ttft_s: float) -> None:
+        self.ttft.labels(source.model).observe(ttft_s)
+
+    def inter_token(self, source: Source, gap_s: float, count: int) -> None:
+        child = self.itl.labels(source.model)
+        for _ in range(count):
+            child.observe(gap_s)
+
+    def finished(self, t: RequestTiming) -> None:
+        model = t.source.model
+        self.requests.labels(model, "aborted" if t.aborted else "finished").inc()
+        if t.preemptions:
+            self.preemptions.labels(model).inc(t.preemptions)
+        if t.aborted:
+            return  # latency histograms describe successful responses (OpenTelemetry's definition)
+        for hist, value in ((self.tpot, t.tpot_s), (self.e2e, t.e2e_s), (self.queue, t.queue_s),
+                            (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
+            if value is not None:
+                hist.labels(model).observe(value)
+        self.token_usage.labels(model, "input").observe(t.prompt_tokens)
+        self.token_usage.labels(model, "output").observe(t.output_tokens)
+
+    # --- steps ----------------------------------------------------------------
+
+    def _step(self, src: Source, s: Step) -> None:
+        phase = PHASES[s.phase] if s.phase < len(PHASES) else str(s.phase)
+        rank = str(s.rank)
+        self.step_host.labels(src.model, rank, phase).observe(s.host_ms * 1e-3)
+        if not math.isnan(s.gpu_ms):
+            self.step_gpu.labels(src.model, rank, phase).observe(s.gpu_ms * 1e-3)
+        if s.prefill_tokens:
+            self.step_tokens.labels(src.model, rank, "prefill").inc(s.prefill_tokens)
+        if s.decode_tokens:
+            self.step_tokens.labels(src.model, rank, "decode").inc(s.decode_tokens)
+        if src.world_size > 1:
+            self._tp_step(src, s)
+
+    def _tp_step(self, src: Source, s: Step) -> None:
+        """Match the same step id across the ranks of one run; score skew and the slowest rank."""
+        key = (src.run_id, src.model, s.step_id)
+        group = self._pending_steps.get(key)
+        if group is None:
+            group = self._pending_steps[key] = {}
+            while len(self._pending_steps) > self.max_pending_steps:
+                self._pending_steps.popitem(last=False)
+                self.step_groups_evicted_total += 1
+        group[s.rank] = (s.gpu_ms, s.host_ms)
+        if len(group) < src.world_size:
+            return
+        del self._pending_steps[key]
+        use_gpu = all(not math.isnan(g) for g, _ in group.values())
+        times = {r: (g if use_gpu else h) for r, (g, h) in group.items()}
+        median = statistics.median(times.values())
+        if median <= 0:
+            return
+        slowest = max(times, key=times.__getitem__)
+        self.tp_skew.labels(src.model).observe(times[slowest] / median - 1.0)
+        self.tp_slowest.labels(src.model, str(slowest)).inc()
+
+
+class _SnapshotCollector(Collector):
+    """Samples made at scrape time from the latest snapshots and monotonic totals."""
+
+    def __init__(self, exp: PrometheusExporter) -> None:
+        self.exp = exp
+
+    def _fresh(self, table: dict) -> list:
+        horizon = self.exp._clock() - self.exp.stale_after_s
+        return [(k, rec) for k, (t, rec) in list(table.items()) if t >= horizon]
+
+    def collect(self) -> Iterator[Metric]:
+        exp = self.exp
+        yield from self._kv(self._fresh(exp.kv))
+        yield from self._prefix(self._fresh(exp.prefix))
+        yield from self._probe(self._fresh(exp.probe))
+        yield from self._gpu(self._fresh(exp.gpu))
+        ev = CounterMetricFamily("phasescope_exporter_request_evictions",
+                                 "In-flight requests dropped from the exporter's bounded state (never finished).")
+        ev.add_metric([], exp.tracker.evicted_total)
+        yield ev
+        live = GaugeMetricFamily("phasescope_exporter_requests_in_flight", "Requests the exporter is tracking.")
+        live.add_metric([], len(exp.tracker))
+        yield live
+        se = CounterMetricFamily("phasescope_exporter_step_group_evictions",
+                                 "Tensor-parallel step groups dropped before every rank reported.")
+        se.add_metric([], exp.step_groups_evicted_total)
+        yield se
+
+    @staticmethod
+    def _kv(rows: list) -> Iterator[Metric]:
+        labels = ["model", "rank"]
+        g = {name: GaugeMetricFamily(name, doc, labels=labels) for name, doc in (
+            ("phasescope_kv_block_usage_ratio", "Used pages / total pages (what vLLM reports as KV cache usage)."),
+            ("phasescope_kv_token_usage_ratio", "Live tokens / (total pages * page size)."),
+            ("phasescope_kv_internal_fragmentation_ratio",
+             "1 - live tokens / (used pages * page size): slack inside allocated pages."),
+            ("phasescope_kv_external_fragmentation_ratio",
+             "1 - largest free run / free pages: free pages that are scattered."),
+            ("phasescope_kv_live_tokens", "Tokens held in used pages."),
+            ("phasescope_kv_sequences", "Sequences holding pages."),
+            ("phasescope_kv_bytes", "Bytes of KV held by used pages."),
+        )}
+        g["phasescope_kv_pages"] = GaugeMetricFamily("phasescope_kv_pages",
+                                                     "Pages by state (total, used, free, cached, shared).",
+                                                     labels=["model", "rank", "state"])
+        alloc = CounterMetricFamily("phasescope_kv_pages_allocated", "Pages allocated.", labels=labels)
+        freed = CounterMetricFamily("phasescope_kv_pages_freed", "Pages freed.", labels=labels)
+        imb = GaugeMetricFamily("phasescope_kv_imbalance_ratio",
+                                "max_r(kv bytes) / mean_r(kv bytes) - 1 over the ranks of a model.", labels=["model"])
+        by_model: dict[str, list[int]] = {}
+        for (model, rank), s in rows:
+            lv = [model, str(rank)]
+            P = s.page_size_tokens
+            g["phasescope_kv_block_usage_ratio"].add_metric(lv, kvmath.block_usage(s.used_pages, s.total_pages))
+            g["phasescope_kv_token_usage_ratio"].add_metric(lv, kvmath.token_usage(s.live_tokens, s.total_pages, P))
+            g["phasescope_kv_internal_fragmentation_ratio"].add_metric(
+                lv, kvmath.internal_fragmentation(s.live_tokens, s.used_pages, P))
+            g["phasescope_kv_external_fragmentation_ratio"].add_metric(
+                lv, kvmath.external_fragmentation(s.largest_free_run, s.free_pages))
+            for state, n in (("total", s.total_pages), ("used", s.used_pages), ("free", s.free_pages),
+                             ("cached", s.cached_pages), ("shared", s.shared_pages)):
+                g["phasescope_kv_pages"].add_metric(lv + [state], n)
+            g["phasescope_kv_live_tokens"].add_metric(lv, s.live_tokens)
+            g["phasescope_kv_sequences"].add_metric(lv, s.num_seqs)
+            g["phasescope_kv_bytes"].add_metric(lv, s.kv_bytes)
+            alloc.add_metric(lv, s.pages_allocated_total)
+            freed.add_metric(lv, s.pages_freed_total)
+            by_model.setdefault(model, []).append(s.kv_bytes)
+        for model, kv_bytes in by_model.items():
+            imb.add_metric([model], kvmath.kv_imbalance(kv_bytes))
+        yield from g.values()
+        yield alloc
+        yield freed
+        yield imb
+
+    @staticmethod
+    def _prefix(rows: list) -> Iterator[Metric]:
+        labels = ["model", "rank"]
+        fams = [
+            (CounterMetricFamily("phasescope_prefix_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+                                 labels=labels), "queried_tokens_total"),
+            (CounterMetricFamily("phasescope_prefix_hit_tokens", "Prompt tokens served from the prefix cache.",
+                                 labels=labels), "hit_tokens_total"),
+            (CounterMetricFamily("phasescope_prefix_recomputed_tokens",
+                                 "Tokens recomputed after preemption (never counted as hits).", labels=labels),
+             "recomputed_tokens_total"),
+            (CounterMetricFamily("phasescope_prefix_evicted_blocks", "Prefix-cache blocks evicted.", labels=labels),
+             "evicted_blocks_total"),
+        ]
+        for (model, rank), rec in rows:
+            for fam, field in fams:
+                fam.add_metric([model, str(rank)], getattr(rec, field))
+        for fam, _ in fams:
+            yield fam
+
+    @staticmethod
+    def _probe(rows: list) -> Iterator[Metric]:
+        labels = ["model", "rank"]
+        fams = [
+            (CounterMetricFamily("phasescope_probe_records", "Records the probe produced.", labels=labels),
+             "records_total"),
+            (CounterMetricFamily("phasescope_probe_dropped_records", "Records the probe dropped (ring full).",
+                                 labels=labels), "dropped_total"),
+            (CounterMetricFamily("phasescope_probe_errors", "Errors caught in probe hooks.", labels=labels),
+             "errors_total"),
+            (CounterMetricFamily("phasescope_probe_frames_sent", "Frames sent to the sidecar.", labels=labels),
+             "frames_sent_total"),
+            (CounterMetricFamily("phasescope_probe_send_failures", "Frames that could not be sent.", labels=labels),
+             "send_failures_total"),
+            (CounterMetricFamily("phasescope_probe_gpu_unsampled_steps", "Steps without a GPU time.",
+                                 labels=labels), "gpu_unsampled_total"),
+        ]
+        for (model, rank), rec in rows:
+            for fam, field in fams:
+                fam.add_metric([model, str(rank)], getattr(rec, field))
+        for fam, _ in fams:
+            yield fam
+
+    @staticmethod
+    def _gpu(rows: list) -> Iterator[Metric]:
+        labels = ["gpu"]
+        util = GaugeMetricFamily("phasescope_gpu_utilization_ratio", "GPU busy fraction (NVML utilization / 100).",
+                                 labels=labels)
+        used = GaugeMetricFamily("phasescope_gpu_memory_used_bytes", "GPU memory used.", labels=labels)
+        total = GaugeMetricFamily("phasescope_gpu_memory_total_bytes", "GPU memory total.", labels=labels)
+        power = GaugeMetricFamily("phasescope_gpu_power_watts", "GPU power draw.", labels=labels)
+        temp = GaugeMetricFamily("phasescope_gpu_temperature_celsius", "GPU temperature.", labels=labels)
+        clock = GaugeMetricFamily("phasescope_gpu_sm_clock_hertz", "GPU SM clock.", labels=labels)
+        xid = CounterMetricFamily("phasescope_gpu_xid_errors", "XID / uncorrected ECC errors seen.", labels=labels)
+        for idx, s in rows:
+            lv = [str(idx)]
+            util.add_metric(lv, s.util_pct / 100.0)
+            used.add_metric(lv, s.mem_used_bytes)
+            total.add_metric(lv, s.mem_total_bytes)
+            power.add_metric(lv, s.power_w)
+            temp.add_metric(lv, s.temp_c)
+            clock.add_metric(lv, s.sm_clock_mhz * 1e6)
+            xid.add_metric(lv, s.xid_errors_total)
+        yield from (util, used, total, power, temp, clock, xid)
+
+
+class SidecarStatsCollector(Collector):
+    """The sidecar's own counters (ingest, bad frames, drops, sink and collector errors)."""
+
+    def __init__(self, stats: SidecarStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.stats
+        for name, doc, value in (
+            ("phasescope_sidecar_connections", "Probe connections accepted.", st.connections_total),
+            ("phasescope_sidecar_frames", "Frames received.", st.frames_total),
+            ("phasescope_sidecar_records", "Records received.", st.records_total),
+            ("phasescope_sidecar_bad_frames", "Frames rejected (their connection closed).", st.bad_frames_total),
+            ("phasescope_sidecar_dropped_records", "Records dropped because the ingest queue was full.",
+             st.records_dropped_total),
+            ("phasescope_sidecar_rows_written", "Rows written to the store.", st.rows_written_total),
+            ("phasescope_sidecar_sink_errors", "Exporter (sink) failures.", st.sink_errors_total),
+            ("phasescope_sidecar_collector_errors", "Collector (NVML, ...) failures.", st.collector_errors_total),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        g = GaugeMetricFamily("phasescope_sidecar_open_connections", "Probe connections open now.")
+        g.add_metric([], st.open_connections)
+        yield g
+
+
+def parse_host_port(addr: str) -> tuple[str, int]:
+    """'127.0.0.1:9464' -> ('127.0.0.1', 9464); '[::1]:9464' too. Raises ValueError."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"bad address {addr!r}; expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class MetricsServer:
+    """`/metrics` over HTTP for one registry, on 127.0.0.1 by default (port 0 picks a free one)."""
+
+    def __init__(self, registry: CollectorRegistry, addr: str = DEFAULT_METRICS_ADDR) -> None:
+        self.registry = registry
+        self.host, self.port = parse_host_port(addr)
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("metrics endpoint on non-loopback %s: anyone who reaches it can read it", addr)
+        self._server = None
+        self._thread = None
+
+    def start(self) -> "MetricsServer":
+        self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        self.port = self._server.server_port
+        return self
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None

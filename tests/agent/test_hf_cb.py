@@ -1,0 +1,209 @@
+"""HF continuous batching on a real random-weight Llama (CPU): lifecycle, paged KV, prefix cache.
+
+The KV figures are checked against an oracle written here, independently of
+phasescope.agent.kvmath, from the cache's own block table, ledger and pool at the
+same instant (a forward pre-hook of the test's own, which runs right after the
+adapter's snapshot and before any cache change).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+from phasescope.agent import attach  # noqa: E402
+from phasescope.agent import kvmath  # noqa: E402
+from phasescope.agent.adapters.hf_cb import HFContinuousBatching  # noqa: E402
+from phasescope.agent.events import REQUEST_EVENTS, KVSnapshot, PrefixCounters, RequestEvent, Step  # noqa: E402
+
+PAGE = 32
+SYSTEM = list(range(2, 2 + 2 * PAGE))  # a 2-page shared prefix
+
+
+def _oracle(manager) -> dict:
+    """Page accounting straight from the runtime's structures (no phasescope code)."""
+    bp = manager.batch_processor
+    cache, active = bp.cache, bp.scheduler.active_requests
+    alloc = cache.cache_allocators["full_attention"]
+    refs = Counter(b for table in alloc.block_table.values() for b in table)
+    shared_extra = sum(r - 1 for r in refs.values())  # shared pages are full pages
+    live = sum(active[rid].position_offset for rid in alloc.block_table if rid in active) - shared_extra * PAGE
+    pool = cache.pool
+    free = set(b for tree in pool._free_blocks[alloc.index].trees.values() for b in tree)
+    bps = alloc.blocks_per_sector
+    for s in pool.free_sectors:
+        free.update(range(s * bps, (s + 1) * bps))
+    best = 0
+    for b in free:  # a run starts where b-1 is not free
+        if b - 1 not in free:
+            n = 1
+            while b + n in free:
+                n += 1
+            best = max(best, n)
+    return dict(total=alloc.num_blocks, used=len(refs), free=len(free), cached=len(alloc.ledger.cached_blocks),
+                live=live, run=best, shared=sum(1 for r in refs.values() if r > 1))
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0, eos_token_id=None)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _run(model, prompts, max_new_tokens, num_blocks, *, probe=True, oracle=None, gap_s=0.0, wait_first=False):
+    """Serve `prompts` through a manager; returns (records, outputs, oracle snapshots)."""
+    records: list = []
+    p = attach(model, sink=records.extend, runtime="hf-cb") if probe else None
+    adapter = HFContinuousBatching(p).instrument_model(model) if probe else None
+    snaps: list = []
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=PAGE, max_batch_tokens=256)
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    hook = model.register_forward_pre_hook(lambda m, a: snaps.append(_oracle(manager))) if oracle else None
+    manager.start()
+    outputs = {}
+    try:
+        rids = []
+        for i, prompt in enumerate(prompts):
+            rids.append(manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=max_new_tokens))
+            if wait_first and i == 0:
+                r = manager.get_result(request_id="r0", timeout=60)
+                while r is not None and not r.is_finished():
+                    r = manager.get_result(request_id="r0", timeout=60)
+                outputs["r0"] = r
+            time.sleep(gap_s)
+        deadline = time.monotonic() + 120
+        while len(outputs) < len(prompts) and time.monotonic() < deadline:
+            r = manager.get_result(timeout=5)
+            if r is not None and r.is_finished():
+                outputs[r.request_id] = r
+    finally:
+        manager.stop(block=True, timeout=30)
+        if hook:
+            hook.remove()
+        if adapter:
+            adapter.detach()
+        if p:
+            p.close()
+    return records, outputs, snaps
+
+
+@pytest.mark.slow
+def test_kv_figures_equal_the_cache_ledger_under_preemption_and_sharing():
+    model = _model()
+    prompts = [SYSTEM + [100 + i] * (10 + 9 * i) for i in range(5)]
+    # 10 pages of 32 tokens cannot hold 5 requests growing by 60 tokens: preemption and eviction
+    records, outputs, snaps = _run(model, prompts, max_new_tokens=60, num_blocks=10, oracle=True)
+    assert len(outputs) == 5 and all(len(o.generated_tokens) == 60 for o in outputs.values())
+    kv = [r for r in records if type(r) is KVSnapshot]
+    steps = [r for r in records if type(r) is Step]
+    assert len(kv) == len(snaps) == len(steps) > 60  # one snapshot per forward
+    for got, want in zip(kv, snaps):
+        assert (got.total_pages, got.used_pages, got.free_pages, got.cached_pages, got.live_tokens,
+                got.largest_free_run, got.shared_pages) == (
+            want["total"], want["used"], want["free"], want["cached"], want["live"], want["run"], want["shared"])
+        assert got.used_pages + got.free_pages + got.cached_pages == got.total_pages
+        # derived figures, exactly as DESIGN.md defines them
+        assert kvmath.block_usage(got.used_pages, got.total_pages) == want["used"] / want["total"]
+        if want["used"]:
+            assert kvmath.internal_fragmentation(got.live_tokens, got.used_pages, PAGE) == \
+                1 - want["live"] / (want["used"] * PAGE)
+        if want["free"]:
+            assert kvmath.external_fragmentation(got.largest_free_run, got.free_pages) == \
+                1 - want["run"] / want["free"]
+    assert max(k.used_pages for k in kv) == 10  # the cache filled up
+    events = Counter(REQUEST_EVENTS[r.event] for r in records if type(r) is RequestEvent)
+    assert events["preempted"] > 0 and events["finished"] == 5 and events["arrival"] == 5
+    assert events["token"] == 5 * 60
+    prefix = [r for r in records if type(r) is PrefixCounters][-1]
+    assert prefix.recomputed_tokens_total > 0 and prefix.evicted_blocks_total > 0
+    assert kv[-1].pages_allocated_total > 0 and kv[-1].pages_freed_total > 0
+
+    # the probe does not change what is generated
+    _, plain, _ = _run(model, prompts, max_new_tokens=60, num_blocks=10, probe=False)
+    assert {k: v.generated_tokens for k, v in plain.items()} == {k: v.generated_tokens for k, v in outputs.items()}
+
+
+@pytest.mark.slow
+def test_shared_two_page_prefix_gives_the_expected_hits():
+    model = _model()
+    prompts = [SYSTEM + [300 + i, 301 + i, 302 + i] for i in range(4)]
+    records, outputs, _ = _run(model, prompts, max_new_tokens=4, num_blocks=32, wait_first=True)
+    assert len(outputs) == 4
+    sched = {r.request_id: r.cached_tokens for r in records
+             if type(r) is RequestEvent and REQUEST_EVENTS[r.event] == "scheduled"}
+    assert sched == {"r0": 0, "r1": 2 * PAGE, "r2": 2 * PAGE, "r3": 2 * PAGE}
+    prefix = [r for r in records if type(r) is PrefixCounters][-1]
+    assert prefix.queried_tokens_total == sum(len(p) for p in prompts)
+    assert prefix.hit_tokens_total == 3 * 2 * PAGE
+    assert prefix.recomputed_tokens_total == 0
+    # the first step after r1..r3 are admitted shows the prefix pages shared by all four
+    assert max(r.shared_pages for r in records if type(r) is KVSnapshot) == 2
+
+
+@pytest.mark.slow
+def test_ttft_and_tpot_agree_with_the_callers_clock_within_1ms():
+    model = _model()
+    records: list = []
+    p = attach(model, sink=records.extend, runtime="hf-cb")
+    adapter = HFContinuousBatching(p).instrument_model(model)
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(num_blocks=64, page_size=PAGE, max_batch_tokens=256)
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    received: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    sent: dict[str, int] = {}
+    old_switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # let the receiving thread run as soon as an output is delivered
+
+    def consume(n):
+        done = 0
+        while done < n:
+            r = manager.get_result(timeout=30)
+            if r is None:
+                return
+            received[r.request_id].append((time.monotonic_ns(), len(r.generated_tokens)))
+            done += r.is_finished()
+
+    prompts = [SYSTEM[: 20 + 10 * i] for i in range(4)]
+    consumer = threading.Thread(target=consume, args=(len(prompts),))
+    manager.start()
+    consumer.start()
+    try:
+        for i, prompt in enumerate(prompts):
+            sent[f"q{i}"] = time.monotonic_ns()
+            manager.add_request(prompt, request_id=f"q{i}", max_new_tokens=12, streaming=True)
+            time.sleep(0.03)
+        consumer.join(60)
+    finally:
+        sys.setswitchinterval(old_switch)
+        manager.stop(block=True, timeout=30)
+        adapter.detach()
+        p.close()
+    ev = defaultdict(list)
+    for r in records:
+        if type(r) is RequestEvent:
+            ev[r.request_id].append(r)
+    for rid, t_sent in sent.items():
+        got = received[rid]
+        assert got[-1][1] == 12
+        mine = ev[rid]
+        arrival = next(r.ts_ns for r in mine if REQUEST_EVENTS[r.event] == "arrival")
+        tokens = [r.ts_ns for r in mine if REQUEST_EVENTS[r.event] == "token"]
+        assert len(tokens) == 12
+        ttft_probe, ttft_caller = tokens[0] - arrival, got[0][0] - t_sent
+        tpot_probe = (tokens[-1] - tokens[0]) / 11
+        tpot_caller = (got[-1][0] - got[0][0]) / 11
+        assert abs(ttft_probe - ttft_caller) < 1e6, (rid, ttft_probe, ttft_caller)
+        assert abs(tpot_probe - tpot_caller) < 1e6, (rid, tpot_probe, tpot_caller)
