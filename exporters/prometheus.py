@@ -201,8 +201,10 @@ class PrometheusExporter:
         if median <= 0:
             return
         slowest = max(times, key=times.__getitem__)
-        self.tp_skew.labels(src.model).observe(times[slowest] / median - 1.0)
-        self.tp_slowest.labels(src.model, str(slowest)).inc()
+        skew = times[slowest] / median - 1.0
+        self.tp_skew.labels(src.model).observe(skew)
+        if skew > 0:  # all equal: nobody is slowest
+            self.tp_slowest.labels(src.model, str(slowest)).inc()
 
 
 class _SnapshotCollector(Collector):

@@ -1,0 +1,88 @@
+"""A crafted workload with exact expected values, shared by the exporter tests.
+
+Times are ms after T0 on the producer's monotonic clock; the sources' Hello maps
+T0 to WALL0 ns since the epoch.
+
+Requests (rank 0 of model "tiny-llama"):
+  r1  arrival 0, scheduled 10, tokens at 110, 160, 210            -> TTFT .11, TPOT .05,  E2E .21
+  r2  arrival 0, scheduled 20, tokens at 320 (1) and 370 (2 more) -> TTFT .32, TPOT .025, E2E .37
+  r3  arrival 100, scheduled 100, one token at 3100               -> TTFT 3.0, no TPOT,   E2E 3.0
+  r4  arrival 200, scheduled 250, token at 300, aborted at 400    -> TTFT .10 (Prometheus only)
+  r5  arrival 500, never ends                                      -> in flight
+Steps (TP=2, step ids 1..3): skews .2 (rank 1 slowest), 0, .2 (rank 1 slowest, host times).
+KV: rank 0 usage .5, token usage .375, internal .25, external .6; kv bytes 1000 / 3000 -> imbalance .5.
+Prefix counters of rank 0: queried 2000, hit 1500 (latest).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from phasescope.agent.events import (PHASE_DECODE, PHASE_PREFILL, REQUEST_EVENTS, GpuSample, Hello, KVSnapshot,
+                                     PrefixCounters, ProbeHealth, RequestEvent, Step)
+
+MODEL = "tiny-llama"
+T0 = 1_000_000_000_000
+WALL0 = 1_700_000_000_000_000_000
+NAN = float("nan")
+
+
+def ms(x: float) -> int:
+    return T0 + int(round(x * 1_000_000))
+
+
+def ev(rid: str, kind: str, t_ms: float, tokens: int = 0, cached: int = 0, rank: int = 0) -> RequestEvent:
+    return RequestEvent(ms(t_ms), rank, REQUEST_EVENTS.index(kind), rid, tokens, cached)
+
+
+def hello(rank: int, world_size: int = 2) -> Hello:
+    return Hello(ts_ns=T0, wall_minus_mono_ns=WALL0 - T0, pid=100 + rank, rank=rank, world_size=world_size,
+                 run_id="run1", model=MODEL, runtime="hf-generate")
+
+
+def request_events() -> list[RequestEvent]:
+    return [
+        ev("r1", "arrival", 0, tokens=100), ev("r1", "scheduled", 10, cached=64),
+        ev("r1", "token", 110, 1), ev("r1", "token", 160, 1), ev("r1", "token", 210, 1),
+        ev("r1", "finished", 210, tokens=3),
+        ev("r2", "arrival", 0, tokens=50), ev("r2", "scheduled", 20),
+        ev("r2", "token", 320, 1), ev("r2", "token", 370, 2), ev("r2", "finished", 370, tokens=3),
+        ev("r3", "arrival", 100, tokens=7), ev("r3", "scheduled", 100),
+        ev("r3", "token", 3100, 1), ev("r3", "finished", 3100, tokens=1),
+        ev("r4", "arrival", 200, tokens=9), ev("r4", "scheduled", 250), ev("r4", "token", 300, 1),
+        ev("r4", "aborted", 400, tokens=1),
+        ev("r5", "arrival", 500, tokens=5),
+    ]
+
+
+def steps(rank: int) -> list[Step]:
+    gpu = {0: (18.0, 5.0, 4.0), 1: (27.0, 5.0, NAN)}[rank]
+    host = {0: (20.0, 6.0, 6.0), 1: (20.0, 6.0, 9.0)}[rank]
+    phases = (PHASE_PREFILL, PHASE_DECODE, PHASE_DECODE)
+    return [Step(ms(1000 + i), i + 1, rank, phases[i], 2, 64 if i == 0 else 0, 0 if i == 0 else 2, 64 + i,
+                 host[i], gpu[i]) for i in range(3)]
+
+
+def kv(rank: int, kv_bytes: int) -> KVSnapshot:
+    return KVSnapshot(ts_ns=ms(2000), rank=rank, page_size_tokens=16, total_pages=100, used_pages=50,
+                      free_pages=50, cached_pages=5, shared_pages=2, shared_refs=4, num_seqs=4, live_tokens=600,
+                      largest_free_run=20, pages_allocated_total=70, pages_freed_total=20, kv_bytes=kv_bytes,
+                      kv_dtype="bfloat16")
+
+
+def crafted_batch() -> list[tuple[int, list]]:
+    """The whole workload as the sidecar would hand it to a sink (sources 1 and 2, and 0 for NVML)."""
+    return [
+        (1, [hello(0)] + request_events()[:11]),
+        (2, [hello(1)] + steps(1)),
+        (1, steps(0) + request_events()[11:] + [kv(0, 1000),
+             PrefixCounters(ms(2000), 0, 1000, 500, 0, 0), PrefixCounters(ms(2500), 0, 2000, 1500, 16, 3),
+             ProbeHealth(ms(2500), 0, 100, 500, 2, 1, 40, 0, 3)]),
+        (2, [kv(1, 3000)]),
+        (0, [GpuSample(ms(2600), 0, 87.5, 70 << 30, 80 << 30, 350.0, 61.0, 1980.0, 0)]),
+    ]
+
+
+@pytest.fixture
+def batch():
+    return crafted_batch()
