@@ -13,7 +13,7 @@ Metrics (histograms with the boundaries the GenAI conventions recommend):
 `gen_ai.server.request.duration` [s], `gen_ai.client.token.usage` [{token}],
 plus `phasescope.step.duration` [s] by phase. Attributes: `gen_ai.operation.name`,
 `gen_ai.provider.name` (the runtime), `gen_ai.request.model`, `gen_ai.token.type`,
-`error.type` for aborted requests.
+`error.type`="aborted" on the request duration (until the abort) of aborted requests.
 
 Traces: one SERVER span per request (arrival to last token) with `prefill`
 (scheduled, or arrival, to first token) and `decode` (first to last token)
@@ -274,8 +274,9 @@ class OtlpExporter:
         attrs = self._base_attrs(t.source)
         h = self._hist
         if t.aborted:
-            if t.e2e_s is not None:
-                h["gen_ai.server.request.duration"].record(t.e2e_s, {**attrs, "error.type": "aborted"})
+            if t.arrival_ns is not None:  # until the abort
+                h["gen_ai.server.request.duration"].record((t.end_ns - t.arrival_ns) * 1e-9,
+                                                           {**attrs, "error.type": "aborted"})
         else:
             for name, value in (("gen_ai.server.time_to_first_token", t.ttft_s),
                                 ("gen_ai.server.time_per_output_token", t.tpot_s),
@@ -289,8 +290,7 @@ class OtlpExporter:
     def _span(self, t: RequestTiming, attrs: dict[str, str]) -> None:
         off = t.source.wall_minus_mono_ns or self._local_offset_ns
         start = next(x for x in (t.arrival_ns, t.scheduled_ns, t.first_token_ns, t.end_ns) if x is not None)
-        end = t.last_token_ns if t.last_token_ns is not None else t.end_ns
-        end = max(end, start)
+        end = max(t.end_ns, t.last_token_ns or start, start)  # the request ends when it finishes or is aborted
         span_attrs: dict[str, object] = {
             **attrs, "gen_ai.response.model": t.source.model, "gen_ai.response.id": t.request_id,
             "gen_ai.usage.input_tokens": t.prompt_tokens, "gen_ai.usage.output_tokens": t.output_tokens,

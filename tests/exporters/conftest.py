@@ -86,3 +86,94 @@ def crafted_batch() -> list[tuple[int, list]]:
 @pytest.fixture
 def batch():
     return crafted_batch()
+
+
+def send_workload(socket_path: str) -> None:
+    """Send the crafted workload to a sidecar over its Unix socket, as two probes (ranks 0 and 1) would."""
+    import socket
+
+    from phasescope.agent.events import encode_frame
+
+    by_source: dict[int, list] = {}
+    for sid, recs in crafted_batch():
+        if sid:
+            by_source.setdefault(sid, []).extend(recs)
+    for recs in by_source.values():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(socket_path)
+        s.sendall(encode_frame(recs))
+        s.close()
+
+
+class OtlpReceiver:
+    """A tiny OTLP/HTTP receiver: decodes POST /v1/metrics and /v1/traces with the real protobuf messages."""
+
+    def __init__(self) -> None:
+        import gzip
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.metrics: list = []
+        self.traces: list = []
+        self.content_types: set[str] = set()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                receiver.content_types.add(self.headers.get("Content-Type", ""))
+                if self.path == "/v1/metrics":
+                    msg = ExportMetricsServiceRequest()
+                    msg.ParseFromString(body)
+                    receiver.metrics.append(msg)
+                elif self.path == "/v1/traces":
+                    msg = ExportTraceServiceRequest()
+                    msg.ParseFromString(body)
+                    receiver.traces.append(msg)
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def spans(self) -> list:
+        return [s for req in self.traces for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+    def last_metrics(self) -> dict:
+        """name -> Metric from the latest export that held it (cumulative temporality)."""
+        out = {}
+        for req in self.metrics:
+            for rm in req.resource_metrics:
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        out[m.name] = m
+        return out
+
+
+@pytest.fixture
+def otlp_receiver():
+    r = OtlpReceiver()
+    yield r
+    r.close()
