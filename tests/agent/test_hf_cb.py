@@ -164,8 +164,9 @@ def test_ttft_and_tpot_agree_with_the_callers_clock_within_1ms():
     manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
     received: dict[str, list[tuple[int, int]]] = defaultdict(list)
     sent: dict[str, int] = {}
-    old_switch = sys.getswitchinterval()
+    old_switch, old_threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(1e-4)  # let the receiving thread run as soon as an output is delivered
+    torch.set_num_threads(1)  # and leave it a core: spinning intra-op threads would starve it on 2 cores
 
     def consume(n):
         done = 0
@@ -188,6 +189,7 @@ def test_ttft_and_tpot_agree_with_the_callers_clock_within_1ms():
         consumer.join(60)
     finally:
         sys.setswitchinterval(old_switch)
+        torch.set_num_threads(old_threads)
         manager.stop(block=True, timeout=30)
         adapter.detach()
         p.close()
