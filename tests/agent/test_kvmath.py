@@ -69,3 +69,23 @@ def test_rates_hit_rate_imbalance_and_what_if():
     # 8-token pages in 3+5+1 = 9 pages (72 slots)
     assert k.predicted_waste([17, 33, 1], 16) == pytest.approx(1 - 51 / 96)
     assert k.predicted_waste([17, 33, 1], 8) == pytest.approx(1 - 51 / 72)
+
+
+def test_fast_accounting_equals_the_reference_when_shared_pages_are_full():
+    tables = {"a": [0, 1, 2], "b": [0, 1, 3], "c": [0, 1], "d": [7]}
+    tokens = {"a": 40, "b": 33, "c": 32, "d": 3}
+    free = [4, 5, 8, 9, 10]
+    ref = k.page_stats(16, 12, tables, tokens, free_pages=free, cached_pages=[6])
+    fast = k.page_stats_fast(16, 12, [(len(t), tokens[r]) for r, t in tables.items()], {0: 3, 1: 3},
+                             free_pages=len(free), cached_pages=1, largest_free_run=k.largest_run(free))
+    assert fast == ref
+    assert (fast.used_pages, fast.live_tokens, fast.shared_pages, fast.shared_refs) == (5, 32 + 8 + 1 + 3, 2, 6)
+
+
+def test_numpy_and_python_largest_run_agree():
+    import random
+
+    rng = random.Random(1)
+    for n in (0, 1, 5, 500):
+        ids = rng.sample(range(2 * n + 1), n)
+        assert k.largest_run(ids) == k._largest_run_py(ids)
