@@ -33,7 +33,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(requests=args.requests, seed=args.seed, device=args.device)
+    cfg = DemoConfig(requests=args.requests, seed=args.seed, device=args.device, runtime=args.runtime)
     summary = run_demo(args.db, cfg, quiet=args.json)
     if args.json:
         print(json.dumps(summary, default=str, indent=2))
@@ -41,7 +41,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
-    from .queries import latest_run, phase_summary, probe_health, request_summary
+    from .queries import kv_summary, latest_run, phase_summary, prefix_summary, probe_health, request_summary
     from .store import Store
     from .summary import print_summary
 
@@ -52,7 +52,8 @@ def _cmd_summary(args: argparse.Namespace) -> int:
             print(f"{args.db}: no runs yet", file=sys.stderr)
             return 1
         summary = {"db": args.db, "run_id": run_id, "phases": phase_summary(con, run_id),
-                   "requests": request_summary(con, run_id), "probe": probe_health(con, run_id)}
+                   "requests": request_summary(con, run_id), "kv": kv_summary(con, run_id),
+                   "prefix": prefix_summary(con, run_id), "probe": probe_health(con, run_id)}
     finally:
         con.close()
     if args.json:
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=48, help="number of requests (default: %(default)s)")
     d.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    d.add_argument("--runtime", choices=("cb", "generate"), default="cb",
+                   help="cb: HF continuous batching with a paged KV cache (default); generate: static batches")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.set_defaults(func=_cmd_demo)
 

@@ -6,8 +6,11 @@ through it with the probe attached and an in-process sidecar writing a DuckDB
 file, and prints a per-phase summary.
 
 The workload: requests arrive over time (Poisson), share a system prompt, carry
-short or long user prompts and want short or long outputs. The demo server
-batches waiting requests (static batching through HF `generate`, left padding).
+short or long user prompts and want short or long outputs. By default they are
+served by HF continuous batching (`init_continuous_batching`: a paged KV cache with
+prefix sharing, chunked prefill under a token budget, preemption when the cache
+is full); `runtime="generate"` serves them with static batches through
+`generate` instead (left padding).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class DemoConfig:
     long_output: tuple[int, int] = (48, 96)
     long_output_share: float = 0.3
     arrival_rate_per_s: float = 12.0
+    runtime: str = "cb"  # "cb": continuous batching; "generate": static batches
+    page_size: int = 32  # tokens per KV page (continuous batching)
+    num_pages: int = 96  # KV pages: 3072 tokens, tight enough to show pressure (and preemption)
+    max_batch_tokens: int = 256  # token budget per step: longer prompts are prefilled in chunks
     vocab_size: int = 4096
     hidden_size: int = 256
     layers: int = 4
@@ -137,13 +144,58 @@ def serve(model: Any, device: Any, probe: Any, workload: list[DemoRequest], max_
     return results
 
 
+def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoConfig, progress: Any = None,
+             realtime: bool = True) -> dict[str, list[int]]:
+    """Serve `workload` through HF continuous batching, submitting each request at its arrival time."""
+    import threading
+
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=max(r.output_tokens for r in workload), do_sample=False, eos_token_id=-1)
+    cb = ContinuousBatchingConfig(page_size=cfg.page_size, num_blocks=cfg.num_pages,
+                                  max_batch_tokens=cfg.max_batch_tokens)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    results: dict[str, list[int]] = {}
+
+    def collect() -> None:
+        while len(results) < len(workload):
+            out = manager.get_result(timeout=30)
+            if out is None:
+                if not manager.is_running():
+                    return
+                continue
+            if out.is_finished():
+                results[out.request_id] = list(out.generated_tokens)
+                if progress is not None:
+                    progress(1)
+
+    manager.start()
+    collector = threading.Thread(target=collect, name="demo-collect", daemon=True)
+    collector.start()
+    try:
+        start = time.monotonic()
+        for r in workload:
+            if realtime:
+                delay = start + r.arrival_offset_s - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            manager.add_request(r.prompt, request_id=r.request_id, max_new_tokens=r.output_tokens)
+        collector.join(600)
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    return results
+
+
 def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, quiet: bool = False) -> dict[str, Any]:
     """Run the whole demo; returns the summary (also printed unless quiet)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .adapters.hf_cb import HFContinuousBatching
     from .probe import attach
-    from .queries import phase_summary, probe_health, request_summary
+    from .queries import kv_summary, phase_summary, prefix_summary, probe_health, request_summary
     from .sidecar import Sidecar
     from .store import Store
     from .summary import print_summary
@@ -152,24 +204,36 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
     console = Console(stderr=True, quiet=quiet)
     with console.status("building a random-weight Llama"):
         model, device = build_model(cfg)
+    if cfg.runtime not in ("cb", "generate"):
+        raise ValueError(f"unknown demo runtime {cfg.runtime!r}; use 'cb' or 'generate'")
     workload = make_workload(cfg)
     if device.type == "cuda":
         # A GPU pays seconds of one-time kernel selection for every new shape (measured on an
         # H200: 10 s for the first pass over this workload, 1 s after). A real server warms up
         # before taking traffic, so the demo does too, unrecorded and with no arrival gaps.
         with console.status("warming up the GPU (not recorded)"):
-            serve(model, device, None, [DemoRequest(r.request_id, r.prompt, r.output_tokens, 0.0)
-                                        for r in workload], cfg.max_batch)
+            warm = [DemoRequest(r.request_id, r.prompt, r.output_tokens, 0.0) for r in workload]
+            if cfg.runtime == "cb":
+                serve_cb(model, None, warm, cfg, realtime=False)
+            else:
+                serve(model, device, None, warm, cfg.max_batch)
     tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
     addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
     sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1).start()
     probe = None
     try:
-        probe = attach(model, agent=addr, runtime="hf-generate", flush_interval_s=0.05)
-        with Progress(TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-                      TimeElapsedColumn(), console=console, transient=False) as bar:
+        runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"
+        probe = attach(model, agent=addr, runtime=runtime, flush_interval_s=0.05)
+        adapter = HFContinuousBatching(probe).instrument_model(model) if cfg.runtime == "cb" else None
+        with Progress(TextColumn(f"[bold]serving ({runtime})"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False) as bar:
             task = bar.add_task("serve", total=len(workload))
-            serve(model, device, probe, workload, cfg.max_batch, progress=lambda n: bar.advance(task, n))
+            advance = lambda n: bar.advance(task, n)  # noqa: E731
+            if adapter is not None:
+                serve_cb(model, adapter, workload, cfg, progress=advance)
+                adapter.detach()
+            else:
+                serve(model, device, probe, workload, cfg.max_batch, progress=advance)
         run_id = probe.run_id
         probe.close()
         sidecar.wait_rows(lambda: sidecar.stats.open_connections == 0 and sidecar._queue.empty(), 10)
@@ -190,6 +254,8 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
             "device": str(device),
             "phases": phase_summary(con, run_id),
             "requests": request_summary(con, run_id),
+            "kv": kv_summary(con, run_id),
+            "prefix": prefix_summary(con, run_id),
             "probe": probe_health(con, run_id),
         }
     finally:

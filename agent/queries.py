@@ -92,3 +92,47 @@ def probe_health(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> d
         params,
     ).fetchone()
     return dict(zip(("records_total", "dropped_total", "errors_total", "gpu_unsampled_total"), row))
+
+
+def kv_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> list[dict[str, Any]]:
+    """Per rank: paged-KV figures over the run's snapshots (means are per snapshot; churn per second)."""
+    where, params = _run_filter(run_id)
+    rows = con.execute(
+        f"""SELECT k.rank, count(*) AS snapshots, any_value(page_size_tokens), max(total_pages),
+                   avg(used_pages / total_pages), max(used_pages / total_pages),
+                   avg(live_tokens / (total_pages * page_size_tokens)),
+                   avg(CASE WHEN used_pages > 0 THEN 1 - live_tokens / (used_pages * page_size_tokens) END),
+                   avg(CASE WHEN free_pages > 0 THEN 1 - largest_free_run / free_pages END),
+                   (max(pages_allocated_total) - min(pages_allocated_total))
+                       / nullif((max(k.ts_ns) - min(k.ts_ns)) / 1e9, 0),
+                   max(kv_bytes), any_value(kv_dtype)
+            FROM kv_snapshots k JOIN sources s USING (source_id)
+            WHERE total_pages > 0 {where}
+            GROUP BY k.rank ORDER BY k.rank""",
+        params,
+    ).fetchall()
+    keys = ("rank", "snapshots", "page_size", "total_pages", "block_usage_mean", "block_usage_max",
+            "token_usage_mean", "internal_fragmentation_mean", "external_fragmentation_mean",
+            "pages_allocated_per_s", "kv_bytes_max", "kv_dtype")
+    return [dict(zip(keys, r)) for r in rows]
+
+
+def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
+    """Prefix-cache totals of the run (counters are per source, from 0) and the hit rate."""
+    where, params = _run_filter(run_id)
+    row = con.execute(
+        f"""WITH last AS (
+                SELECT p.source_id, max(queried_tokens_total) AS q, max(hit_tokens_total) AS h,
+                       max(recomputed_tokens_total) AS r, max(evicted_blocks_total) AS e
+                FROM prefix_counters p JOIN sources s USING (source_id) WHERE true {where}
+                GROUP BY p.source_id)
+            SELECT sum(q), sum(h), sum(r), sum(e) FROM last""",
+        params,
+    ).fetchone()
+    queried, hit, recomputed, evicted = (int(v) if v is not None else None for v in row)
+    preempted = con.execute(
+        f"""SELECT count(*) FROM request_events r JOIN sources s USING (source_id)
+            WHERE r.event = 'preempted' {where}""", params).fetchone()[0]
+    return {"queried_tokens": queried, "hit_tokens": hit,
+            "hit_rate": hit / queried if queried else None,
+            "recomputed_tokens": recomputed, "evicted_blocks": evicted, "preemptions": preempted}

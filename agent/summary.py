@@ -16,6 +16,10 @@ def _s_as_ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f}%"
+
+
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """Per-phase step times, request latencies and probe health."""
     console = console or Console()
@@ -38,6 +42,24 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     tps = r.get("output_tokens_per_s")
     console.print(f"requests: {r['requests']} ({r['finished']} finished) · output tokens: {r['output_tokens']}"
                   + (f" · {tps:.0f} tok/s" if tps else ""))
+    kv = summary.get("kv") or []
+    if kv:
+        kt = Table(title="Paged KV cache", caption="means over per-step snapshots; fragmentation = slack inside "
+                   "used pages (internal), scattered free pages (external)")
+        for col in ("rank", "pages x size", "block use mean/max", "token use", "int. frag", "ext. frag",
+                    "alloc pages/s"):
+            kt.add_column(col, justify="right")
+        for k in kv:
+            kt.add_row(str(k["rank"]), f"{k['total_pages']} x {k['page_size']}",
+                       f"{_pct(k['block_usage_mean'])} / {_pct(k['block_usage_max'])}", _pct(k["token_usage_mean"]),
+                       _pct(k["internal_fragmentation_mean"]), _pct(k["external_fragmentation_mean"]),
+                       "-" if k["pages_allocated_per_s"] is None else f"{k['pages_allocated_per_s']:.0f}")
+        console.print(kt)
+    px = summary.get("prefix") or {}
+    if px.get("queried_tokens"):
+        console.print(f"prefix cache: hit rate {_pct(px['hit_rate'])} ({px['hit_tokens']} of {px['queried_tokens']} "
+                      f"prompt tokens) · {px['preemptions']} preemptions, {px['recomputed_tokens']} tokens recomputed"
+                      f" · {px['evicted_blocks']} cached pages evicted")
     h = summary.get("probe") or {}
     if h:
         console.print(f"probe: {h['records_total']} records, {h['dropped_total']} dropped, {h['errors_total']} errors")

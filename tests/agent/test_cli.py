@@ -47,4 +47,12 @@ def test_demo_writes_both_phases_and_prints_the_summary(tmp_path):
                         capture_output=True, text=True, timeout=60)
     summary = json.loads(js.stdout)
     assert summary["requests"]["requests"] == 12
-    assert {p["phase"] for p in summary["phases"]} == {"prefill", "decode"}
+    assert {"prefill", "decode"} <= {p["phase"] for p in summary["phases"]}
+    # continuous batching: paged KV snapshots and prefix counters, consistent with the steps
+    kv = summary["kv"][0]
+    assert kv["total_pages"] == 96 and kv["page_size"] == 32 and 0 < kv["block_usage_max"] <= 1
+    prefix = summary["prefix"]
+    assert prefix["queried_tokens"] == summary["requests"]["prompt_tokens"]
+    prefilled = sum(p["prefill_tokens"] for p in summary["phases"])
+    assert prefilled == prefix["queried_tokens"] - prefix["hit_tokens"] + prefix["recomputed_tokens"]
+    assert prefix["hit_tokens"] > 0  # the shared system prompt is reused
