@@ -5,7 +5,8 @@ T0 to WALL0 ns since the epoch.
 
 Requests (rank 0 of model "tiny-llama"):
   r1  arrival 0, scheduled 10, tokens at 110, 160, 210            -> TTFT .11, TPOT .05,  E2E .21
-  r2  arrival 0, scheduled 20, tokens at 320 (1) and 370 (2 more) -> TTFT .32, TPOT .025, E2E .37
+  r2  arrival 0, scheduled 20, preempted at 100, tokens at 320 (1) and 370 (2 more)
+                                                                   -> TTFT .32, TPOT .025, E2E .37
   r3  arrival 100, scheduled 100, one token at 3100               -> TTFT 3.0, no TPOT,   E2E 3.0
   r4  arrival 200, scheduled 250, token at 300, aborted at 400    -> TTFT .10 (Prometheus only)
   r5  arrival 500, never ends                                      -> in flight
@@ -45,7 +46,7 @@ def request_events() -> list[RequestEvent]:
         ev("r1", "arrival", 0, tokens=100), ev("r1", "scheduled", 10, cached=64),
         ev("r1", "token", 110, 1), ev("r1", "token", 160, 1), ev("r1", "token", 210, 1),
         ev("r1", "finished", 210, tokens=3),
-        ev("r2", "arrival", 0, tokens=50), ev("r2", "scheduled", 20),
+        ev("r2", "arrival", 0, tokens=50), ev("r2", "scheduled", 20), ev("r2", "preempted", 100),
         ev("r2", "token", 320, 1), ev("r2", "token", 370, 2), ev("r2", "finished", 370, tokens=3),
         ev("r3", "arrival", 100, tokens=7), ev("r3", "scheduled", 100),
         ev("r3", "token", 3100, 1), ev("r3", "finished", 3100, tokens=1),

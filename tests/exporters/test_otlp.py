@@ -118,6 +118,7 @@ def test_one_span_per_request_with_prefill_and_decode_children(otel_env):
                                                                                           WALL0 + 110 * MS)
     assert (kids["decode"].start_time_unix_nano, kids["decode"].end_time_unix_nano) == (WALL0 + 110 * MS,
                                                                                         WALL0 + 210 * MS)
+    assert attrs(roots["r2"].attributes)["phasescope.preemptions"] == 1
     assert [c.name for c in children[roots["r3"].span_id]] == ["prefill"]  # one output token: no decode
     r4 = roots["r4"]
     assert r4.status.code == 2 and attrs(r4.attributes)["error.type"] == "aborted"  # STATUS_CODE_ERROR

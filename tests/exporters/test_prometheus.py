@@ -57,6 +57,7 @@ def test_request_latencies_follow_the_definitions(exp):
     assert val(exp, "phasescope_request_decode_time_seconds_sum", **m) == pytest.approx(0.10 + 0.05 + 0.0)
     assert val(exp, "phasescope_requests_finished_total", reason="finished", **m) == 3
     assert val(exp, "phasescope_requests_finished_total", reason="aborted", **m) == 1
+    assert val(exp, "phasescope_request_preemptions_total", **m) == 1
     assert val(exp, "gen_ai_client_token_usage_sum", token_type="input", **m) == 157
     assert val(exp, "gen_ai_client_token_usage_sum", token_type="output", **m) == 7
     assert val(exp, "phasescope_exporter_requests_in_flight") == 1  # r5
