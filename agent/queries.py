@@ -136,3 +136,59 @@ def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) ->
     return {"queried_tokens": queried, "hit_tokens": hit,
             "hit_rate": hit / queried if queried else None,
             "recomputed_tokens": recomputed, "evicted_blocks": evicted, "preemptions": preempted}
+
+
+# --- named queries: the only reads the read API, the dashboard and `diagnose` may run ---
+
+def step_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
+                  since_s: float | None = None) -> list[dict[str, Any]]:
+    """Per time bucket and phase: steps, median and p95 step time (ms), tokens; t_s from the run's start."""
+    where, params = _run_filter(run_id)
+    rows = con.execute(
+        f"""WITH t AS (
+                SELECT t.phase, {STEP_MS} AS ms, t.prefill_tokens, t.decode_tokens,
+                       (t.ts_ns - min(t.ts_ns) OVER ()) / 1e9 AS t_s
+                FROM steps t JOIN sources s USING (source_id) WHERE true {where})
+            SELECT floor(t_s / ?) * ? AS t_s, phase, count(*), quantile_cont(ms, 0.5), quantile_cont(ms, 0.95),
+                   sum(prefill_tokens), sum(decode_tokens)
+            FROM t WHERE ? IS NULL OR t_s >= ?
+            GROUP BY 1, 2 ORDER BY 1, 2""",
+        params + [bucket_s, bucket_s, since_s, since_s],
+    ).fetchall()
+    keys = ("t_s", "phase", "steps", "p50_ms", "p95_ms", "prefill_tokens", "decode_tokens")
+    return [dict(zip(keys, r)) for r in rows]
+
+
+QUERIES: dict[str, Any] = {
+    "runs": runs,
+    "phase_summary": phase_summary,
+    "request_summary": request_summary,
+    "kv_summary": kv_summary,
+    "prefix_summary": prefix_summary,
+    "probe_health": probe_health,
+    "step_timeline": step_timeline,
+}
+
+
+def run_named(con: duckdb.DuckDBPyConnection, name: str, params: dict[str, str | Any]) -> Any:
+    """Run the named query `name`, converting string parameters by the function's annotations.
+
+    Raises KeyError for an unknown query and ValueError for an unknown or malformed parameter.
+    """
+    import inspect
+
+    fn = QUERIES[name]
+    sig = inspect.signature(fn)
+    kwargs: dict[str, Any] = {}
+    for key, raw in params.items():
+        p = sig.parameters.get(key)
+        if p is None or key == "con":
+            raise ValueError(f"query {name!r} takes no parameter {key!r}")
+        ann = str(p.annotation)
+        if isinstance(raw, str) and raw != "":
+            if ann.startswith("float"):
+                raw = float(raw)
+            elif ann.startswith("int"):
+                raw = int(raw)
+        kwargs[key] = None if raw == "" else raw
+    return fn(con, **kwargs)

@@ -75,7 +75,9 @@ class Sidecar:
         sinks: Sequence[RecordSink] = (),
         collectors: Sequence[Collector] = (),
         sample_interval_s: float = 1.0,
+        read_api: str | None = None,
     ) -> None:
+        """`read_api`: "HOST:PORT" (loopback; port 0 picks one) to serve named queries to live readers."""
         if batch_interval_s <= 0 or checkpoint_interval_s <= 0:
             raise ValueError("intervals must be > 0")
         self.db_path = db_path
@@ -88,6 +90,8 @@ class Sidecar:
         self.stats = SidecarStats()
         self.store: Store | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_batches)
+        self.read_api_addr = read_api
+        self.read_api = None
         self.sinks = list(sinks)
         self.collectors = list(collectors)
         self.sample_interval_s = sample_interval_s
@@ -118,6 +122,13 @@ class Sidecar:
             raise self._start_error
         self._writer_thread = threading.Thread(target=self._write_loop, name="phasescope-writer", daemon=True)
         self._writer_thread.start()
+        if self.read_api_addr is not None:
+            from .readapi import ReadAPI
+
+            host, _, port = self.read_api_addr.rpartition(":")
+            store = self.store
+            self.read_api = ReadAPI(store.cursor, host or "127.0.0.1", int(port),
+                                    health=lambda: dict(vars(self.stats))).start()
         if self.collectors:
             self._sampler_thread = threading.Thread(target=self._sample_loop, name="phasescope-sampler", daemon=True)
             self._sampler_thread.start()
@@ -128,6 +139,8 @@ class Sidecar:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        if self.read_api is not None:
+            self.read_api.stop()
         if self._loop is not None:
             fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
             try:

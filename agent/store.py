@@ -103,6 +103,11 @@ class Store:
         select = ", ".join(f"unnest(${i + 1})::{typ}" for i, (_, typ, _) in enumerate(cols))
         self.con.execute(f"INSERT INTO {table} SELECT {select}", columns)
 
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A connection of this process to the same database, for readers on other threads."""
+        with self._lock:
+            return self.con.cursor()
+
     def checkpoint(self) -> None:
         with self._lock:
             self.con.execute("CHECKPOINT")

@@ -1,0 +1,131 @@
+"""The sidecar's read API: named queries over the live store, JSON over loopback HTTP.
+
+DuckDB lets one process hold a file read-write and then no other process can open
+it, so live readers (the dashboard, `diagnose --agent`) ask the sidecar, which runs
+the query on a cursor of its own connection (DuckDB cursors are safe to use from
+other threads while the writer appends). Only the named queries of
+`agent/queries.py` (and the analyzers' `diagnose`) can run: never user SQL.
+
+    GET /api/v1/health                      sidecar counters
+    GET /api/v1/query/<name>?param=value    rows of a named query
+    GET /api/v1/findings?run_id=RUN         diagnose() findings, when analyzers are installed
+
+The standard library's ThreadingHTTPServer is enough for a loopback API with a
+handful of readers; no web framework is pulled into the sidecar.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from dataclasses import asdict, is_dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlparse
+
+from .queries import QUERIES, run_named
+
+log = logging.getLogger("phasescope.readapi")
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe values: NaN/inf -> None, dataclasses -> dicts."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if is_dataclass(v) and not isinstance(v, type):
+        return _clean(asdict(v))
+    if isinstance(v, (str, int, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def to_json(v: Any) -> bytes:
+    return json.dumps(_clean(v), separators=(",", ":")).encode()
+
+
+class ReadAPI:
+    """Serve named queries of a DuckDB connection (the sidecar's) on 127.0.0.1."""
+
+    def __init__(
+        self,
+        cursor: Callable[[], Any],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        health: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self._cursor = cursor
+        self._health = health or (lambda: {})
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                api._handle(self)
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug(fmt, *args)
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.host, self.port = self._server.server_address[:2]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="phasescope-readapi", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "ReadAPI":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handle(self, req: BaseHTTPRequestHandler) -> None:
+        url = urlparse(req.path)
+        params = dict(parse_qsl(url.query, keep_blank_values=True))
+        parts = [p for p in url.path.split("/") if p]
+        try:
+            if parts == ["api", "v1", "health"]:
+                body, status = self._health(), 200
+            elif parts[:3] == ["api", "v1", "query"] and len(parts) == 4:
+                if parts[3] not in QUERIES:
+                    body, status = {"error": f"unknown query {parts[3]!r}", "queries": sorted(QUERIES)}, 404
+                else:
+                    con = self._cursor()
+                    try:
+                        body, status = {"rows": run_named(con, parts[3], params)}, 200
+                    finally:
+                        con.close()
+            elif parts == ["api", "v1", "findings"]:
+                body, status = self._findings(params.get("run_id") or None), 200
+            else:
+                body, status = {"error": "not found"}, 404
+        except ValueError as exc:
+            body, status = {"error": str(exc)}, 400
+        except Exception as exc:  # noqa: BLE001 - report, keep serving
+            log.warning("read API error on %s: %r", req.path, exc)
+            body, status = {"error": repr(exc)}, 500
+        data = to_json(body)
+        req.send_response(status)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        req.wfile.write(data)
+
+    def _findings(self, run_id: str | None) -> dict[str, Any]:
+        try:
+            from phasescope.analyzers import diagnose
+        except ImportError:
+            return {"findings": [], "error": "analyzers not installed"}
+        con = self._cursor()
+        try:
+            return {"findings": diagnose(con, run_id=run_id)}
+        finally:
+            con.close()
