@@ -11,22 +11,66 @@ import threading
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from .collectors import NvmlCollector
     from .sidecar import Sidecar
 
+    log = logging.getLogger("phasescope.cli")
     listen = args.listen or [None]
-    sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s).start()
+    registry = CollectorRegistry()  # this process's own, never the global one
+    sinks: list = []
+    server = None
+    if not args.no_metrics:
+        from phasescope.exporters.prometheus import DEFAULT_METRICS_ADDR, MetricsServer, PrometheusExporter
+
+        sinks.append(PrometheusExporter(registry))
+        server = MetricsServer(registry, args.metrics_addr or DEFAULT_METRICS_ADDR)
+    if args.otlp:
+        from phasescope.exporters.otlp import OtlpExporter
+
+        sinks.append(OtlpExporter(registry=registry, export_interval_s=args.otlp_interval_s))
+    nvml = NvmlCollector()
+    sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
+                      collectors=[nvml], sample_interval_s=args.sample_s)
+    if server is not None:
+        from phasescope.exporters.prometheus import SidecarStatsCollector
+
+        registry.register(SidecarStatsCollector(sidecar.stats))
+        try:
+            server.start()
+        except OSError as exc:
+            if args.metrics_addr:  # asked for explicitly: loud
+                raise SystemExit(f"phasescope agent: cannot serve /metrics on {args.metrics_addr}: {exc}")
+            log.warning("no /metrics: the default %s is taken (%s); pass --metrics-addr or --no-metrics",
+                        DEFAULT_METRICS_ADDR, exc)
+            server = None
+    sidecar.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"phasescope agent: writing {args.db}; listening on " + ", ".join(map(str, sidecar.bound)), flush=True)
+    extra = f"; metrics on {server.url}" if server is not None else ""
+    extra += "; exporting OTLP" if args.otlp else ""
+    print(f"phasescope agent: writing {args.db}; listening on " + ", ".join(map(str, sidecar.bound)) + extra,
+          flush=True)
     try:
         while not stop.wait(1.0):
             pass
     finally:
-        sidecar.stop()
+        sidecar.stop()  # closes the exporters (OTLP flushes, bounded)
+        if server is not None:
+            server.close()
+        nvml.close()
         st = sidecar.stats
         print(f"phasescope agent: stopped; {st.records_total} records, {st.rows_written_total} rows written, "
               f"{st.bad_frames_total} bad frames", flush=True)
+    return 0
+
+
+def _cmd_rules(args: argparse.Namespace) -> int:
+    from phasescope.exporters.rules import dashboard_text, rules_text
+
+    sys.stdout.write(dashboard_text() if args.grafana else rules_text())
     return 0
 
 
@@ -94,7 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--listen", action="append", metavar="ADDR",
                    help="unix:/path/agent.sock or tcp:127.0.0.1:PORT; repeatable (default: the default socket)")
     a.add_argument("--checkpoint-s", type=float, default=10.0, help="checkpoint interval, s (default: %(default)s)")
+    a.add_argument("--metrics-addr", metavar="HOST:PORT", default=None,
+                   help="serve Prometheus /metrics here (default: 127.0.0.1:9464; skipped with a warning if taken)")
+    a.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    a.add_argument("--otlp", action="store_true",
+                   help="export OTLP/HTTP metrics and traces, configured by the standard OTEL_EXPORTER_OTLP_* and "
+                        "OTEL_SERVICE_NAME variables (default endpoint http://localhost:4318)")
+    a.add_argument("--otlp-interval-s", type=float, default=10.0,
+                   help="OTLP metric export interval, s (default: %(default)s)")
+    a.add_argument("--sample-s", type=float, default=1.0, help="GPU (NVML) sampling interval, s (default: %(default)s)")
     a.set_defaults(func=_cmd_agent)
+
+    r = sub.add_parser("rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",
+                       description="Print the shipped Prometheus rule file: SLO burn-rate, KV, prefix-cache, "
+                                   "tensor-parallel, probe and GPU alerts, each with a runbook naming the analyzer "
+                                   "finding. Save it and list it under rule_files in prometheus.yml.")
+    r.add_argument("--grafana", action="store_true", help="print the Grafana dashboard JSON instead")
+    r.set_defaults(func=_cmd_rules)
 
     d = sub.add_parser("demo", help="run a small random-weight Llama under a service-like workload and summarise",
                        description="Build a small Llama with random weights (no download), serve a workload with a "
