@@ -6,8 +6,43 @@ import argparse
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
+
+
+DEFAULT_API_ADDR = "127.0.0.1:7702"
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not port.isdigit():
+        raise SystemExit(f"bad address {addr!r}; expected HOST:PORT")
+    return host or "127.0.0.1", int(port)
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        raise SystemExit("phasescope dashboard needs streamlit: pip install 'phasescope[dashboard]'")
+    target = args.agent or args.db
+    if not target.startswith("http") and not os.path.exists(target):
+        raise SystemExit(f"phasescope dashboard: no such file {target!r}")
+    app = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
+    if not app.exists():  # installed layout: phasescope/dashboard/app.py
+        import phasescope.dashboard as pkg
+
+        app = Path(pkg.__file__).parent / "app.py"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
+           "--server.port", str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+           "--", "--target", target]
+    print(f"phasescope dashboard: http://{args.host}:{args.port} over {target}", flush=True)
+    return subprocess.call(cmd)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
@@ -31,8 +66,18 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
         sinks.append(OtlpExporter(registry=registry, export_interval_s=args.otlp_interval_s))
     nvml = NvmlCollector()
+    api = None if args.no_api else (args.api or DEFAULT_API_ADDR)
+    if api is not None:
+        try:  # probe the port, as for /metrics: a taken default only warns
+            with socket.create_server(_host_port(api)):
+                pass
+        except OSError as exc:
+            if args.api:
+                raise SystemExit(f"phasescope agent: cannot serve the read API on {args.api}: {exc}")
+            log.warning("no read API: the default %s is taken (%s); pass --api or --no-api", DEFAULT_API_ADDR, exc)
+            api = None
     sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
-                      collectors=[nvml], sample_interval_s=args.sample_s)
+                      collectors=[nvml], sample_interval_s=args.sample_s, read_api=api)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 
@@ -50,6 +95,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     extra = f"; metrics on {server.url}" if server is not None else ""
+    extra += f"; read API on {sidecar.read_api.url}" if sidecar.read_api is not None else ""
     extra += "; exporting OTLP" if args.otlp else ""
     print(f"phasescope agent: writing {args.db}; listening on " + ", ".join(map(str, sidecar.bound)) + extra,
           flush=True)
@@ -138,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--listen", action="append", metavar="ADDR",
                    help="unix:/path/agent.sock or tcp:127.0.0.1:PORT; repeatable (default: the default socket)")
     a.add_argument("--checkpoint-s", type=float, default=10.0, help="checkpoint interval, s (default: %(default)s)")
+    a.add_argument("--api", metavar="HOST:PORT",
+                   help=f"serve named queries to live readers (dashboard, diagnose) on loopback "
+                        f"(default {DEFAULT_API_ADDR}; a taken default only warns)")
+    a.add_argument("--no-api", action="store_true", help="no read API")
     a.add_argument("--metrics-addr", metavar="HOST:PORT", default=None,
                    help="serve Prometheus /metrics here (default: 127.0.0.1:9464; skipped with a warning if taken)")
     a.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
@@ -155,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "finding. Save it and list it under rule_files in prometheus.yml.")
     r.add_argument("--grafana", action="store_true", help="print the Grafana dashboard JSON instead")
     r.set_defaults(func=_cmd_rules)
+
+    db = sub.add_parser("dashboard", help="open the Streamlit diagnostics app on a DuckDB file or a live agent",
+                        description="Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. "
+                                    "Live: --agent http://127.0.0.1:7702 (the agent's read API).")
+    db.add_argument("db", nargs="?", default="phasescope.duckdb", help="DuckDB file (default: %(default)s)")
+    db.add_argument("--agent", metavar="URL", help="a running agent's read API, e.g. http://127.0.0.1:7702")
+    db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
+    db.add_argument("--port", type=int, default=8501, help="port (default: %(default)s)")
+    db.set_defaults(func=_cmd_dashboard)
 
     d = sub.add_parser("demo", help="run a small random-weight Llama under a service-like workload and summarise",
                        description="Build a small Llama with random weights (no download), serve a workload with a "

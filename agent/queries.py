@@ -67,12 +67,15 @@ def request_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -
                    quantile_cont(queue_s, 0.5), quantile_cont(queue_s, 0.95),
                    quantile_cont(e2e_s, 0.5), quantile_cont(e2e_s, 0.95),
                    sum(output_tokens), sum(prompt_tokens),
-                   (max(last_token_ns) - min(arrival_ns)) / 1e9
+                   (max(last_token_ns) - min(arrival_ns)) / 1e9,
+                   quantile_cont(ttft_s, 0.99), quantile_cont(tpot_s, 0.99), quantile_cont(e2e_s, 0.99),
+                   count(*) FILTER (WHERE status = 'aborted'), sum(preemptions)
             FROM requests {where}""",
         params,
     ).fetchone()
     keys = ("requests", "finished", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s",
-            "queue_p50_s", "queue_p95_s", "e2e_p50_s", "e2e_p95_s", "output_tokens", "prompt_tokens", "span_s")
+            "queue_p50_s", "queue_p95_s", "e2e_p50_s", "e2e_p95_s", "output_tokens", "prompt_tokens", "span_s",
+            "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "aborted", "preemptions")
     out = dict(zip(keys, row))
     span = out.get("span_s") or 0
     out["output_tokens_per_s"] = (out["output_tokens"] or 0) / span if span > 0 else None
@@ -140,23 +143,242 @@ def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) ->
 
 # --- named queries: the only reads the read API, the dashboard and `diagnose` may run ---
 
+def _window(run_id: str | None, since_s: float | None, until_s: float | None,
+            table: str = "t") -> tuple[str, str, dict[str, Any]]:
+    """(t_s expression, WHERE clause, named params): seconds since the run's first step, on wall time.
+
+    Timestamps of every source are converted to wall time (`wall_minus_mono_ns`), so
+    ranks on different hosts share one axis.
+    """
+    params: dict[str, Any] = {}
+    run = ""
+    if run_id is not None:
+        run, params["run_id"] = " AND s.run_id = $run_id", run_id
+    start = ("(SELECT min(x.ts_ns + y.wall_minus_mono_ns) FROM steps x JOIN sources y USING (source_id)"
+             + (" WHERE y.run_id = $run_id)" if run_id is not None else ")"))
+    # clamped at 0: a snapshot taken just before the run's first forward belongs to its first second
+    t_expr = f"greatest((({table}.ts_ns + s.wall_minus_mono_ns) - {start}) / 1e9, 0)"
+    where = f"WHERE true{run}"
+    if since_s is not None:
+        where += f" AND {t_expr} >= $since_s"
+        params["since_s"] = since_s
+    if until_s is not None:
+        where += f" AND {t_expr} < $until_s"
+        params["until_s"] = until_s
+    return t_expr, where, params
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: Any, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [dict(zip(keys, r)) for r in con.execute(sql, params).fetchall()]
+
+
 def step_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
-                  since_s: float | None = None) -> list[dict[str, Any]]:
+                  since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
     """Per time bucket and phase: steps, median and p95 step time (ms), tokens; t_s from the run's start."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be > 0")
+    t, where, params = _window(run_id, since_s, until_s)
+    return _rows(con, f"""
+        SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, phase, count(*), quantile_cont({STEP_MS}, 0.5),
+               quantile_cont({STEP_MS}, 0.95), sum(prefill_tokens), sum(decode_tokens)
+        FROM steps t JOIN sources s USING (source_id) {where}
+        GROUP BY 1, 2 ORDER BY 1, 2""", {**params, "bucket_s": bucket_s},
+        ("t_s", "phase", "steps", "p50_ms", "p95_ms", "prefill_tokens", "decode_tokens"))
+
+
+def step_sample(con: duckdb.DuckDBPyConnection, run_id: str | None = None, limit: int = 4000,
+                since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
+    """A uniform sample of individual steps (reservoir, `limit` rows) for the step timeline scatter."""
+    t, where, params = _window(run_id, since_s, until_s)
+    return _rows(con, f"""
+        WITH w AS (SELECT {t} AS t_s, t.phase, {STEP_MS} AS ms, t.prefill_tokens, t.decode_tokens, t.num_seqs
+                   FROM steps t JOIN sources s USING (source_id) {where})
+        SELECT * FROM w USING SAMPLE reservoir({int(limit)} ROWS) REPEATABLE (7) ORDER BY t_s""", params, ("t_s", "phase", "ms", "prefill_tokens", "decode_tokens", "num_seqs"))
+
+
+def interference(con: duckdb.DuckDBPyConnection, run_id: str | None = None, long_prefill_tokens: int = 512,
+                 since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
+    """Steps that carry decode tokens, by what they were packed with: pure decode, a short or a long prefill."""
+    t, where, params = _window(run_id, since_s, until_s)
+    return _rows(con, f"""
+        SELECT CASE WHEN prefill_tokens = 0 THEN 'decode only'
+                    WHEN prefill_tokens < $long THEN 'with short prefill'
+                    ELSE 'with long prefill' END AS class,
+               count(*), quantile_cont({STEP_MS}, 0.5), quantile_cont({STEP_MS}, 0.95), avg(prefill_tokens),
+               sum(decode_tokens)
+        FROM steps t JOIN sources s USING (source_id) {where} AND decode_tokens > 0
+        GROUP BY 1 ORDER BY 1""", {**params, "long": long_prefill_tokens},
+        ("class", "steps", "p50_ms", "p95_ms", "prefill_tokens_mean", "decode_tokens"))
+
+
+LATENCY_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": "queue_s"}
+
+
+def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None, metric: str = "ttft",
+                      bins: int = 30) -> list[dict[str, Any]]:
+    """Log-spaced histogram of a per-request latency (ttft, tpot, e2e, queue) or of ITL (itl), seconds."""
+    if metric == "itl":
+        src, col = "itl", "itl_s"
+    elif metric in LATENCY_METRICS:
+        src, col = "requests", LATENCY_METRICS[metric]
+    else:
+        raise ValueError(f"metric must be one of {sorted(LATENCY_METRICS) + ['itl']}")
+    where = "" if run_id is None else " AND run_id = ?"
+    params = [] if run_id is None else [run_id]
+    return _rows(con, f"""
+        WITH v AS (SELECT {col} AS x FROM {src} WHERE {col} > 0{where}),
+             b AS (SELECT ln(min(x)) AS lo, greatest(ln(max(x)) - ln(min(x)), 1e-9) AS span FROM v),
+             k AS (SELECT least(floor((ln(x) - lo) / span * ?), ? - 1) AS i FROM v, b)
+        SELECT exp(lo + i * span / ?) AS lo_s, exp(lo + (i + 1) * span / ?) AS hi_s, count(*)
+        FROM k, b GROUP BY i, lo, span ORDER BY i""", params + [bins, bins, bins, bins], ("lo_s", "hi_s", "count"))
+
+
+def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, ttft_slo_s: float = 0.5,
+                   tpot_slo_s: float = 0.05) -> dict[str, Any]:
+    """Share of finished requests meeting both SLOs, and goodput (such requests and their tokens per second)."""
+    where = "" if run_id is None else " AND run_id = ?"
+    params = [] if run_id is None else [run_id]
+    row = con.execute(f"""
+        SELECT count(*), count(*) FILTER (WHERE ttft_s <= ?),
+               count(*) FILTER (WHERE coalesce(tpot_s, 0) <= ?),
+               count(*) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
+               sum(output_tokens) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
+               (max(last_token_ns) - min(arrival_ns)) / 1e9
+        FROM requests WHERE status = 'finished'{where}""",
+        [ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s] + params).fetchone()
+    n, ttft_ok, tpot_ok, both, tokens, span = row
+    span = span or 0
+    return {"finished": n, "ttft_ok": ttft_ok, "tpot_ok": tpot_ok, "both_ok": both,
+            "attainment": both / n if n else None,
+            "goodput_req_per_s": both / span if span > 0 else None,
+            "goodput_tokens_per_s": (tokens or 0) / span if span > 0 else None}
+
+
+def kv_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
+                since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
+    """Per bucket and rank: mean block and token usage, internal/external fragmentation, pages allocated/freed per s."""
+    t, where, params = _window(run_id, since_s, until_s, table="k")
+    return _rows(con, f"""
+        SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank,
+               avg(used_pages / total_pages), avg(live_tokens / (total_pages * page_size_tokens)),
+               avg(CASE WHEN used_pages > 0 THEN 1 - live_tokens / (used_pages * page_size_tokens) END),
+               avg(CASE WHEN free_pages > 0 THEN 1 - least(largest_free_run, free_pages) / free_pages END),
+               (max(pages_allocated_total) - min(pages_allocated_total)) / $bucket_s,
+               (max(pages_freed_total) - min(pages_freed_total)) / $bucket_s,
+               avg(kv_bytes), max(cached_pages / total_pages)
+        FROM kv_snapshots k JOIN sources s USING (source_id) {where} AND total_pages > 0
+        GROUP BY 1, 2 ORDER BY 1, 2""", {**params, "bucket_s": bucket_s},
+        ("t_s", "rank", "block_usage", "token_usage", "internal_fragmentation", "external_fragmentation",
+         "allocated_per_s", "freed_per_s", "kv_bytes", "cached_share"))
+
+
+def page_size_whatif(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+                     sizes: str = "8,16,32,64,128,256") -> list[dict[str, Any]]:
+    """Predicted internal fragmentation at other page sizes for this run's final sequence lengths."""
+    try:
+        pages = sorted({int(x) for x in sizes.split(",") if x.strip()})
+    except ValueError as exc:
+        raise ValueError("sizes must be comma-separated integers") from exc
+    if not pages or min(pages) <= 0:
+        raise ValueError("page sizes must be > 0")
+    where = "" if run_id is None else " AND run_id = ?"
+    params = [] if run_id is None else [run_id]
+    return _rows(con, f"""
+        WITH n AS (SELECT prompt_tokens + output_tokens AS n FROM requests
+                   WHERE prompt_tokens IS NOT NULL{where}),
+             p AS (SELECT unnest(?::INTEGER[]) AS page_size)
+        SELECT page_size, 1 - sum(n) / sum(ceil(n / page_size) * page_size), sum(ceil(n / page_size))
+        FROM n, p GROUP BY page_size ORDER BY page_size""", params + [pages],
+        ("page_size", "internal_fragmentation", "pages"))
+
+
+def prefix_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
+                    since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
+    """Per bucket: queried and hit tokens (deltas of the counters), hit rate, recomputed tokens, evictions."""
+    t, where, params = _window(run_id, since_s, until_s, table="p")
+    return _rows(con, f"""
+        WITH d AS (
+            SELECT {t} AS t_s,
+                   queried_tokens_total - lag(queried_tokens_total, 1, 0) OVER w AS dq,
+                   hit_tokens_total - lag(hit_tokens_total, 1, 0) OVER w AS dh,
+                   recomputed_tokens_total - lag(recomputed_tokens_total, 1, 0) OVER w AS dr,
+                   evicted_blocks_total - lag(evicted_blocks_total, 1, 0) OVER w AS de
+            FROM prefix_counters p JOIN sources s USING (source_id) {where}
+            WINDOW w AS (PARTITION BY p.source_id ORDER BY p.ts_ns))
+        SELECT floor(t_s / $bucket_s) * $bucket_s AS b, sum(dq), sum(dh), sum(dh) / nullif(sum(dq), 0), sum(dr),
+               sum(de)
+        FROM d GROUP BY 1 ORDER BY 1""", {**params, "bucket_s": bucket_s},
+        ("t_s", "queried_tokens", "hit_tokens", "hit_rate", "recomputed_tokens", "evicted_blocks"))
+
+
+def rank_kv(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
+            since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
+    """Per bucket and rank: mean KV bytes, and per bucket the imbalance max_r/mean_r - 1 (heatmap data)."""
+    t, where, params = _window(run_id, since_s, until_s, table="k")
+    return _rows(con, f"""
+        WITH r AS (SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank, avg(kv_bytes) AS kv
+                   FROM kv_snapshots k JOIN sources s USING (source_id) {where} GROUP BY 1, 2)
+        SELECT t_s, rank, kv, max(kv) OVER (PARTITION BY t_s) / nullif(avg(kv) OVER (PARTITION BY t_s), 0) - 1
+        FROM r ORDER BY t_s, rank""", {**params, "bucket_s": bucket_s},
+        ("t_s", "rank", "kv_bytes", "imbalance"))
+
+
+def rank_steps(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> list[dict[str, Any]]:
+    """Per rank over steps seen on 2+ ranks: median step time, how often it was the slowest, mean skew."""
     where, params = _run_filter(run_id)
-    rows = con.execute(
-        f"""WITH t AS (
-                SELECT t.phase, {STEP_MS} AS ms, t.prefill_tokens, t.decode_tokens,
-                       (t.ts_ns - min(t.ts_ns) OVER ()) / 1e9 AS t_s
-                FROM steps t JOIN sources s USING (source_id) WHERE true {where})
-            SELECT floor(t_s / ?) * ? AS t_s, phase, count(*), quantile_cont(ms, 0.5), quantile_cont(ms, 0.95),
-                   sum(prefill_tokens), sum(decode_tokens)
-            FROM t WHERE ? IS NULL OR t_s >= ?
-            GROUP BY 1, 2 ORDER BY 1, 2""",
-        params + [bucket_s, bucket_s, since_s, since_s],
-    ).fetchall()
-    keys = ("t_s", "phase", "steps", "p50_ms", "p95_ms", "prefill_tokens", "decode_tokens")
-    return [dict(zip(keys, r)) for r in rows]
+    return _rows(con, f"""
+        WITH t AS (SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+                   WHERE true {where}),
+             g AS (SELECT step_id, max(ms) AS mx, median(ms) AS med, arg_max(rank, ms) AS slow, count(*) AS n
+                   FROM t GROUP BY step_id HAVING count(*) > 1)
+        SELECT t.rank, median(t.ms), count(*) FILTER (WHERE g.slow = t.rank) / count(*),
+               avg(g.mx / nullif(g.med, 0) - 1)
+        FROM t JOIN g USING (step_id) GROUP BY t.rank ORDER BY t.rank""", params,
+        ("rank", "p50_ms", "slowest_share", "skew_mean"))
+
+
+def gpu_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+                 bucket_s: float = 1.0) -> list[dict[str, Any]]:
+    """Per bucket and GPU: utilisation, memory used/total, power (samples within the run's wall-clock span)."""
+    run = "" if run_id is None else " AND s.run_id = ?"
+    params = [] if run_id is None else [run_id]
+    return _rows(con, f"""
+        WITH span AS (SELECT min(t.ts_ns + s.wall_minus_mono_ns) AS lo, max(t.ts_ns + s.wall_minus_mono_ns) AS hi
+                      FROM steps t JOIN sources s USING (source_id) WHERE true{run}),
+             g AS (SELECT (g.ts_ns + s.wall_minus_mono_ns) AS w, g.* FROM gpu_samples g JOIN sources s USING (source_id))
+        SELECT floor((w - span.lo) / 1e9 / ?) * ? AS t_s, gpu_index, avg(util_pct), max(mem_used_bytes),
+               max(mem_total_bytes), avg(power_w), max(xid_errors_total)
+        FROM g, span WHERE w BETWEEN span.lo - 5e9 AND span.hi + 5e9
+        GROUP BY 1, 2 ORDER BY 1, 2""", params + [bucket_s, bucket_s],
+        ("t_s", "gpu_index", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "xid_errors_total"))
+
+
+def memory_budget(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
+    """Device memory split of a run, bytes: KV budget (all pages), KV held at peak, GPU used/total at peak,
+    and weights when the run was labelled with `weights_bytes` (table run_info, if present)."""
+    where, params = _run_filter(run_id)
+    kv = con.execute(
+        f"""SELECT max(total_pages * kv_bytes / nullif(used_pages, 0)), max(kv_bytes)
+            FROM kv_snapshots k JOIN sources s USING (source_id) WHERE true {where}""", params).fetchone()
+    gpu = gpu_timeline(con, run_id, bucket_s=3600.0)
+    weights = None
+    has_info = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'run_info'").fetchone()[0]
+    if has_info and run_id is not None:
+        row = con.execute("SELECT value FROM run_info WHERE run_id = ? AND key = 'weights_bytes'", [run_id]).fetchone()
+        weights = float(row[0]) if row else None
+    return {"kv_budget_bytes": kv[0], "kv_peak_bytes": kv[1], "weights_bytes": weights,
+            "gpu_used_bytes": max((g["mem_used_bytes"] for g in gpu), default=None),
+            "gpu_total_bytes": max((g["mem_total_bytes"] for g in gpu), default=None)}
+
+
+def run_compare(con: duckdb.DuckDBPyConnection, run_a: str, run_b: str) -> list[dict[str, Any]]:
+    """Request summary and preemption counts of two runs, side by side."""
+    out = []
+    for run in (run_a, run_b):
+        r = request_summary(con, run)
+        r["run_id"] = run
+        out.append(r)
+    return out
 
 
 QUERIES: dict[str, Any] = {
@@ -167,6 +389,18 @@ QUERIES: dict[str, Any] = {
     "prefix_summary": prefix_summary,
     "probe_health": probe_health,
     "step_timeline": step_timeline,
+    "step_sample": step_sample,
+    "interference": interference,
+    "latency_histogram": latency_histogram,
+    "slo_attainment": slo_attainment,
+    "kv_timeline": kv_timeline,
+    "page_size_whatif": page_size_whatif,
+    "prefix_timeline": prefix_timeline,
+    "rank_kv": rank_kv,
+    "rank_steps": rank_steps,
+    "gpu_timeline": gpu_timeline,
+    "run_compare": run_compare,
+    "memory_budget": memory_budget,
 }
 
 

@@ -111,6 +111,12 @@ class Sidecar:
 
     def start(self) -> "Sidecar":
         """Open the store, bind every address and start serving. Raises if binding fails."""
+        if self.read_api_addr is not None:  # bind first: a taken port fails before anything opens
+            from .readapi import ReadAPI
+
+            host, _, port = self.read_api_addr.rpartition(":")
+            self.read_api = ReadAPI(lambda: self.store.cursor(), host or "127.0.0.1", int(port),
+                                    health=lambda: dict(vars(self.stats)))
         self.store = Store(self.db_path)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="phasescope-sidecar", daemon=True)
@@ -122,13 +128,8 @@ class Sidecar:
             raise self._start_error
         self._writer_thread = threading.Thread(target=self._write_loop, name="phasescope-writer", daemon=True)
         self._writer_thread.start()
-        if self.read_api_addr is not None:
-            from .readapi import ReadAPI
-
-            host, _, port = self.read_api_addr.rpartition(":")
-            store = self.store
-            self.read_api = ReadAPI(store.cursor, host or "127.0.0.1", int(port),
-                                    health=lambda: dict(vars(self.stats))).start()
+        if self.read_api is not None:
+            self.read_api.start()
         if self.collectors:
             self._sampler_thread = threading.Thread(target=self._sample_loop, name="phasescope-sampler", daemon=True)
             self._sampler_thread.start()

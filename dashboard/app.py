@@ -1,0 +1,332 @@
+"""phasescope diagnostics app (Streamlit), read-only over the store.
+
+Launch with `phasescope dashboard FILE` (offline: a DuckDB file no agent holds) or
+`phasescope dashboard --agent http://127.0.0.1:7702` (live: a running sidecar's read
+API). Every figure comes from a named query aggregated in DuckDB
+(`phasescope.agent.queries`); the app never runs SQL of its own or typed by a user.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from phasescope.agent.reader import StoreBusyError, open_reader
+
+PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+SEVERITY_ICON = {"critical": "🔴", "warning": "🟠", "info": "🔵"}
+RECOMMENDED_SPLIT = {"weights": 0.30, "activations": 0.20, "kv cache": 0.45, "margin": 0.05}
+
+
+def target_from_argv(argv: list[str]) -> str:
+    """`--target X` after `streamlit run app.py --`, else $PHASESCOPE_TARGET, else ./phasescope.duckdb."""
+    if "--target" in argv:
+        i = argv.index("--target")
+        if i + 1 < len(argv):
+            return argv[i + 1]
+    return os.environ.get("PHASESCOPE_TARGET", "phasescope.duckdb")
+
+
+@st.cache_resource
+def reader_for(target: str) -> Any:
+    return open_reader(target)
+
+
+def q(reader: Any, name: str, **params: Any) -> Any:
+    return reader.query(name, **params)
+
+
+def df(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(rows)
+
+
+def explain(text: str) -> None:
+    """The one line under each chart that says what good looks like."""
+    st.caption(text)
+
+
+def ms(v: float | None) -> str:
+    return "–" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def pct(v: float | None) -> str:
+    return "–" if v is None else f"{v * 100:.1f}%"
+
+
+def gib(v: float | None) -> str:
+    return "–" if v is None else f"{v / 2**30:.2f} GiB"
+
+
+# --- pages ------------------------------------------------------------------------
+
+
+def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
+    findings = sorted(reader.findings(run), key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
+    r = q(reader, "request_summary", run_id=run)
+    c = st.columns(4)
+    c[0].metric("TTFT p50 / p95 / p99", ms(r["ttft_p50_s"]), f"p95 {ms(r['ttft_p95_s'])} · p99 {ms(r['ttft_p99_s'])}",
+                delta_color="off")
+    c[1].metric("TPOT p50 / p95 / p99", ms(r["tpot_p50_s"]), f"p95 {ms(r['tpot_p95_s'])} · p99 {ms(r['tpot_p99_s'])}",
+                delta_color="off")
+    tps = r.get("output_tokens_per_s")
+    c[2].metric("Throughput", "–" if tps is None else f"{tps:.0f} tok/s",
+                f"{r['finished']} of {r['requests']} requests finished", delta_color="off")
+    kv = q(reader, "kv_summary", run_id=run)
+    px = q(reader, "prefix_summary", run_id=run)
+    c[3].metric("KV usage mean / max", pct(kv[0]["block_usage_mean"]) if kv else "–",
+                f"max {pct(kv[0]['block_usage_max'])} · prefix hit {pct(px['hit_rate'])}" if kv else "no KV data",
+                delta_color="off")
+    st.subheader(f"Findings ({len(findings)})")
+    explain("What phasescope's analyzers conclude from this run, most severe first, each with what to change.")
+    if not findings:
+        st.success("No findings: nothing in this run crosses an analyzer threshold.")
+    for f in findings:
+        with st.expander(f"{SEVERITY_ICON.get(f.get('severity'), '⚪')} {f.get('title', f.get('id'))}",
+                         expanded=f.get("severity") == "critical"):
+            st.markdown(f"**Suggestion:** {f.get('suggestion', '')}")
+            if f.get("expected_effect"):
+                st.markdown(f"**Expected effect:** {f['expected_effect']}")
+            st.markdown(f"`{f.get('id')}` · severity {f.get('severity')} · {f.get('reference', '')}")
+            st.json(f.get("evidence", {}), expanded=False)
+
+
+def page_phases(reader: Any, run: str, win: dict[str, Any]) -> None:
+    summary = df(q(reader, "phase_summary", run_id=run))
+    st.dataframe(summary, hide_index=True)
+    tl = df(q(reader, "step_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
+              until_s=win["until_s"]))
+    st.subheader("Step time over time, by phase")
+    if not tl.empty:
+        st.altair_chart(alt.Chart(tl).mark_line(point=True).encode(
+            x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("p95_ms:Q", title="p95 step time (ms)"),
+            color="phase:N", tooltip=["t_s", "phase", "steps", "p50_ms", "p95_ms"]), width="stretch")
+    explain("Good: decode steps flat and low; prefill steps scale with prompt tokens. Spikes in decode mean "
+            "something (a long prefill, preemption) shared its steps.")
+    sample = df(q(reader, "step_sample", run_id=run, limit=3000, since_s=win["since_s"], until_s=win["until_s"]))
+    st.subheader("Step timeline (sampled steps)")
+    if not sample.empty:
+        st.altair_chart(alt.Chart(sample).mark_circle(size=18, opacity=0.6).encode(
+            x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("ms:Q", title="step time (ms)", scale=alt.Scale(type="log")),
+            color="phase:N", tooltip=["t_s", "phase", "ms", "prefill_tokens", "decode_tokens", "num_seqs"]),
+            width="stretch")
+    explain("Each dot is one forward. Good: two tight bands (prefill, decode); mixed steps close to decode.")
+    inter = df(q(reader, "interference", run_id=run, since_s=win["since_s"], until_s=win["until_s"]))
+    st.subheader("Prefill interference")
+    if not inter.empty:
+        st.altair_chart(alt.Chart(inter).mark_bar().encode(
+            x=alt.X("p95_ms:Q", title="p95 step time of steps carrying decode tokens (ms)"), y="class:N",
+            tooltip=["class", "steps", "p50_ms", "p95_ms", "prefill_tokens_mean"]), width="stretch")
+    explain("Decode tokens pay the time of the step they ride in. Good: 'with long prefill' close to 'decode "
+            "only'; far above it means chunked prefill (a smaller token budget per step) would steady TPOT.")
+
+
+def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
+    cols = st.columns(2)
+    ttft_slo = cols[0].number_input("TTFT SLO (ms)", min_value=1.0, value=500.0, step=50.0) / 1e3
+    tpot_slo = cols[1].number_input("TPOT SLO (ms)", min_value=1.0, value=50.0, step=5.0) / 1e3
+    slo = q(reader, "slo_attainment", run_id=run, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
+    c = st.columns(3)
+    c[0].metric("SLO attainment", pct(slo["attainment"]), f"{slo['both_ok']} of {slo['finished']} requests",
+                delta_color="off")
+    c[1].metric("Goodput", "–" if slo["goodput_req_per_s"] is None else f"{slo['goodput_req_per_s']:.2f} req/s")
+    c[2].metric("Goodput tokens", "–" if slo["goodput_tokens_per_s"] is None else f"{slo['goodput_tokens_per_s']:.0f} tok/s")
+    explain("Goodput counts only requests that met both SLOs. Good: attainment near 100% at the load you serve.")
+    for metric, title, good in (("ttft", "TTFT", "tight, under the TTFT SLO; a long right tail is queueing or "
+                                 "long prefills"), ("tpot", "TPOT", "one narrow peak; a second peak is decode "
+                                 "sharing steps with prefills"), ("itl", "Inter-token latency", "narrow; spikes "
+                                 "are stalls a user sees as a frozen stream")):
+        h = df(q(reader, "latency_histogram", run_id=run, metric=metric, bins=30))
+        st.subheader(f"{title} distribution")
+        if not h.empty:
+            h["ms"] = (h["lo_s"] * h["hi_s"]) ** 0.5 * 1e3
+            st.altair_chart(alt.Chart(h).mark_bar().encode(
+                x=alt.X("ms:Q", title=f"{title} (ms, log)", scale=alt.Scale(type="log")), y="count:Q",
+                tooltip=["lo_s", "hi_s", "count"]), width="stretch")
+        explain(f"Good: {good}.")
+
+
+def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:
+    kv = df(q(reader, "kv_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
+              until_s=win["until_s"]))
+    if kv.empty:
+        st.info("No paged-KV snapshots in this run (the runtime adapter reports them).")
+        return
+    st.subheader("Block vs token usage")
+    use = kv.melt(id_vars=["t_s", "rank"], value_vars=["block_usage", "token_usage"], var_name="kind")
+    st.altair_chart(alt.Chart(use).mark_line().encode(
+        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("value:Q", title="share of the cache",
+                                                             axis=alt.Axis(format="%")),
+        color="kind:N", strokeDash="rank:N"), width="stretch")
+    explain("Block usage is what schedulers see; the gap to token usage is slack inside pages. Good: below ~90% "
+            "with headroom, and the two lines close.")
+    st.subheader("Fragmentation")
+    frag = kv.melt(id_vars=["t_s", "rank"], value_vars=["internal_fragmentation", "external_fragmentation"],
+                   var_name="kind")
+    st.altair_chart(alt.Chart(frag).mark_line().encode(
+        x="t_s:Q", y=alt.Y("value:Q", axis=alt.Axis(format="%")), color="kind:N"), width="stretch")
+    explain("Internal: slack inside used pages (page size too large for the lengths served). External: free pages "
+            "scattered. Good: internal under ~10%; external matters only to allocators needing contiguous runs.")
+    st.subheader("Churn")
+    churn = kv.melt(id_vars=["t_s", "rank"], value_vars=["allocated_per_s", "freed_per_s"], var_name="kind")
+    st.altair_chart(alt.Chart(churn).mark_area(opacity=0.5).encode(x="t_s:Q", y="value:Q", color="kind:N"),
+                    width="stretch")
+    explain("Pages allocated and freed per second. Good: both track the request rate; a sawtooth with high "
+            "external fragmentation means allocation granularity is fighting the workload.")
+    st.subheader("Page-size what-if")
+    w = df(q(reader, "page_size_whatif", run_id=run))
+    if not w.empty:
+        st.altair_chart(alt.Chart(w).mark_bar().encode(
+            x=alt.X("page_size:O", title="page size (tokens)"),
+            y=alt.Y("internal_fragmentation:Q", title="predicted internal fragmentation", axis=alt.Axis(format="%")),
+            tooltip=["page_size", "internal_fragmentation", "pages"]), width="stretch")
+    explain("The same requests at other page sizes (from their final lengths). Smaller pages waste less but mean "
+            "bigger page tables; pick the knee.")
+
+
+def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
+    px = q(reader, "prefix_summary", run_id=run)
+    c = st.columns(4)
+    c[0].metric("Hit rate", pct(px["hit_rate"]))
+    c[1].metric("Hit / queried tokens", f"{px['hit_tokens'] or 0} / {px['queried_tokens'] or 0}")
+    c[2].metric("Recomputed tokens", f"{px['recomputed_tokens'] or 0}", f"{px['preemptions']} preemptions",
+                delta_color="off")
+    c[3].metric("Evicted pages", f"{px['evicted_blocks'] or 0}")
+    tl = df(q(reader, "prefix_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
+              until_s=win["until_s"]))
+    if tl.empty:
+        st.info("No prefix-cache counters in this run.")
+        return
+    st.subheader("Hit rate over time")
+    st.altair_chart(alt.Chart(tl).mark_line(point=True).encode(
+        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("hit_rate:Q", axis=alt.Axis(format="%")),
+        tooltip=["t_s", "queried_tokens", "hit_tokens", "hit_rate"]), width="stretch")
+    explain("Δhit / Δqueried tokens per interval. Good: steady and close to the share of prompts that is shared "
+            "(system prompt); a collapse means evictions or prompts that put the variable part first.")
+    st.subheader("Evictions and recomputation")
+    ev = tl.melt(id_vars=["t_s"], value_vars=["evicted_blocks", "recomputed_tokens"], var_name="kind")
+    st.altair_chart(alt.Chart(ev).mark_bar().encode(x="t_s:Q", y="value:Q", color="kind:N"),
+                    width="stretch")
+    explain("Recomputation after preemption is counted apart, never as a hit. Good: near zero; steady evictions "
+            "mean the cache is too small for the working set of prefixes.")
+
+
+def page_ranks(reader: Any, run: str, win: dict[str, Any]) -> None:
+    rk = df(q(reader, "rank_kv", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"], until_s=win["until_s"]))
+    if rk.empty or rk["rank"].nunique() < 2:
+        st.info("One rank in this run: per-rank balance needs a tensor-parallel run (one probe per rank).")
+    if not rk.empty:
+        st.subheader("KV bytes per rank")
+        st.altair_chart(alt.Chart(rk).mark_rect().encode(
+            x=alt.X("t_s:O", title="seconds since start"), y="rank:O", color=alt.Color("kv_bytes:Q", title="KV bytes"),
+            tooltip=["t_s", "rank", "kv_bytes", "imbalance"]), width="stretch")
+        explain("Good: one colour per column (every rank holds the same KV). A hot row is a rank holding more: "
+                "imbalance = max/mean − 1 over ranks.")
+    steps = df(q(reader, "rank_steps", run_id=run))
+    st.subheader("Stragglers")
+    if steps.empty:
+        st.caption("No step seen on two or more ranks.")
+    else:
+        st.altair_chart(alt.Chart(steps).mark_bar().encode(
+            x=alt.X("slowest_share:Q", title="share of steps where this rank was slowest", axis=alt.Axis(format="%")),
+            y="rank:O", tooltip=["rank", "p50_ms", "slowest_share", "skew_mean"]), width="stretch")
+        explain("Good: shares near 1/ranks. One rank slowest most of the time is a straggler (step skew = max/median − 1).")
+
+
+def page_gpu(reader: Any, run: str, win: dict[str, Any]) -> None:
+    mb = q(reader, "memory_budget", run_id=run)
+    st.subheader("Memory budget")
+    total = mb["gpu_total_bytes"]
+    if total:
+        weights = mb["weights_bytes"] or 0.0
+        kv = mb["kv_budget_bytes"] or 0.0
+        used = mb["gpu_used_bytes"] or 0.0
+        act = max(used - weights - kv, 0.0)
+        rows = [dict(split="measured", part=p, share=v / total) for p, v in
+                (("weights", weights), ("kv cache", kv), ("activations", act), ("margin", max(total - used, 0.0)))]
+        rows += [dict(split="recommended", part=p, share=v) for p, v in RECOMMENDED_SPLIT.items()]
+        st.altair_chart(alt.Chart(df(rows)).mark_bar().encode(
+            x=alt.X("share:Q", stack="normalize", axis=alt.Axis(format="%")), y="split:N", color="part:N",
+            tooltip=["split", "part", "share"]), width="stretch")
+        explain("Starting split: weights 30 / activations 20 / KV 45 / margin 5. Good: KV at or below ~80% of what "
+                "remains after weights; a thin margin risks OOM at activation peaks.")
+    else:
+        st.info(f"No GPU data for this run (no NVML samples). KV budget {gib(mb['kv_budget_bytes'])}, "
+                f"peak KV held {gib(mb['kv_peak_bytes'])}.")
+    g = df(q(reader, "gpu_timeline", run_id=run, bucket_s=win["bucket_s"]))
+    if not g.empty:
+        st.subheader("Utilisation and memory")
+        g["mem_share"] = g["mem_used_bytes"] / g["mem_total_bytes"]
+        m = g.melt(id_vars=["t_s", "gpu_index"], value_vars=["util_pct", "mem_share"], var_name="kind")
+        st.altair_chart(alt.Chart(m).mark_line().encode(x="t_s:Q", y="value:Q", color="kind:N",
+                                                        strokeDash="gpu_index:N"), width="stretch")
+        explain("Good: utilisation high while serving; memory flat (growth means leaks or an unbounded cache).")
+    mbu = [f for f in reader.findings(run) if "mbu" in str(f.get("evidence", {})).lower()]
+    if mbu:
+        st.subheader("Decode roofline")
+        st.json(mbu[0].get("evidence", {}), expanded=False)
+
+
+def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
+    runs = q(reader, "runs")
+    ids = [r["run_id"] for r in runs]
+    if len(ids) < 2:
+        st.info("One run in this store: run the workload again with one setting changed to compare.")
+        return
+    c = st.columns(2)
+    a = c[0].selectbox("Run A", ids, index=1)
+    b = c[1].selectbox("Run B", ids, index=0)
+    rows = q(reader, "run_compare", run_a=a, run_b=b)
+    keys = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "output_tokens_per_s", "finished", "aborted",
+            "preemptions")
+    st.dataframe(pd.DataFrame({r["run_id"]: [r.get(k) for k in keys] for r in rows}, index=list(keys)))
+    explain("Change one variable per run (KV budget, then quantization, then layout); compare TTFT, TPOT, "
+            "throughput and failures side by side.")
+
+
+RENDER = dict(zip(PAGES, (page_overview, page_phases, page_requests, page_kv, page_prefix, page_ranks, page_gpu,
+                          page_experiments)))
+
+
+def main() -> None:
+    st.set_page_config(page_title="phasescope", layout="wide")
+    target = target_from_argv(sys.argv)
+    try:
+        reader = reader_for(target)
+    except StoreBusyError as exc:
+        st.error(str(exc))
+        return
+    live = target.startswith("http")
+    st.sidebar.title("phasescope")
+    st.sidebar.caption(("live · " if live else "file · ") + target)
+    page = st.sidebar.radio("Page", PAGES, key="page")
+    runs = q(reader, "runs")
+    if not runs:
+        st.header(page)
+        st.info("No runs yet. Attach a probe (phasescope.agent.attach) or run `phasescope demo`.")
+        return
+    labels = {r["run_id"]: f"{r['run_id']} · {r['model']} · {r['runtime']}" for r in runs}
+    run = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
+    phases = q(reader, "step_timeline", run_id=run, bucket_s=1e9)
+    span = max(1.0, float(q(reader, "request_summary", run_id=run).get("span_s") or 1.0))
+    lo, hi = st.sidebar.slider("Time range (s since start)", 0.0, round(span + 1, 1), (0.0, round(span + 1, 1)),
+                               key="window")
+    bucket = max((hi - lo) / 60, 0.5)
+    win = {"since_s": lo, "until_s": hi if hi < span + 1 else None, "bucket_s": round(bucket, 2)}
+    refresh = st.sidebar.toggle("Auto-refresh (5 s)", value=live, key="refresh")
+    st.header(page)
+    if not phases:
+        st.caption("This run has no steps yet.")
+    RENDER[page](reader, run, win)
+    if refresh:
+        time.sleep(5)
+        st.rerun()
+
+
+main()
