@@ -1,0 +1,59 @@
+"""Fixture stores for the dashboard: empty, a real demo run, and a synthetic 2-rank GPU run."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from phasescope.agent import events as ev
+from phasescope.agent.store import Store
+
+
+def build_two_rank_store(path: str) -> str:
+    """Synthetic stated records: 2 TP ranks, rank 1 holds 30% more KV and is slower; NVML samples."""
+    store = Store(path)
+    # one host: probes and the sidecar's NVML sampler share CLOCK_MONOTONIC and its wall offset
+    base = time.monotonic_ns()
+    offset = time.time_ns() - time.monotonic_ns()
+    for rank in (0, 1):
+        sid = store.register_source(ev.Hello(base, offset, 100 + rank, rank, 2, "tp-run", "llama-70b", "vllm"))
+        recs: list = []
+        for i in range(200):
+            ts = base + i * 20_000_000
+            phase = ev.PHASE_PREFILL if i % 20 == 0 else ev.PHASE_DECODE
+            gpu_ms = (12.0 if rank == 0 else 15.0) + (30.0 if phase == ev.PHASE_PREFILL else 0.0)
+            recs.append(ev.Step(ts, i, rank, phase, 8, 2048 if phase == ev.PHASE_PREFILL else 0,
+                                0 if phase == ev.PHASE_PREFILL else 8, 4000 + i, gpu_ms * 1.1, gpu_ms))
+            used = 400 + i if rank == 0 else int((400 + i) * 1.3)
+            recs.append(ev.KVSnapshot(ts, rank, 16, 2000, used, 2000 - used, 0, 4, 8, 8, used * 16 - 100,
+                                      2000 - used, 10 * i, 8 * i, used * 2 * 80 * 8 * 128 * 2 * 16 // 2, "bfloat16"))
+            recs.append(ev.PrefixCounters(ts, rank, 1000 * i, 600 * i, 0, 2 * i))
+        for r in range(20):
+            rid = f"tp-{r}"
+            t0 = base + r * 150_000_000
+            recs += [ev.RequestEvent(t0, rank, ev.REQ_ARRIVAL, rid, 2048, 0),
+                     ev.RequestEvent(t0 + 5_000_000, rank, ev.REQ_SCHEDULED, rid, 0, 1024)]
+            recs += [ev.RequestEvent(t0 + (50 + 15 * k) * 1_000_000, rank, ev.REQ_TOKEN, rid, 1, 0) for k in range(30)]
+            recs.append(ev.RequestEvent(t0 + 500_000_000, rank, ev.REQ_FINISHED, rid, 30, 0))
+        store.append([(sid, recs)])
+    gpu = [ev.GpuSample(base + i * 500_000_000, g, 85.0, int(120e9), int(141e9), 600.0, 60.0, 1980.0, 0)
+           for i in range(10) for g in (0, 1)]
+    store.append([(0, gpu)])
+    store.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def stores(tmp_path_factory):
+    """name -> path of each fixture store."""
+    d = tmp_path_factory.mktemp("dash")
+    empty = str(d / "empty.duckdb")
+    Store(empty).close()
+    from phasescope.agent.demo import DemoConfig, run_demo
+
+    demo = str(d / "demo.duckdb")
+    run_demo(demo, DemoConfig(requests=16, seed=3, device="cpu"), quiet=True)
+    run_demo(demo, DemoConfig(requests=16, seed=4, device="cpu", num_pages=48), quiet=True)  # a second run
+    return {"empty": empty, "demo": demo, "two-rank": build_two_rank_store(str(d / "tp.duckdb"))}

@@ -1,0 +1,86 @@
+"""Every page of the app renders on every fixture store, headless (streamlit AppTest)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from phasescope.agent.reader import open_reader  # noqa: E402
+
+APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
+PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
+
+pytestmark = pytest.mark.slow
+
+
+def _app(path, monkeypatch) -> AppTest:
+    monkeypatch.setenv("PHASESCOPE_TARGET", path)
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.run()
+    return at
+
+
+@pytest.mark.parametrize("name", ["empty", "demo", "two-rank"])
+def test_every_page_renders_without_exception(stores, name, monkeypatch):
+    at = _app(stores[name], monkeypatch)
+    assert not at.exception
+    for page in PAGES:
+        at.sidebar.radio(key="page").set_value(page).run()
+        assert not at.exception, (name, page, [e.value for e in at.exception])
+        assert at.header[0].value == page
+        if name == "empty":
+            assert "No runs yet" in at.info[0].value
+
+
+def test_overview_shows_the_run_figures_and_diagnose_findings(stores, monkeypatch):
+    at = _app(stores["demo"], monkeypatch)
+    reader = open_reader(stores["demo"])
+    try:
+        run = at.sidebar.selectbox(key="run").value
+        summary = reader.query("request_summary", run_id=run)
+        findings = reader.findings(run)
+    finally:
+        reader.close()
+    ttft = next(m for m in at.metric if m.label.startswith("TTFT"))
+    assert ttft.value == f"{summary['ttft_p50_s'] * 1e3:.1f} ms"
+    titles = [e.label.split(" ", 1)[1] for e in at.expander]
+    assert sorted(titles) == sorted(f.get("title", f.get("id")) for f in findings)
+    if not findings:
+        assert "No findings" in at.success[0].value
+
+
+def test_requests_page_recomputes_slo_attainment_for_user_slos(stores, monkeypatch):
+    at = _app(stores["demo"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Requests").run()
+    run = at.sidebar.selectbox(key="run").value
+    at.number_input[0].set_value(10_000.0).run()  # a TTFT SLO nobody misses
+    at.number_input[1].set_value(10_000.0).run()
+    reader = open_reader(stores["demo"])
+    try:
+        finished = reader.query("request_summary", run_id=run)["finished"]
+    finally:
+        reader.close()
+    att = next(m for m in at.metric if m.label == "SLO attainment")
+    assert att.value == "100.0%" and f"{finished} of {finished}" in att.delta
+
+
+def test_ranks_and_gpu_pages_on_a_two_rank_run(stores, monkeypatch):
+    at = _app(stores["two-rank"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Ranks").run()
+    assert not at.exception and not at.info  # two ranks: no "one rank" notice
+    reader = open_reader(stores["two-rank"])
+    try:
+        steps = reader.query("rank_steps", run_id="tp-run")
+        kv = reader.query("rank_kv", run_id="tp-run", bucket_s=1.0)
+        budget = reader.query("memory_budget", run_id="tp-run")
+    finally:
+        reader.close()
+    assert [r["slowest_share"] for r in steps] == [0.0, 1.0]  # rank 1 is the straggler, every step
+    assert max(r["imbalance"] for r in kv) > 0.1
+    at.sidebar.radio(key="page").set_value("GPU").run()
+    assert not at.exception and not at.info  # NVML samples present: the budget bar, not the notice
+    assert budget["gpu_total_bytes"] == int(141e9) and budget["gpu_used_bytes"] == int(120e9)
