@@ -72,17 +72,17 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
     r = q(reader, "request_summary", run_id=run)
     c = st.columns(4)
     c[0].metric("TTFT p50 / p95 / p99", ms(r["ttft_p50_s"]), f"p95 {ms(r['ttft_p95_s'])} · p99 {ms(r['ttft_p99_s'])}",
-                delta_color="off")
+                delta_color="off", delta_arrow="off")
     c[1].metric("TPOT p50 / p95 / p99", ms(r["tpot_p50_s"]), f"p95 {ms(r['tpot_p95_s'])} · p99 {ms(r['tpot_p99_s'])}",
-                delta_color="off")
+                delta_color="off", delta_arrow="off")
     tps = r.get("output_tokens_per_s")
     c[2].metric("Throughput", "–" if tps is None else f"{tps:.0f} tok/s",
-                f"{r['finished']} of {r['requests']} requests finished", delta_color="off")
+                f"{r['finished']} of {r['requests']} requests finished", delta_color="off", delta_arrow="off")
     kv = q(reader, "kv_summary", run_id=run)
     px = q(reader, "prefix_summary", run_id=run)
     c[3].metric("KV usage mean / max", pct(kv[0]["block_usage_mean"]) if kv else "–",
                 f"max {pct(kv[0]['block_usage_max'])} · prefix hit {pct(px['hit_rate'])}" if kv else "no KV data",
-                delta_color="off")
+                delta_color="off", delta_arrow="off")
     st.subheader(f"Findings ({len(findings)})")
     explain("What phasescope's analyzers conclude from this run, most severe first, each with what to change.")
     if not findings:
@@ -134,7 +134,7 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
     slo = q(reader, "slo_attainment", run_id=run, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
     c = st.columns(3)
     c[0].metric("SLO attainment", pct(slo["attainment"]), f"{slo['both_ok']} of {slo['finished']} requests",
-                delta_color="off")
+                delta_color="off", delta_arrow="off")
     c[1].metric("Goodput", "–" if slo["goodput_req_per_s"] is None else f"{slo['goodput_req_per_s']:.2f} req/s")
     c[2].metric("Goodput tokens", "–" if slo["goodput_tokens_per_s"] is None else f"{slo['goodput_tokens_per_s']:.0f} tok/s")
     explain("Goodput counts only requests that met both SLOs. Good: attainment near 100% at the load you serve.")
@@ -196,7 +196,7 @@ def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
     c[0].metric("Hit rate", pct(px["hit_rate"]))
     c[1].metric("Hit / queried tokens", f"{px['hit_tokens'] or 0} / {px['queried_tokens'] or 0}")
     c[2].metric("Recomputed tokens", f"{px['recomputed_tokens'] or 0}", f"{px['preemptions']} preemptions",
-                delta_color="off")
+                delta_color="off", delta_arrow="off")
     c[3].metric("Evicted pages", f"{px['evicted_blocks'] or 0}")
     tl = df(q(reader, "prefix_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
               until_s=win["until_s"]))
