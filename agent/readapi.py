@@ -121,7 +121,7 @@ class ReadAPI:
 
     def _findings(self, run_id: str | None) -> dict[str, Any]:
         try:
-            from phasescope.analyzers import diagnose
+            from phasescope.analyzers.diagnose import diagnose
         except ImportError:
             return {"findings": [], "error": "analyzers not installed"}
         con = self._cursor()

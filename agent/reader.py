@@ -52,7 +52,7 @@ class FileReader:
 
     def findings(self, run_id: str | None = None) -> list[dict[str, Any]]:
         try:
-            from phasescope.analyzers import diagnose
+            from phasescope.analyzers.diagnose import diagnose
         except ImportError:
             return []
         from .readapi import _clean

@@ -313,15 +313,15 @@ def main() -> None:
         return
     labels = {r["run_id"]: f"{r['run_id']} · {r['model']} · {r['runtime']}" for r in runs}
     run = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
-    phases = q(reader, "step_timeline", run_id=run, bucket_s=1e9)
-    span = max(1.0, float(q(reader, "request_summary", run_id=run).get("span_s") or 1.0))
+    extent = q(reader, "run_span", run_id=run)
+    span = max(1.0, float(extent["span_s"]))
     lo, hi = st.sidebar.slider("Time range (s since start)", 0.0, round(span + 1, 1), (0.0, round(span + 1, 1)),
                                key="window")
     bucket = max((hi - lo) / 60, 0.5)
     win = {"since_s": lo, "until_s": hi if hi < span + 1 else None, "bucket_s": round(bucket, 2)}
     refresh = st.sidebar.toggle("Auto-refresh (5 s)", value=live, key="refresh")
     st.header(page)
-    if not phases:
+    if not extent["steps"]:
         st.caption("This run has no steps yet.")
     RENDER[page](reader, run, win)
     if refresh:
