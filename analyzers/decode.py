@@ -1,0 +1,111 @@
+"""Decode against its rooflines: memory-bandwidth utilisation (MBU) and GPU busy fraction.
+
+Needs GPU-timed decode steps, the model's geometry and the GPU's peaks; on CPU runs (no CUDA-event
+times) or without geometry / GPU the rules stay silent.
+"""
+
+from __future__ import annotations
+
+from .findings import Finding, ref
+from .geometry import ModelGeometry
+from .gpus import GpuSpec
+from .kvplan import kv_bytes_per_token_per_rank
+from .memory import GPU_SQL
+from .queries import one, world_size
+from .roofline import attention_flops, mfu
+
+DECODE_SQL = """WITH st AS (
+        SELECT t.* FROM steps t JOIN sources s USING (source_id)
+        WHERE s.run_id = $run AND t.rank = 0 AND NOT isnan(t.gpu_ms)),
+    d AS (SELECT gpu_ms, num_seqs, context_tokens,
+                 ($weight_bytes + context_tokens * $kv_per_token) / (gpu_ms / 1e3) / $peak_bw AS mbu
+          FROM st WHERE phase = 'decode')
+    SELECT count(*) AS decode_steps, quantile_cont(mbu, 0.5) AS mbu_p50, quantile_cont(mbu, 0.95) AS mbu_p95,
+           quantile_cont(gpu_ms, 0.5) AS decode_ms_p50, avg(num_seqs) AS batch_mean,
+           quantile_cont(context_tokens, 0.5) AS context_tokens_p50,
+           (SELECT sum(gpu_ms) FROM st) / nullif((SELECT (max(ts_ns) - min(ts_ns)) / 1e6 + arg_max(host_ms, ts_ns)
+                                                  FROM st), 0) AS busy_fraction_events
+    FROM d"""
+
+PREFILL_SQL = """SELECT t.gpu_ms, t.prefill_tokens, t.context_tokens FROM steps t JOIN sources s USING (source_id)
+    WHERE s.run_id = $run AND t.rank = 0 AND NOT isnan(t.gpu_ms) AND t.phase = 'prefill'"""
+
+
+def _kv_dtype(con, run_id: str, labels: dict) -> str:
+    r = con.execute("SELECT any_value(kv_dtype) FROM kv_snapshots k JOIN sources s USING (source_id) "
+                    "WHERE s.run_id = ?", [run_id]).fetchone()[0]
+    from .geometry import DTYPE_BYTES
+
+    for cand in (labels.get("kv_dtype"), r):
+        if cand and str(cand).lower() in DTYPE_BYTES:
+            return str(cand).lower()
+    return "bf16"
+
+
+def _measure(con, run_id: str, model: ModelGeometry, gpu: GpuSpec, labels: dict) -> dict:
+    tp = world_size(con, run_id)
+    kv_dt = _kv_dtype(con, run_id, labels)
+    wb = model.weight_bytes / tp
+    kvpt = kv_bytes_per_token_per_rank(model, tp, kv_dt)
+    sql = DECODE_SQL.replace("$weight_bytes", repr(wb)).replace("$kv_per_token", repr(kvpt)) \
+        .replace("$peak_bw", repr(gpu.mem_bw_bytes_s))
+    e = one(con, sql, run_id)
+    g = one(con, GPU_SQL, run_id)
+    e["util_pct_mean"] = g["util_pct_mean"]
+    e["busy_fraction"] = g["util_pct_mean"] / 100 if g["samples"] and g["util_pct_mean"] is not None \
+        else e["busy_fraction_events"]
+    e.update({"gpu": gpu.name, "peak_bw_bytes_s": gpu.mem_bw_bytes_s, "weight_bytes_per_rank": wb,
+              "kv_bytes_per_token_per_rank": kvpt, "kv_dtype": kv_dt, "tp": tp})
+    if e["decode_steps"]:
+        floor_s = (wb + (e["context_tokens_p50"] or 0) * kvpt) / gpu.mem_bw_bytes_s
+        e["decode_floor_ms"] = floor_s * 1e3
+    mfus = [mfu(model.params, n, ms / 1e3, gpu.flops(model.dtype), attention_flops(model, n, c), tp)
+            for ms, n, c in con.execute(PREFILL_SQL, {"run": run_id}).fetchall() if ms > 0 and n > 0]
+    mfus.sort()
+    e["prefill_mfu_p50"] = mfus[len(mfus) // 2] if mfus else None
+    e["query"] = sql + ";\n" + GPU_SQL + ";\n" + PREFILL_SQL
+    return e
+
+
+def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float = 0.6, target_mbu: float = 0.6,
+                    min_steps: int = 10, model: ModelGeometry | None = None, gpu: GpuSpec | None = None,
+                    labels: dict | None = None, **_: object) -> list[Finding]:
+    """`decode-below-roofline` when the median decode MBU is < `min_mbu`; `decode-launch-bound` when the
+    GPU busy fraction (NVML utilisation, else CUDA-event time over wall time) is < `min_busy`."""
+    if model is None or gpu is None:
+        return []
+    e = _measure(con, run_id, model, gpu, labels or {})
+    if (e["decode_steps"] or 0) < min_steps:
+        return []
+    out = []
+    th = {"min_mbu": min_mbu, "min_busy": min_busy, "target_mbu": target_mbu, "min_steps": min_steps}
+    busy = e["busy_fraction"]
+    if busy is not None and busy < min_busy:
+        out.append(Finding(
+            id="decode-launch-bound",
+            title="Decode is launch-bound: the GPU idles between kernels",
+            severity="warning",
+            evidence=e,
+            suggestion=("Capture decode in CUDA graphs (vLLM does by default unless --enforce-eager; torch.compile "
+                        "mode='reduce-overhead'; HF static cache + compile) to remove per-kernel launch cost, and "
+                        f"batch more sequences per step (mean batch now {e['batch_mean']:.1f})."),
+            expected_effect=(f"The GPU is busy {busy:.0%} of the time during decode; removing launch gaps brings a "
+                             f"{e['decode_ms_p50']:.2f} ms decode step toward ~{e['decode_ms_p50'] * busy:.2f} ms."),
+            reference=ref("Two species: prefill and decode"),
+            run_id=run_id, thresholds=th))
+    if e["mbu_p50"] < min_mbu:
+        target_ms = e["decode_floor_ms"] / target_mbu
+        out.append(Finding(
+            id="decode-below-roofline",
+            title=f"Decode runs at {e['mbu_p50']:.0%} of {gpu.name} memory bandwidth",
+            severity="warning",
+            evidence=e,
+            suggestion=("Decode is memory-bound: each step must read the weights and the KV. Raise the batch "
+                        f"(mean {e['batch_mean']:.1f} sequences per step; vLLM --max-num-seqs) so one weight read "
+                        "serves more tokens, use CUDA graphs if launch-bound, and fused / paged attention kernels."),
+            expected_effect=(f"Median decode step {e['decode_ms_p50']:.2f} ms against a bandwidth floor of "
+                             f"{e['decode_floor_ms']:.2f} ms (MBU {e['mbu_p50']:.0%}); at {target_mbu:.0%} MBU the "
+                             f"step takes ~{target_ms:.2f} ms, i.e. TPOT ~{e['decode_ms_p50'] / target_ms:.1f}x lower."),
+            reference=ref("Two species: prefill and decode"),
+            run_id=run_id, thresholds=th))
+    return out

@@ -1,0 +1,76 @@
+"""The façade: run every analyzer over one run and return its findings, most severe first.
+
+    con = duckdb.connect("run.duckdb", read_only=True)
+    findings = diagnose(con)                       # latest run, default thresholds
+    findings = diagnose(con, run_id, stall_ratio=4.0, model=load_config("config.json"), gpu="H100-SXM")
+
+Model geometry and the GPU come from the run's labels (`run_info`) unless given.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from phasescope.agent.queries import latest_run
+
+from .decode import decode_roofline
+from .findings import Finding, sort_findings
+from .geometry import ModelGeometry, geometry_from_labels
+from .gpus import GpuSpec, lookup
+from .kvcache import kv_external_fragmentation, kv_internal_fragmentation, kv_near_cap
+from .memory import gpu_memory_near_full, gpu_xid_errors, kv_budget_oom_risk
+from .prefill import prefill_stalls_decode
+from .prefix import prefix_hit_collapse
+from .queueing import ttft_queueing
+from .reliability import preemption_recompute, probe_dropping, survival_rate
+from .runinfo import read_run_info
+from .tp import tp_kv_head_replication, tp_kv_imbalance, tp_straggler
+
+Analyzer = Callable[..., list[Finding]]
+
+ANALYZERS: tuple[Analyzer, ...] = (
+    prefill_stalls_decode, ttft_queueing, decode_roofline,
+    kv_near_cap, kv_budget_oom_risk, kv_internal_fragmentation, kv_external_fragmentation,
+    prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
+    preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
+)
+CONTEXT = ("model", "gpu", "labels")
+
+
+def thresholds() -> dict[str, dict[str, Any]]:
+    """Every analyzer's named thresholds and their defaults."""
+    out = {}
+    for fn in ANALYZERS:
+        sig = inspect.signature(fn)
+        out[fn.__name__] = {n: p.default for n, p in sig.parameters.items()
+                            if p.kind is p.KEYWORD_ONLY and n not in CONTEXT}
+    return out
+
+
+def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None = None,
+             gpu: GpuSpec | str | None = None, **overrides: Any) -> list[Finding]:
+    """Findings of one run (default: the latest), most severe first. `overrides` set named thresholds
+    (an unknown name raises ValueError); `model` / `gpu` override the run's labels."""
+    known = {n for params in thresholds().values() for n in params}
+    unknown = set(overrides) - known
+    if unknown:
+        raise ValueError(f"unknown threshold(s) {sorted(unknown)}; known: {sorted(known)}")
+    run_id = run_id or latest_run(con)
+    if run_id is None:
+        return []
+    labels = read_run_info(con, run_id)
+    model = model or geometry_from_labels(labels)
+    if isinstance(gpu, str):
+        name = gpu
+        gpu = lookup(gpu)
+        if gpu is None:
+            raise ValueError(f"unknown GPU {name!r}")
+    gpu = gpu or lookup(labels.get("gpu_name"))
+    context = {"model": model, "gpu": gpu, "labels": labels}
+    findings: list[Finding] = []
+    for fn in ANALYZERS:
+        params = inspect.signature(fn).parameters
+        kw = {k: v for k, v in {**overrides, **context}.items() if k in params}
+        findings.extend(fn(con, run_id, **kw))
+    return sort_findings(findings)

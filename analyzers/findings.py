@@ -1,0 +1,67 @@
+"""The `Finding` record every analyzer returns, and the severity order."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SEVERITIES = ("critical", "warning", "info")
+_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+KNOWLEDGE = "shared/reference/tuning-knowledge.md"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis: what is wrong, the numbers that show it, and what to change.
+
+    `evidence` holds the measured numbers (units in the key names) and the SQL
+    that produced them under the key `query`. `reference` names the section of
+    tuning-knowledge.md the advice comes from.
+    """
+
+    id: str
+    title: str
+    severity: str  # 'info' | 'warning' | 'critical'
+    evidence: dict[str, Any]
+    suggestion: str
+    expected_effect: str
+    reference: str
+    run_id: str | None = None
+    thresholds: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.severity not in _RANK:
+            raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
+        if "query" not in self.evidence:
+            raise ValueError(f"finding {self.id!r}: evidence must carry the 'query' that produced it")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (NaN/inf become None)."""
+        return _clean(asdict(self))
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def severity_rank(severity: str) -> int:
+    """0 for critical, 1 warning, 2 info (sort key)."""
+    return _RANK[severity]
+
+
+def sort_findings(findings: list[Finding]) -> list[Finding]:
+    """Most severe first, then by id (stable, deterministic)."""
+    return sorted(findings, key=lambda f: (severity_rank(f.severity), f.id))
+
+
+def ref(section: str) -> str:
+    """A reference to a section of the tuning knowledge."""
+    return f"{KNOWLEDGE} § {section}"

@@ -1,0 +1,207 @@
+"""Paged KV cache: usage near its cap with preemptions, internal and external fragmentation."""
+
+from __future__ import annotations
+
+import math
+
+from phasescope.agent.kvmath import predicted_waste
+
+from .findings import Finding, ref
+from .geometry import DTYPE_BYTES, ModelGeometry
+from .kvplan import kv_bytes_per_token_per_rank
+from .queries import PREEMPTIONS, PREFIX_TOTALS, RUN_KV, one, rows
+
+USAGE_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
+    SELECT count(*) AS snapshots, max(used_pages / total_pages) AS block_usage_max,
+           quantile_cont(used_pages / total_pages, 0.95) AS block_usage_p95,
+           avg(used_pages / total_pages) AS block_usage_mean,
+           count(*) FILTER (WHERE used_pages / total_pages >= $near) / count(*) AS near_cap_share,
+           max(total_pages) AS total_pages, any_value(page_size_tokens) AS page_size,
+           max(kv_bytes / nullif(used_pages, 0)) AS bytes_per_page, any_value(kv_dtype) AS kv_dtype,
+           max(num_seqs) AS max_seqs, max(live_tokens) AS max_live_tokens
+    FROM k"""
+
+SEQ_LEN_SQL = """SELECT quantile_disc(prompt_tokens + output_tokens, 0.95) AS seq_tokens_p95,
+           max(prompt_tokens + output_tokens) AS seq_tokens_max, count(*) AS requests
+    FROM requests WHERE run_id = $run"""
+
+
+def _dtype_bytes(name: str | None) -> float | None:
+    return DTYPE_BYTES.get(str(name).lower()) if name else None
+
+
+def kv_near_cap(con, run_id: str, *, near_cap: float = 0.9, min_preemptions: int = 1,
+                critical_preempt_share: float = 0.1, model: ModelGeometry | None = None,
+                **_: object) -> list[Finding]:
+    """Fires when block usage reaches `near_cap` (fraction of pages) and >= `min_preemptions` requests
+    were preempted."""
+    e = one(con, USAGE_SQL, run_id, near=near_cap)
+    if not e["snapshots"] or e["block_usage_max"] < near_cap:
+        return []
+    pre = one(con, PREEMPTIONS, run_id)
+    if pre["preemptions"] < min_preemptions:
+        return []
+    px = one(con, PREFIX_TOTALS, run_id)
+    seq = one(con, SEQ_LEN_SQL, run_id)
+    e.update(pre)
+    e.update(seq)
+    e["recomputed_tokens"] = px["recomputed_tokens"]
+    cur = _dtype_bytes(e["kv_dtype"]) or 2.0
+    cap_tokens = e["total_pages"] * e["page_size"]
+    gains = {dt: cur / b for dt, b in (("fp8", 1.0), ("int8", 1.0)) if cur > b}
+    e["capacity_tokens"] = cap_tokens
+    e["capacity_tokens_fp8"] = int(cap_tokens * gains["fp8"]) if "fp8" in gains else cap_tokens
+    fit_now = cap_tokens // seq["seq_tokens_p95"] if seq["seq_tokens_p95"] else None
+    e["max_seqs_without_preemption"] = fit_now
+    e["query"] = USAGE_SQL.replace("$near", str(near_cap)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
+    parts = []
+    if gains:
+        g = gains["fp8"]
+        parts.append(f"quantize the KV cache to fp8 (or int8): {e['kv_dtype']} -> 1 byte per element holds "
+                     f"{g:g}x the tokens in the same memory ({cap_tokens} -> {int(cap_tokens * g)} tokens, "
+                     f"{fit_now} -> {int(cap_tokens * g) // seq['seq_tokens_p95']} sequences of "
+                     f"{seq['seq_tokens_p95']} tokens); near-lossless for most tasks, measure TPOT after")
+    parts.append(f"cap concurrent sequences at ~{fit_now} (vLLM --max-num-seqs; {e['max_seqs']} ran at once) so "
+                 "admitted requests keep their KV instead of being preempted")
+    if model is not None:
+        per_tok = kv_bytes_per_token_per_rank(model, 1, e["kv_dtype"] if _dtype_bytes(e["kv_dtype"]) else "bf16")
+        e["kv_bytes_per_token"] = per_tok
+        e["gqa_factor"] = model.gqa_factor
+        if model.kv_heads == model.heads:
+            parts.append(f"prefer a GQA model: with {model.heads} query heads over 8 KV heads, KV per token "
+                         f"shrinks {model.heads / 8:g}x")
+        else:
+            parts.append(f"the model already uses GQA ({model.heads} query / {model.kv_heads} KV heads)")
+    else:
+        parts.append("prefer models with grouped-query attention (fewer KV heads)")
+    share = pre["preempted_requests"] / seq["requests"] if seq["requests"] else 0.0
+    e["preempted_request_share"] = share
+    return [Finding(
+        id="kv-near-cap",
+        title="KV cache at its cap: requests preempted",
+        severity="critical" if share >= critical_preempt_share else "warning",
+        evidence=e,
+        suggestion="; ".join(parts).capitalize() + ".",
+        expected_effect=(f"Block usage peaked at {e['block_usage_max']:.0%} ({e['near_cap_share']:.0%} of snapshots "
+                         f">= {near_cap:.0%}); {pre['preemptions']} preemptions of {pre['preempted_requests']} requests "
+                         f"({share:.0%}) recomputed {px['recomputed_tokens'] or 0} tokens. "
+                         + (f"fp8 KV gives {gains['fp8']:g}x the capacity; " if gains else "")
+                         + "preemptions stop once the peak working set fits."),
+        reference=ref("KV cache geometry"),
+        run_id=run_id,
+        thresholds={"near_cap": near_cap, "min_preemptions": min_preemptions,
+                    "critical_preempt_share": critical_preempt_share},
+    )]
+
+
+INTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
+    SELECT count(*) FILTER (WHERE used_pages > 0) AS snapshots,
+           avg(CASE WHEN used_pages > 0 THEN 1 - live_tokens / (used_pages * page_size_tokens) END)
+               AS internal_fragmentation_mean,
+           avg(used_pages) FILTER (WHERE used_pages > 0) AS used_pages_mean,
+           any_value(page_size_tokens) AS page_size
+    FROM k"""
+
+# every length a sequence holds while it decodes: prompt + k tokens, k = 0 .. output - 1
+LENGTHS_SQL = """SELECT prompt_tokens + k AS tokens
+    FROM requests, range(greatest(output_tokens, 1)::BIGINT) AS r(k) WHERE run_id = $run AND prompt_tokens > 0"""
+
+
+def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = 0.25,
+                              target_fragmentation: float = 0.10, min_page_size: int = 16,
+                              **_: object) -> list[Finding]:
+    """Fires when the mean internal fragmentation (slack inside used pages, a fraction) is
+    >= `max_internal_fragmentation`; suggests the largest smaller page size (a power of two, at least
+    `min_page_size`) whose predicted waste is <= `target_fragmentation`."""
+    e = one(con, INTERNAL_SQL, run_id)
+    if not e["snapshots"] or e["internal_fragmentation_mean"] < max_internal_fragmentation:
+        return []
+    lengths = [r["tokens"] for r in rows(con, LENGTHS_SQL, run_id)]
+    page = e["page_size"]
+    candidates = []
+    p = page // 2
+    while p >= min_page_size:
+        candidates.append(p)
+        p //= 2
+    predicted = {p: predicted_waste(lengths, p) for p in [page] + candidates}
+    choice = next((p for p in candidates if predicted[p] <= target_fragmentation),
+                  candidates[-1] if candidates else page)
+    e["predicted_waste_by_page_size"] = predicted
+    e["predicted_waste_current"] = predicted[page]
+    e["suggested_page_size"] = choice
+    e["predicted_waste_suggested"] = predicted[choice]
+    x, y = e["internal_fragmentation_mean"], predicted[choice]
+    saved = 1 - (1 - x) / (1 - y) if y < 1 else 0.0
+    e["used_pages_saved_share"] = saved
+    e["query"] = INTERNAL_SQL + ";\n" + LENGTHS_SQL
+    return [Finding(
+        id="kv-internal-fragmentation",
+        title="KV pages are mostly empty (internal fragmentation)",
+        severity="warning",
+        evidence=e,
+        suggestion=(f"Use a smaller KV page (block) size: {choice} tokens instead of {page} (vLLM --block-size, HF "
+                    "page_size). Smaller pages cost a larger page table and slightly less efficient attention "
+                    "kernels; stay at a size the attention backend supports (16 is the common default)."),
+        expected_effect=(f"Measured slack inside used pages averages {x:.1%} at {page} tokens per page (predicted "
+                         f"{predicted[page]:.1%} from the requests' lengths); at {choice} tokens the predicted "
+                         f"waste is {y:.1%}, so the same tokens need ~{saved:.0%} fewer pages (room for more "
+                         "concurrent sequences)."),
+        reference=ref("KV cache geometry"),
+        run_id=run_id,
+        thresholds={"max_internal_fragmentation": max_internal_fragmentation,
+                    "target_fragmentation": target_fragmentation, "min_page_size": min_page_size},
+    )]
+
+
+EXTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
+    SELECT count(*) AS snapshots,
+           avg(CASE WHEN free_pages > 0 THEN 1 - largest_free_run / free_pages END) AS external_fragmentation_mean,
+           count(*) FILTER (WHERE free_pages >= $need) AS snapshots_with_room,
+           count(*) FILTER (WHERE free_pages >= $need AND largest_free_run < $need) AS snapshots_blocked,
+           (max(pages_allocated_total) - min(pages_allocated_total))
+               / nullif((max(ts_ns) - min(ts_ns)) / 1e9, 0) AS pages_allocated_per_s,
+           max(total_pages) AS total_pages, any_value(page_size_tokens) AS page_size
+    FROM k"""
+
+
+def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: float = 0.25,
+                              max_blocked_share: float = 0.25, min_turnover_per_s: float = 0.1,
+                              **_: object) -> list[Finding]:
+    """Fires under churn (pages allocated per second >= `min_turnover_per_s` x total pages) when free
+    pages are scattered: mean external fragmentation >= `max_external_fragmentation` and, in >=
+    `max_blocked_share` of the snapshots whose free pages would hold a p95-long request, no contiguous
+    run would."""
+    seq = one(con, SEQ_LEN_SQL, run_id)
+    page = one(con, f"SELECT any_value(page_size_tokens) AS p FROM ({RUN_KV})", run_id)["p"]
+    if not seq["seq_tokens_p95"] or not page:
+        return []
+    need = math.ceil(seq["seq_tokens_p95"] / page)
+    e = one(con, EXTERNAL_SQL, run_id, need=need)
+    if not e["snapshots"] or e["external_fragmentation_mean"] is None or not e["snapshots_with_room"]:
+        return []
+    turnover = (e["pages_allocated_per_s"] or 0) / e["total_pages"]
+    blocked = e["snapshots_blocked"] / e["snapshots_with_room"]
+    e.update({"pages_needed_p95_request": need, "seq_tokens_p95": seq["seq_tokens_p95"],
+              "turnover_per_s": turnover, "blocked_share": blocked})
+    if (e["external_fragmentation_mean"] < max_external_fragmentation or blocked < max_blocked_share
+            or turnover < min_turnover_per_s):
+        return []
+    e["query"] = SEQ_LEN_SQL + ";\n" + EXTERNAL_SQL.replace("$need", str(need))
+    return [Finding(
+        id="kv-external-fragmentation",
+        title="Free KV pages are scattered under churn (external fragmentation)",
+        severity="info",
+        evidence=e,
+        suggestion=("Harmless to a paged-attention runtime that maps pages through a page table (vLLM, HF "
+                    "continuous batching); it matters to allocators that need contiguous runs. There: allocate in "
+                    "fewer, larger fixed-size units (control allocation size and count), compact or defragment "
+                    "periodically, and check whether the service allocates and frees quickly (reuse buffers)."),
+        expected_effect=(f"Pages turn over {turnover:.2f}x per second; free pages are {e['external_fragmentation_mean']:.0%} "
+                         f"scattered on average, and in {e['snapshots_blocked']} of {e['snapshots_with_room']} snapshots "
+                         f"({blocked:.0%}) a p95 request ({need} pages) would fit the free pages but no contiguous run. "
+                         "Compaction would make those allocations succeed without preemption."),
+        reference=ref("Lessons from production"),
+        run_id=run_id,
+        thresholds={"max_external_fragmentation": max_external_fragmentation,
+                    "max_blocked_share": max_blocked_share, "min_turnover_per_s": min_turnover_per_s},
+    )]

@@ -1,0 +1,84 @@
+"""Long prefills stalling decode: decode steps that share a forward with a long prefill vs pure decode steps."""
+
+from __future__ import annotations
+
+from .findings import Finding, ref
+from .queries import RUN_STEPS, one, page_size
+
+STALL_SQL = f"""WITH st AS ({RUN_STEPS})
+    SELECT count(*) FILTER (WHERE phase = 'decode') AS pure_decode_steps,
+           quantile_cont(ms, 0.5) FILTER (WHERE phase = 'decode') AS pure_decode_p50_ms,
+           count(*) FILTER (WHERE decode_tokens > 0) AS decode_steps,
+           count(*) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cosched_steps,
+           quantile_cont(ms, 0.5) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cosched_p50_ms,
+           quantile_cont(ms, 0.95) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cosched_p95_ms,
+           max(prefill_tokens) AS max_prefill_tokens_per_step,
+           sum(decode_tokens) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS stalled_decode_tokens
+    FROM st"""
+
+# extra step time per prefill token of the co-scheduled steps: median of (step - pure decode p50) / prefill tokens
+EXTRA_SQL = f"""WITH st AS ({RUN_STEPS})
+    SELECT quantile_cont((ms - $decode_ms) / prefill_tokens, 0.5) AS ms_per_prefill_token
+    FROM st WHERE decode_tokens > 0 AND prefill_tokens >= $long"""
+
+TPOT_SQL = "SELECT quantile_cont(tpot_s, 0.5) AS tpot_p50_s, quantile_cont(tpot_s, 0.95) AS tpot_p95_s FROM requests WHERE run_id = $run"
+
+
+def suggest_chunk(pure_decode_ms: float, ms_per_token: float | None, target_ratio: float, page: int,
+                  max_prefill: int, min_chunk: int = 64) -> int:
+    """Largest chunk (a multiple of the page size, at least `min_chunk` tokens and one page) whose extra
+    step time keeps a co-scheduled decode step within `target_ratio` x a pure decode step."""
+    if not ms_per_token or ms_per_token <= 0:
+        return max(page, min(512, max_prefill // 2 // page * page))
+    chunk = int((target_ratio - 1.0) * pure_decode_ms / ms_per_token)
+    chunk = max(chunk, min_chunk) // page * page
+    return max(page, min(chunk, max(page, (max_prefill - 1) // page * page)))
+
+
+def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = 128, stall_ratio: float = 3.0,
+                          critical_ratio: float = 10.0, min_steps: int = 5, target_ratio: float = 2.0,
+                          min_chunk_tokens: int = 64,
+                          **_: object) -> list[Finding]:
+    """Fires when decode steps co-scheduled with prefills of >= `long_prefill_tokens` tokens take
+    >= `stall_ratio` x the median pure decode step (step times in ms, medians)."""
+    e = one(con, STALL_SQL, run_id, long=long_prefill_tokens)
+    if (e["pure_decode_steps"] or 0) < min_steps or (e["cosched_steps"] or 0) < min_steps:
+        return []
+    ratio = e["cosched_p50_ms"] / e["pure_decode_p50_ms"]
+    if ratio < stall_ratio:
+        return []
+    slope = one(con, EXTRA_SQL, run_id, decode_ms=e["pure_decode_p50_ms"], long=long_prefill_tokens)["ms_per_prefill_token"]
+    page = page_size(con, run_id) or 16
+    chunk = suggest_chunk(e["pure_decode_p50_ms"], slope, target_ratio, page,
+                          e["max_prefill_tokens_per_step"], min_chunk_tokens)
+    slope = max(slope or 0.0, 0.0)
+    expected_ms = e["pure_decode_p50_ms"] + slope * chunk
+    tpot = one(con, TPOT_SQL, run_id)
+    evidence = {
+        **e, "stall_ratio": ratio, "cosched_share": e["cosched_steps"] / e["decode_steps"],
+        "ms_per_prefill_token": slope, "page_size": page,
+        "suggested_chunk_tokens": chunk, **tpot,
+        "query": (STALL_SQL + ";\n" + EXTRA_SQL.replace("$decode_ms", "<pure_decode_p50_ms>")).replace(
+            "$long", str(long_prefill_tokens)),
+    }
+    return [Finding(
+        id="prefill-stalls-decode",
+        title="Long prefills stall decode steps",
+        severity="critical" if ratio >= critical_ratio else "warning",
+        evidence=evidence,
+        suggestion=(f"Enable chunked prefill with a chunk of ~{chunk} tokens (vLLM: --enable-chunked-prefill "
+                    f"--max-num-batched-tokens {chunk}; HF continuous batching: max_batch_tokens={chunk}) so long "
+                    "prompts are split between decode steps. Cost: slightly lower prefill efficiency. If TTFT is the "
+                    "tighter SLO, consider prefill/decode disaggregation instead."),
+        expected_effect=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran next to a prefill of "
+                         f">= {long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x the "
+                         f"{e['pure_decode_p50_ms']:.1f} ms of a pure decode step; at {slope:.3f} ms per prefill "
+                         f"token a {chunk}-token chunk keeps them near {expected_ms:.1f} ms "
+                         f"(~{expected_ms / e['pure_decode_p50_ms']:.1f}x), cutting the TPOT tail "
+                         f"(p95 now {(tpot['tpot_p95_s'] or 0) * 1e3:.1f} ms)."),
+        reference=ref("Prefill side"),
+        run_id=run_id,
+        thresholds={"long_prefill_tokens": long_prefill_tokens, "stall_ratio": stall_ratio,
+                    "critical_ratio": critical_ratio, "min_steps": min_steps, "target_ratio": target_ratio,
+                    "min_chunk_tokens": min_chunk_tokens},
+    )]

@@ -1,0 +1,71 @@
+"""Named queries the analyzers share (aggregated in DuckDB), on top of `agent.queries`.
+
+Each returns plain numbers together with the SQL text that produced them, so a
+finding can cite its query. Step time is the CUDA-event time when the step was
+timed, else the host time (`agent.queries.STEP_MS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+
+from phasescope.agent.queries import STEP_MS
+
+# steps of one run on its lowest rank (rank-level rules read every rank themselves)
+RUN_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+    WHERE s.run_id = $run AND t.rank = (SELECT min(t2.rank) FROM steps t2 JOIN sources s2 USING (source_id)
+                                        WHERE s2.run_id = $run)"""
+RUN_KV = """SELECT k.* FROM kv_snapshots k JOIN sources s USING (source_id) WHERE s.run_id = $run"""
+RUN_REQUESTS = "SELECT * FROM requests WHERE run_id = $run"
+
+
+def one(con: duckdb.DuckDBPyConnection, sql: str, run_id: str, **params: Any) -> dict[str, Any]:
+    """Run `sql` (which may use $run and the named params) and return its single row as a dict."""
+    cur = con.execute(sql, {"run": run_id, **params})
+    names = [d[0] for d in cur.description]
+    row = cur.fetchone()
+    return dict(zip(names, row)) if row else {n: None for n in names}
+
+
+def rows(con: duckdb.DuckDBPyConnection, sql: str, run_id: str, **params: Any) -> list[dict[str, Any]]:
+    cur = con.execute(sql, {"run": run_id, **params})
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r)) for r in cur.fetchall()]
+
+
+PREFILL_COST = f"""WITH st AS ({RUN_STEPS})
+    SELECT quantile_cont(ms / prefill_tokens, 0.5) AS ms_per_prefill_token, count(*) AS steps
+    FROM st WHERE prefill_tokens >= $min_tokens"""
+
+
+def prefill_cost(con: duckdb.DuckDBPyConnection, run_id: str, min_tokens: int = 32) -> dict[str, Any]:
+    """Median step time per prefill token (ms; the step's fixed cost included, an upper bound) over steps
+    that prefill at least `min_tokens` tokens. Robust to the odd slow step, unlike a regression."""
+    out = one(con, PREFILL_COST, run_id, min_tokens=min_tokens)
+    out["query"] = PREFILL_COST.replace("$min_tokens", str(min_tokens))
+    return out
+
+
+PAGE_SIZE = f"SELECT any_value(page_size_tokens) AS page_size FROM ({RUN_KV}) WHERE total_pages > 0"
+
+
+def page_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
+    return one(con, PAGE_SIZE, run_id)["page_size"]
+
+
+PREEMPTIONS = """SELECT count(*) AS preemptions, count(DISTINCT request_id) AS preempted_requests
+    FROM request_events r JOIN sources s USING (source_id) WHERE s.run_id = $run AND r.event = 'preempted'"""
+
+PREFIX_TOTALS = """WITH last AS (
+        SELECT p.source_id, max(queried_tokens_total) AS q, max(hit_tokens_total) AS h,
+               max(recomputed_tokens_total) AS r, max(evicted_blocks_total) AS e
+        FROM prefix_counters p JOIN sources s USING (source_id) WHERE s.run_id = $run GROUP BY p.source_id)
+    SELECT sum(q) AS queried_tokens, sum(h) AS hit_tokens, sum(r) AS recomputed_tokens, sum(e) AS evicted_blocks
+    FROM last"""
+
+
+def world_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    r = con.execute("SELECT max(world_size) FROM sources WHERE run_id = ?", [run_id]).fetchone()[0]
+    return int(r or 1)

@@ -1,0 +1,61 @@
+"""TTFT dominated by queueing: requests wait to be scheduled longer than their prefill takes."""
+
+from __future__ import annotations
+
+from .findings import Finding, ref
+from .queries import RUN_STEPS, one
+
+QUEUE_SQL = """SELECT count(*) AS requests,
+           quantile_cont(ttft_s, 0.5) AS ttft_p50_s, quantile_cont(ttft_s, 0.95) AS ttft_p95_s,
+           quantile_cont(queue_s, 0.5) AS queue_p50_s, quantile_cont(queue_s, 0.95) AS queue_p95_s,
+           quantile_cont(prefill_s, 0.5) AS prefill_p50_s, quantile_cont(prefill_s, 0.95) AS prefill_p95_s,
+           sum(queue_s) / sum(ttft_s) AS queue_share_of_ttft,
+           count(*) / nullif((max(arrival_ns) - min(arrival_ns)) / 1e9, 0) AS arrival_rate_per_s,
+           sum(prompt_tokens - coalesce(cached_tokens, 0))
+               / nullif((max(arrival_ns) - min(arrival_ns)) / 1e9, 0) AS prefill_demand_tokens_per_s
+    FROM requests WHERE run_id = $run AND ttft_s IS NOT NULL"""
+
+CAPACITY_SQL = f"""WITH st AS ({RUN_STEPS})
+    SELECT sum(prefill_tokens) / (sum(ms) / 1e3) AS prefill_capacity_tokens_per_s,
+           max(prefill_tokens) AS max_prefill_tokens_per_step,
+           count(*) FILTER (WHERE prefill_tokens + decode_tokens >= 0.9 * (SELECT max(prefill_tokens + decode_tokens) FROM st))
+               / count(*) AS budget_saturated_share
+    FROM st WHERE prefill_tokens > 0"""
+
+
+def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s: float = 0.05,
+                  critical_queue_p50_s: float = 1.0, **_: object) -> list[Finding]:
+    """Fires when queueing is >= `queue_share` of the summed TTFT and the median queue time is
+    >= `min_queue_p50_s` seconds."""
+    e = one(con, QUEUE_SQL, run_id)
+    if not e["requests"] or e["queue_share_of_ttft"] is None:
+        return []
+    if e["queue_share_of_ttft"] < queue_share or e["queue_p50_s"] < min_queue_p50_s:
+        return []
+    cap = one(con, CAPACITY_SQL, run_id)
+    e.update(cap)
+    util = (e["prefill_demand_tokens_per_s"] / cap["prefill_capacity_tokens_per_s"]
+            if e["prefill_demand_tokens_per_s"] and cap["prefill_capacity_tokens_per_s"] else None)
+    e["prefill_utilization"] = util
+    e["query"] = QUEUE_SQL + ";\n" + CAPACITY_SQL
+    load = (f" Offered prefill load is {e['prefill_demand_tokens_per_s']:.0f} tokens/s against a measured "
+            f"prefill rate of {cap['prefill_capacity_tokens_per_s']:.0f} tokens/s ({util:.0%})." if util else "")
+    return [Finding(
+        id="ttft-queueing",
+        title="TTFT is dominated by queueing",
+        severity="critical" if e["queue_p50_s"] >= critical_queue_p50_s else "warning",
+        evidence=e,
+        suggestion=("Add prefill capacity: raise the per-step token budget (vLLM --max-num-batched-tokens, HF "
+                    f"max_batch_tokens; the largest step prefilled {cap['max_prefill_tokens_per_step']} tokens), add "
+                    "replicas, or disaggregate prefill and decode onto separate instances so prefill scales on its "
+                    "own. Reject or redirect new requests at the door when the queue grows (overload protection)."
+                    + load),
+        expected_effect=(f"Queueing is {e['queue_share_of_ttft']:.0%} of TTFT (median queue "
+                         f"{e['queue_p50_s'] * 1e3:.0f} ms of a {e['ttft_p50_s'] * 1e3:.0f} ms median TTFT). Removing "
+                         f"it brings TTFT toward the prefill time itself: median {e['prefill_p50_s'] * 1e3:.0f} ms, "
+                         f"p95 {e['prefill_p95_s'] * 1e3:.0f} ms (TTFT p95 now {e['ttft_p95_s'] * 1e3:.0f} ms)."),
+        reference=ref("Prefill side"),
+        run_id=run_id,
+        thresholds={"queue_share": queue_share, "min_queue_p50_s": min_queue_p50_s,
+                    "critical_queue_p50_s": critical_queue_p50_s},
+    )]

@@ -1,0 +1,74 @@
+"""Run labels: `run_info(run_id, key, value)` rows the analyzers read when present.
+
+The probe does not send model geometry, GPU names or experiment labels yet, so
+offline files (and scenario fixtures) get them with `record_run_info`. Live runs
+should label every run — the config values an experiment varies (`kv_dtype`,
+`kv_budget_gib`, `max_num_seqs`, `tp`, ...) plus the model and GPU keys below —
+so that `phasescope compare` and the roofline / planner rules have them.
+
+Well-known keys (all values are stored as text):
+- model: `model_layers`, `model_heads`, `model_kv_heads`, `model_head_dim`,
+  `model_hidden`, `model_intermediate`, `model_vocab`, `model_params`,
+  `model_dtype`, `model_tied_embeddings`
+- GPU: `gpu_name` (an NVML name or a key of `gpus.GPUS`), `gpu_mem_bytes`
+- deployment: `tp` (ranks), `kv_dtype`, `max_num_seqs`, `context_tokens`
+- workload: `shared_prefix_tokens` (tokens every prompt shares), `prefix_position`
+  ("first" or "last")
+- `oom_total` (out-of-memory errors the server counted)
+
+Schema addition (to move into agent/schema.py):
+    CREATE TABLE IF NOT EXISTS run_info (run_id VARCHAR, key VARCHAR, value VARCHAR,
+                                         PRIMARY KEY (run_id, key))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import duckdb
+
+RUN_INFO_DDL = ("CREATE TABLE IF NOT EXISTS run_info "
+                "(run_id VARCHAR, key VARCHAR, value VARCHAR, PRIMARY KEY (run_id, key))")
+
+
+def record_run_info(target: str | duckdb.DuckDBPyConnection, run_id: str,
+                    labels: Mapping[str, Any] | None = None, **kv: Any) -> None:
+    """Write (or overwrite) labels of `run_id` into a DuckDB file no agent holds, or a writable connection."""
+    items = {**(labels or {}), **kv}
+    con = duckdb.connect(target) if isinstance(target, str) else target
+    try:
+        con.execute(RUN_INFO_DDL)
+        for key, value in items.items():
+            con.execute("INSERT OR REPLACE INTO run_info VALUES (?, ?, ?)", [run_id, str(key), _text(value)])
+    finally:
+        if isinstance(target, str):
+            con.close()
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def has_run_info(con: duckdb.DuckDBPyConnection) -> bool:
+    return bool(con.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'run_info'").fetchone()[0])
+
+
+def read_run_info(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str]:
+    """Labels of one run ({} when the table or the run is absent)."""
+    if not has_run_info(con):
+        return {}
+    rows = con.execute("SELECT key, value FROM run_info WHERE run_id = ? ORDER BY key", [run_id]).fetchall()
+    return dict(rows)
+
+
+def as_number(value: str | None) -> float | None:
+    """A label as a number (None when absent or not numeric)."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None

@@ -1,0 +1,283 @@
+"""Scenario fixtures: each one a stated configuration that makes one rule fire (or none).
+
+Real scenarios run the demo runtime (a random-weight Llama served by HF
+continuous batching on CPU, probe and sidecar attached) with a stated
+`DemoConfig`; `prefix-miss` serves the demo's own workload with the shared
+system prompt moved behind the variable part. Synthetic scenarios — the cases
+no runtime produces on CPU (TP ranks, GPU memory, NVML, rooflines, probe drops)
+— write stated records through `Store`.
+
+A built scenario is a folder `tests/data/<name>/` with `config.json` (the
+configuration, notes and run labels) and one zstd Parquet file per table (a few
+KB each; the DuckDB file itself is ~2 MB of mostly empty blocks). `load()`
+turns the folder back into a DuckDB file with the store's schema.
+
+    python -m phasescope.analyzers.scenarios build            # all, into tests/data
+    python -m phasescope.analyzers.scenarios build healthy kv-pressure --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+
+from .runinfo import RUN_INFO_DDL, record_run_info
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
+TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples",
+          "probe_health", "run_info")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    kind: str  # "demo" | "prefix-last" | "synthetic"
+    notes: str
+    expect: tuple[str, ...]  # finding ids that must fire (none for healthy)
+    demo: dict[str, Any] = field(default_factory=dict)  # DemoConfig overrides
+    labels: dict[str, Any] = field(default_factory=dict)  # run_info rows
+
+
+# --- real runs of the demo runtime ---
+
+def _demo_config(overrides: dict[str, Any]) -> Any:
+    from phasescope.agent.demo import DemoConfig
+
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+    return DemoConfig(device="cpu", **kw)
+
+
+def prefix_last_workload(cfg: Any) -> list[Any]:
+    """The demo's workload with the shared system prompt placed *after* the variable part."""
+    from phasescope.agent.demo import DemoRequest, make_workload
+
+    out = []
+    for r in make_workload(cfg):
+        system = r.prompt[1:1 + cfg.system_prompt_tokens]
+        user = r.prompt[1 + cfg.system_prompt_tokens:]
+        out.append(DemoRequest(r.request_id, [1] + user + system, r.output_tokens, r.arrival_offset_s))
+    return out
+
+
+def run_workload(db_path: str, cfg: Any, workload: list[Any]) -> str:
+    """Serve `workload` like `run_demo` does (HF continuous batching, probe, in-process sidecar); returns the run id."""
+    from phasescope.agent.adapters.hf_cb import HFContinuousBatching
+    from phasescope.agent.demo import build_model, serve_cb
+    from phasescope.agent.probe import attach
+    from phasescope.agent.sidecar import Sidecar
+    from phasescope.agent.transport import Address
+
+    model, _ = build_model(cfg)
+    tmp = tempfile.mkdtemp(prefix="ps-scn-", dir="/tmp")
+    sidecar = Sidecar(db_path, listen=[Address("unix", os.path.join(tmp, "agent.sock"), 0)],
+                      batch_interval_s=0.1).start()
+    probe = None
+    try:
+        probe = attach(model, agent=f"unix:{tmp}/agent.sock", runtime="hf-cb", flush_interval_s=0.05)
+        adapter = HFContinuousBatching(probe).instrument_model(model)
+        serve_cb(model, adapter, workload, cfg)
+        adapter.detach()
+        run_id = probe.run_id
+        probe.close()
+        sidecar.wait_rows(lambda: sidecar.stats.open_connections == 0 and sidecar._queue.empty(), 10)
+    finally:
+        if probe is not None:
+            probe.close()
+        sidecar.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return run_id
+
+
+def _demo_labels(cfg: Any) -> dict[str, Any]:
+    """Run labels of a demo config: its knobs and the model geometry (random weights, fp32 on CPU)."""
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("extra", "device")}
+    out.update({"model_layers": cfg.layers, "model_heads": cfg.heads, "model_kv_heads": cfg.kv_heads,
+                "model_head_dim": cfg.hidden_size // cfg.heads, "model_hidden": cfg.hidden_size,
+                "model_intermediate": cfg.hidden_size * 11 // 4, "model_vocab": cfg.vocab_size,
+                "model_dtype": "float32", "tp": 1, "kv_dtype": "float32"})
+    return out
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("healthy", "demo",
+             "Light load, short prompts behind a shared system prompt, ample KV pages of 16 tokens, "
+             "a prefill budget that covers every prompt in one step.",
+             expect=(),
+             demo=dict(requests=24, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
+                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
+                       page_size=16, num_pages=512, max_batch_tokens=256),
+             labels=dict(shared_prefix_tokens=65, prefix_position="first")),
+    Scenario("prefill-interference", "demo",
+             "Long prompts (1-1.5k tokens) prefilled whole (token budget 4096, so never chunked) while "
+             "other requests decode long outputs: decode steps share the forward with long prefills.",
+             expect=("prefill-stalls-decode",),
+             demo=dict(requests=20, arrival_rate_per_s=3.0, system_prompt_tokens=32, short_prompt=[8, 32],
+                       long_prompt=[1024, 1536], long_prompt_share=0.5, short_output=[32, 64],
+                       long_output=[96, 160], long_output_share=0.5, page_size=32, num_pages=1024,
+                       max_batch_tokens=4096),
+             labels=dict(shared_prefix_tokens=33, prefix_position="first")),
+    Scenario("kv-pressure", "demo",
+             "A KV cache of 24 pages x 32 tokens (768 tokens) under long prompts and outputs: the cache "
+             "fills and requests are preempted and recomputed.",
+             expect=("kv-near-cap", "preemption-recompute"),
+             demo=dict(requests=24, arrival_rate_per_s=12.0, system_prompt_tokens=32, short_prompt=[32, 96],
+                       long_prompt=[192, 320], long_prompt_share=0.5, short_output=[16, 48],
+                       long_output=[96, 160], long_output_share=0.5, page_size=32, num_pages=24,
+                       max_batch_tokens=256),
+             labels=dict(shared_prefix_tokens=33, prefix_position="first")),
+    Scenario("internal-fragmentation", "demo",
+             "Pages of 256 tokens holding short sequences (16-token system prompt, 8-48-token prompts, "
+             "4-16 output tokens): most of every page is empty.",
+             expect=("kv-internal-fragmentation",),
+             demo=dict(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=16, short_prompt=[8, 48],
+                       long_prompt_share=0.0, short_output=[4, 16], long_output_share=0.0,
+                       page_size=256, num_pages=64, max_batch_tokens=256),
+             labels=dict(shared_prefix_tokens=17, prefix_position="first")),
+    Scenario("queueing", "demo",
+             "Arrivals at 40/s against a prefill budget of 64 tokens per step: requests wait to be "
+             "scheduled far longer than their prefill takes.",
+             expect=("ttft-queueing",),
+             demo=dict(requests=32, arrival_rate_per_s=40.0, system_prompt_tokens=32, short_prompt=[32, 96],
+                       long_prompt_share=0.0, short_output=[4, 12], long_output_share=0.0,
+                       page_size=16, num_pages=512, max_batch_tokens=64),
+             labels=dict(shared_prefix_tokens=33, prefix_position="first")),
+    Scenario("prefix-miss", "prefix-last",
+             "Every prompt carries the same 128-token system prompt, but after the variable user part, "
+             "so no prompt shares a leading page with another.",
+             expect=("prefix-hit-collapse",),
+             demo=dict(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=128, short_prompt=[8, 48],
+                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
+                       page_size=16, num_pages=512, max_batch_tokens=256),
+             labels=dict(shared_prefix_tokens=128, prefix_position="last")),
+    Scenario("service-mix", "demo",
+             "The demo's own default workload (DemoConfig()): a shared system prompt, 30% long prompts "
+             "prefilled in chunks of 256 tokens, 30% long outputs, 12 arrivals/s into 96 pages of 32 tokens. "
+             "Queueing, chunk-sized prefills next to decode, and scattered free pages under churn.",
+             expect=("ttft-queueing", "prefill-stalls-decode", "kv-external-fragmentation"),
+             demo={},
+             labels=dict(shared_prefix_tokens=97, prefix_position="first")),
+    Scenario("tp-imbalance", "synthetic",
+             "Synthetic TP 4 run of a 32-layer model with 2 KV heads: rank 3 holds 140 MiB of KV vs 100 MiB, "
+             "rank 2 takes 26 ms per step vs 20 ms; KV heads replicated 2x.",
+             expect=("tp-kv-imbalance", "tp-straggler", "tp-kv-head-replication")),
+    Scenario("gpu-memory", "synthetic",
+             "Synthetic H100 80 GiB with a 7B fp16 model: a KV budget of 65.4 GB (90% of what the weights "
+             "leave), peak use 97.8%, 2 XID errors.",
+             expect=("kv-budget-oom-risk", "gpu-memory-near-full", "gpu-xid-errors")),
+    Scenario("decode-roofline", "synthetic",
+             "Synthetic H100 PCIe run of a 7B fp16 model decoding at batch 1 (70 ms steps, MBU 10.4%) with "
+             "the GPU busy 40% of the time.",
+             expect=("decode-below-roofline", "decode-launch-bound")),
+    Scenario("overload", "synthetic",
+             "Synthetic overloaded service: 90 of 100 requests finish; the probe dropped 2.44% of its records.",
+             expect=("survival-rate-low", "probe-dropping")),
+)}
+
+
+def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
+    """Produce scenario `name` into a fresh DuckDB file; returns (run_id, config dict)."""
+    sc = SCENARIOS[name]
+    if os.path.exists(db_path):
+        os.remove(db_path)
+    config: dict[str, Any] = {"scenario": name, "kind": sc.kind, "notes": sc.notes, "expect": list(sc.expect)}
+    if sc.kind in ("demo", "prefix-last"):
+        cfg = _demo_config(sc.demo)
+        if sc.kind == "demo":
+            from phasescope.agent.demo import run_demo
+
+            run_id = run_demo(db_path, cfg, quiet=True)["run_id"]
+        else:
+            run_id = run_workload(db_path, cfg, prefix_last_workload(cfg))
+        labels = {**_demo_labels(cfg), **sc.labels}
+        config["demo_config"] = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
+    else:
+        from . import synthetic
+
+        run_id = synthetic.BUILDERS[name](db_path)
+        labels = {**synthetic.LABELS.get(name, {}), **sc.labels}
+    record_run_info(db_path, run_id, labels)
+    config["run_id"] = run_id
+    config["labels"] = {k: str(v) for k, v in labels.items()}
+    return run_id, config
+
+
+def export(db_path: str, out_dir: str, config: dict[str, Any]) -> None:
+    """Write `config.json` and one Parquet file per table of `db_path` into `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(out_dir):
+        if f.endswith(".parquet"):
+            os.remove(os.path.join(out_dir, f))
+    con = duckdb.connect(db_path, read_only=True)
+    try:
+        for t in TABLES:
+            n = con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            if n:
+                path = os.path.join(out_dir, f"{t}.parquet").replace("'", "''")
+                con.execute(f"COPY (SELECT * FROM {t}) TO '{path}' (FORMAT parquet, COMPRESSION zstd)")
+    finally:
+        con.close()
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+
+
+def build(name: str, out_dir: str) -> dict[str, Any]:
+    """Produce scenario `name` and export it to `out_dir`; returns its config."""
+    tmp = tempfile.mkdtemp(prefix="ps-build-")
+    try:
+        db = os.path.join(tmp, "run.duckdb")
+        _, config = build_db(name, db)
+        export(db, out_dir, config)
+        return config
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load(scenario_dir: str, db_path: str) -> str:
+    """A DuckDB file at `db_path` with the store's schema and the scenario's records; returns the run id."""
+    from phasescope.agent.store import Store
+
+    Store(db_path).close()  # schema and views
+    con = duckdb.connect(db_path)
+    try:
+        con.execute(RUN_INFO_DDL)
+        con.execute("DELETE FROM sources")  # the fresh store's own sidecar row; the scenario has its own
+        for t in TABLES:
+            path = os.path.join(scenario_dir, f"{t}.parquet")
+            if os.path.exists(path):
+                con.execute(f"INSERT INTO {t} SELECT * FROM read_parquet(?)", [path])
+        con.execute("CHECKPOINT")
+    finally:
+        con.close()
+    with open(os.path.join(scenario_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)["run_id"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m phasescope.analyzers.scenarios")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build scenario fixtures")
+    b.add_argument("names", nargs="*", help=f"scenarios (default: all of {', '.join(SCENARIOS)})")
+    b.add_argument("--out", default=DATA_DIR, help="parent folder (default: tests/data)")
+    b.add_argument("--db", help="also keep the DuckDB file of a single scenario here")
+    args = p.parse_args(argv)
+    for name in args.names or list(SCENARIOS):
+        if args.db:
+            _, config = build_db(name, args.db)
+            export(args.db, os.path.join(args.out, name), config)
+        else:
+            config = build(name, os.path.join(args.out, name))
+        print(f"{name}: run {config['run_id']} -> {os.path.join(args.out, name)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""Tensor-parallel ranks: KV imbalance, stragglers, KV-head replication."""
+
+from __future__ import annotations
+
+from phasescope.agent.kvmath import kv_imbalance
+from phasescope.agent.queries import STEP_MS
+
+from .findings import Finding, ref
+from .geometry import ModelGeometry
+from .kvplan import kv_bytes_per_token, kv_bytes_per_token_per_rank, replication_factor
+from .queries import rows, world_size
+
+KV_RANK_SQL = """SELECT k.rank, avg(kv_bytes) AS kv_bytes_mean, max(kv_bytes) AS kv_bytes_max,
+           max(used_pages / total_pages) AS block_usage_max
+    FROM kv_snapshots k JOIN sources s USING (source_id) WHERE s.run_id = $run AND total_pages > 0
+    GROUP BY k.rank ORDER BY k.rank"""
+
+
+def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = 0.1, critical_imbalance: float = 0.3,
+                    **_: object) -> list[Finding]:
+    """Fires when max_r / mean_r - 1 of the ranks' mean KV bytes is >= `max_imbalance`."""
+    ranks = rows(con, KV_RANK_SQL, run_id)
+    if len(ranks) < 2:
+        return []
+    means = [r["kv_bytes_mean"] for r in ranks]
+    imb = kv_imbalance(means)
+    if imb < max_imbalance:
+        return []
+    hot = max(ranks, key=lambda r: r["kv_bytes_mean"])
+    e = {"ranks": len(ranks), "kv_imbalance": imb, "hottest_rank": hot["rank"],
+         "kv_bytes_mean_by_rank": {r["rank"]: r["kv_bytes_mean"] for r in ranks},
+         "block_usage_max_by_rank": {r["rank"]: r["block_usage_max"] for r in ranks}, "query": KV_RANK_SQL}
+    return [Finding(
+        id="tp-kv-imbalance",
+        title=f"KV cache unbalanced across TP ranks (rank {hot['rank']} holds {imb:.0%} above the mean)",
+        severity="critical" if imb >= critical_imbalance else "warning",
+        evidence=e,
+        suggestion=("Check how heads are split across ranks (KV heads not divisible by the TP size, replicated KV "
+                    "heads, uneven expert or pipeline placement) and size the KV budget per card for the hottest "
+                    "rank, not from the node total; leave KV headroom on every card."),
+        expected_effect=(f"The hottest rank fills first: capacity is set by rank {hot['rank']}, which holds "
+                         f"{imb:.0%} more KV than the mean. Balanced ranks would admit ~{imb / (1 + imb):.0%} more "
+                         "tokens before the first rank reaches its cap."),
+        reference=ref("Lessons from production"),
+        run_id=run_id,
+        thresholds={"max_imbalance": max_imbalance, "critical_imbalance": critical_imbalance},
+    )]
+
+
+SKEW_SQL = f"""WITH st AS (
+        SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = $run),
+    per AS (SELECT step_id, max(ms) AS max_ms, median(ms) AS median_ms, arg_max(rank, ms) AS slowest,
+                   count(DISTINCT rank) AS ranks
+            FROM st GROUP BY step_id HAVING count(DISTINCT rank) > 1)
+    SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, 0.5) AS step_skew_p50,
+           quantile_cont(max_ms / median_ms - 1, 0.95) AS step_skew_p95,
+           mode(slowest) AS straggler_rank,
+           count(*) FILTER (WHERE slowest = (SELECT mode(slowest) FROM per)) / count(*) AS straggler_share,
+           avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean
+    FROM per"""
+
+
+def tp_straggler(con, run_id: str, *, max_skew: float = 0.15, min_straggler_share: float = 0.5,
+                 min_steps: int = 10, **_: object) -> list[Finding]:
+    """Fires when the median step skew (max_r / median_r - 1 of step time) is >= `max_skew` and one rank
+    is the slowest in >= `min_straggler_share` of the steps."""
+    if world_size(con, run_id) < 2:
+        return []
+    e = rows(con, SKEW_SQL, run_id)[0]
+    if (e["steps"] or 0) < min_steps or e["step_skew_p50"] < max_skew or e["straggler_share"] < min_straggler_share:
+        return []
+    e["query"] = SKEW_SQL
+    return [Finding(
+        id="tp-straggler",
+        title=f"TP rank {e['straggler_rank']} is a straggler",
+        severity="warning",
+        evidence=e,
+        suggestion=(f"Inspect the GPU of rank {e['straggler_rank']}: clocks, temperature and power throttling, ECC/XID "
+                    "errors, PCIe/NVLink placement, other processes on it; every step waits for the slowest rank."),
+        expected_effect=(f"Rank {e['straggler_rank']} is the slowest in {e['straggler_share']:.0%} of {e['steps']} steps; "
+                         f"the median step waits {e['step_skew_p50']:.0%} ({e['wait_ms_mean']:.2f} ms on average) for it. "
+                         f"Fixing it makes steps ~{e['step_skew_p50'] / (1 + e['step_skew_p50']):.0%} shorter."),
+        reference=ref("Lessons from production"),
+        run_id=run_id,
+        thresholds={"max_skew": max_skew, "min_straggler_share": min_straggler_share, "min_steps": min_steps},
+    )]
+
+
+def tp_kv_head_replication(con, run_id: str, *, model: ModelGeometry | None = None, kv_dtype: str = "bf16",
+                           **_: object) -> list[Finding]:
+    """Fires (info) when the run's TP size exceeds the model's KV heads, so KV heads are replicated."""
+    tp = world_size(con, run_id)
+    if model is None or tp <= model.kv_heads:
+        return []
+    factor = replication_factor(model, tp)
+    per_rank = kv_bytes_per_token_per_rank(model, tp, kv_dtype)
+    total = kv_bytes_per_token(model, kv_dtype)
+    e = {"tp": tp, "kv_heads": model.kv_heads, "replication": factor, "kv_bytes_per_token_total": total,
+         "kv_bytes_per_token_per_rank": per_rank, "kv_bytes_per_token_all_ranks": per_rank * tp,
+         "extra_bytes_per_token": per_rank * tp - total,
+         "query": "SELECT max(world_size) FROM sources WHERE run_id = $run"}
+    return [Finding(
+        id="tp-kv-head-replication",
+        title=f"KV heads replicated {factor:g}x across {tp} TP ranks",
+        severity="info",
+        evidence=e,
+        suggestion=(f"With {model.kv_heads} KV heads over {tp} ranks each head is held by {factor:g} ranks: TP does "
+                    f"not divide KV by {tp}. Prefer TP <= {model.kv_heads} with data parallelism across the rest, "
+                    "or budget KV per card with the replication counted."),
+        expected_effect=(f"Each rank holds {per_rank:.0f} bytes of KV per token, {factor:g}x its 1/{tp} share "
+                         f"({total / tp:.0f} B); across ranks that is {per_rank * tp - total:.0f} extra bytes per token."),
+        reference=ref("Lessons from production"),
+        run_id=run_id,
+        thresholds={},
+    )]
