@@ -219,7 +219,11 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
                 serve(model, device, None, warm, cfg.max_batch)
     tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
     addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
-    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1).start()
+    from .collectors import NvmlCollector
+
+    # the in-process sidecar samples the GPU like a real one (no GPU: no samples, quietly)
+    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1, collectors=[NvmlCollector()],
+                      sample_interval_s=0.5).start()
     probe = None
     try:
         runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"

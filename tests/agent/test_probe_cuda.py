@@ -62,3 +62,33 @@ def test_hooks_never_synchronize_the_device(cuda_llama):
         assert probe.errors == 0
     finally:
         probe.close()
+
+
+def test_continuous_batching_on_cuda_reads_packed_counts_without_sync(cuda_llama):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from phasescope.agent.adapters.hf_cb import HFContinuousBatching
+    from phasescope.agent.events import KVSnapshot, PrefixCounters
+
+    got: list = []
+    probe = attach(cuda_llama, sink=got.extend, runtime="hf-cb")
+    adapter = HFContinuousBatching(probe).instrument_model(cuda_llama)
+    system = list(range(2, 66))
+    prompts = [system + [100 + i] * (5 + 7 * i) for i in range(6)]
+    try:
+        out = cuda_llama.generate_batch(
+            inputs=prompts, generation_config=GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
+            continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, page_size=32, max_batch_tokens=256),
+            progress_bar=False)
+    finally:
+        adapter.detach()
+        probe.close()
+    assert len(out) == 6 and probe.errors == 0
+    steps = [r for r in got if type(r) is Step]
+    prefix = [r for r in got if type(r) is PrefixCounters][-1]
+    assert steps and all(not math.isnan(s.gpu_ms) for s in steps)
+    # packed counts read back asynchronously: every prompt token is prefilled or a prefix hit
+    assert sum(s.prefill_tokens for s in steps) == sum(map(len, prompts)) - prefix.hit_tokens_total
+    assert sum(s.decode_tokens for s in steps) == 6 * 7  # the first token of each comes from its prefill
+    assert any(type(r) is KVSnapshot and r.used_pages > 0 for r in got)
