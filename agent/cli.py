@@ -238,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("schema", help="print the store's tables and columns",
                         description="Every table and column of the DuckDB store, with units.")
     sc.set_defaults(func=_cmd_schema)
+
+    from phasescope.analyzers.cli import add_commands  # diagnose, plan-kv, compare
+
+    add_commands(sub)
     return p
 
 

@@ -150,11 +150,11 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
     import threading
 
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from .adapters.hf_cb import cb_config
 
     gen = GenerationConfig(max_new_tokens=max(r.output_tokens for r in workload), do_sample=False, eos_token_id=-1)
-    cb = ContinuousBatchingConfig(page_size=cfg.page_size, num_blocks=cfg.num_pages,
-                                  max_batch_tokens=cfg.max_batch_tokens)
+    cb = cb_config(cfg.page_size, cfg.num_pages, cfg.max_batch_tokens)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     results: dict[str, list[int]] = {}
 

@@ -32,6 +32,18 @@ from ..probe import Probe
 from .base import RuntimeAdapter
 
 
+def cb_config(page_size: int, num_blocks: int, max_batch_tokens: int, **extra: Any) -> Any:
+    """A transformers `ContinuousBatchingConfig` across versions (`page_size` was `block_size` before 5.17)."""
+    import dataclasses
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    size_key = "page_size" if "page_size" in names else "block_size"
+    return ContinuousBatchingConfig(**{size_key: page_size}, num_blocks=num_blocks,
+                                    max_batch_tokens=max_batch_tokens, **extra)
+
+
 def _main_allocator(cache: Any) -> Any:
     allocators = cache.cache_allocators
     return allocators.get("full_attention") or next(iter(allocators.values()))

@@ -66,9 +66,8 @@ def test_hooks_never_synchronize_the_device(cuda_llama):
 
 def test_continuous_batching_on_cuda_reads_packed_counts_without_sync(cuda_llama):
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    from phasescope.agent.adapters.hf_cb import HFContinuousBatching
+    from phasescope.agent.adapters.hf_cb import HFContinuousBatching, cb_config
     from phasescope.agent.events import KVSnapshot, PrefixCounters
 
     got: list = []
@@ -79,7 +78,7 @@ def test_continuous_batching_on_cuda_reads_packed_counts_without_sync(cuda_llama
     try:
         out = cuda_llama.generate_batch(
             inputs=prompts, generation_config=GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1),
-            continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, page_size=32, max_batch_tokens=256),
+            continuous_batching_config=cb_config(32, 64, 256),
             progress_bar=False)
     finally:
         adapter.detach()
