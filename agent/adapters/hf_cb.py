@@ -24,12 +24,15 @@ attention group (vLLM's block, our page); HF's "page" is one layer's share.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
 from ..kvmath import PageStats, largest_run, page_stats_fast
 from ..probe import Probe
 from .base import RuntimeAdapter
+
+log = logging.getLogger("phasescope.adapters.hf_cb")
 
 
 def cb_config(page_size: int, num_blocks: int, max_batch_tokens: int, **extra: Any) -> Any:
@@ -121,6 +124,7 @@ class HFContinuousBatching(RuntimeAdapter):
         self._recompute: set[str] = set()  # soft-reset requests awaiting their re-prefill
         self._emitted: dict[str, int] = {}  # rid -> output tokens reported so far
         self.last_stats: PageStats | None = None
+        self.supported = True  # False once a processor of an unsupported transformers version was seen
 
     # --- entry points ---
 
@@ -176,6 +180,18 @@ class HFContinuousBatching(RuntimeAdapter):
         if id(bp) in self._processors:
             return
         self._processors.add(id(bp))
+        missing = [n for n, obj in (("cache.cache_allocators", getattr(bp.cache, "cache_allocators", None)),
+                                    ("cache.pool", getattr(bp.cache, "pool", None)),
+                                    ("scheduler.active_requests", getattr(bp.scheduler, "active_requests", None)))
+                   if obj is None]
+        if missing:
+            import transformers
+
+            self.supported = False
+            log.warning("phasescope: HF continuous batching of transformers %s lacks %s; request lifecycle, KV "
+                        "and prefix instrumentation need transformers >= 5.24 (steps are still measured)",
+                        transformers.__version__, ", ".join(missing))
+            return
         from transformers.generation.continuous_batching.requests import RequestStatus
 
         FINISHED, FAILED = RequestStatus.FINISHED, RequestStatus.FAILED
