@@ -18,7 +18,7 @@ from .decode import decode_roofline
 from .findings import Finding, sort_findings
 from .geometry import ModelGeometry, geometry_from_labels
 from .gpus import GpuSpec, lookup
-from .kvcache import kv_external_fragmentation, kv_internal_fragmentation, kv_near_cap
+from .kvcache import kv_external_fragmentation, kv_headroom_low, kv_internal_fragmentation, kv_near_cap
 from .memory import gpu_memory_near_full, gpu_xid_errors, kv_budget_oom_risk
 from .prefill import prefill_stalls_decode
 from .prefix import prefix_hit_collapse
@@ -31,7 +31,7 @@ Analyzer = Callable[..., list[Finding]]
 
 ANALYZERS: tuple[Analyzer, ...] = (
     prefill_stalls_decode, ttft_queueing, decode_roofline,
-    kv_near_cap, kv_budget_oom_risk, kv_internal_fragmentation, kv_external_fragmentation,
+    kv_near_cap, kv_headroom_low, kv_budget_oom_risk, kv_internal_fragmentation, kv_external_fragmentation,
     prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
     preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
 )

@@ -46,7 +46,7 @@ GPUS: dict[str, GpuSpec] = {s.name: s for s in (
 _NVML = [
     (r"H200", "H200"), (r"B200", "B200"),
     (r"H100.*PCIe", "H100-PCIe"), (r"H100", "H100-SXM"),
-    (r"A100.*PCIE.*80", "A100-PCIe-80GB"), (r"A100.*80", "A100-SXM-80GB"), (r"A100", "A100-40GB"),
+    (r"A100.*(PCIE.*80|80.*PCIE)", "A100-PCIe-80GB"), (r"A100.*80", "A100-SXM-80GB"), (r"A100", "A100-40GB"),
     (r"L40S", "L40S"), (r"\bL4\b", "L4"), (r"A10G", "A10G"), (r"\bA10\b", "A10"),
     (r"4090", "RTX-4090"), (r"V100", "V100"), (r"\bT4\b", "T4"),
 ]

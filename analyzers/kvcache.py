@@ -205,3 +205,37 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
         thresholds={"max_external_fragmentation": max_external_fragmentation,
                     "max_blocked_share": max_blocked_share, "min_turnover_per_s": min_turnover_per_s},
     )]
+
+
+def kv_headroom_low(con, run_id: str, *, headroom_usage: float = 0.7, **_: object) -> list[Finding]:
+    """Fires (info) when block usage peaked at >= `headroom_usage` of the pages but nothing was preempted
+    yet (with preemptions, `kv-near-cap` fires instead)."""
+    e = one(con, USAGE_SQL, run_id, near=headroom_usage)
+    if not e["snapshots"] or e["block_usage_max"] < headroom_usage:
+        return []
+    if one(con, PREEMPTIONS, run_id)["preemptions"] > 0:
+        return []
+    seq = one(con, SEQ_LEN_SQL, run_id)
+    e.update(seq)
+    cap_tokens = e["total_pages"] * e["page_size"]
+    fit = cap_tokens // seq["seq_tokens_p95"] if seq["seq_tokens_p95"] else None
+    e["capacity_tokens"] = cap_tokens
+    e["p95_sequences_that_fit"] = fit
+    e["query"] = USAGE_SQL.replace("$near", str(headroom_usage)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
+    cur = _dtype_bytes(e["kv_dtype"]) or 2.0
+    return [Finding(
+        id="kv-headroom-low",
+        title="Little KV headroom left at peak (no preemptions yet)",
+        severity="info",
+        evidence=e,
+        suggestion=(f"Protect against the next burst: reject or redirect new requests when KV usage passes a threshold "
+                    f"(e.g. {headroom_usage:.0%}), cap concurrent sequences near {fit}, and plan capacity with "
+                    "`phasescope plan-kv`" + (f"; fp8 KV would hold {cur:g}x the tokens" if cur > 1 else "") + "."),
+        expected_effect=(f"KV pages peaked at {e['block_usage_max']:.0%} ({e['near_cap_share']:.0%} of snapshots "
+                         f">= {headroom_usage:.0%}); the cache holds {cap_tokens} tokens, only {fit} sequences of the "
+                         f"p95 length ({seq['seq_tokens_p95']} tokens). Admission control keeps a burst from "
+                         "turning into preemptions and recomputation."),
+        reference=ref("System level"),
+        run_id=run_id,
+        thresholds={"headroom_usage": headroom_usage},
+    )]

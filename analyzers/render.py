@@ -1,0 +1,99 @@
+"""Terminal rendering (rich) of findings, KV plans and run comparisons."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+from .findings import Finding
+from .kvplan import GIB, PlanRow
+
+_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_num(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def print_findings(findings: list[Finding], run_id: str | None, console: Console | None = None,
+                   show_queries: bool = False) -> None:
+    console = console or Console()
+    if not findings:
+        console.print(f"[green]run {run_id}: no findings[/] (every rule within its thresholds)")
+        return
+    t = Table(title=f"phasescope diagnose · run {run_id} · {len(findings)} findings", show_lines=True,
+              expand=True)
+    t.add_column("severity", no_wrap=True)
+    t.add_column("finding", ratio=2)
+    t.add_column("evidence", ratio=2)
+    t.add_column("suggestion → expected effect", ratio=3)
+    for f in findings:
+        ev = "\n".join(f"{k}: {_num(v)}" for k, v in f.evidence.items()
+                       if k != "query" and not isinstance(v, (list,)) and v is not None)
+        t.add_row(f"[{_STYLE[f.severity]}]{f.severity}[/]", f"[bold]{f.title}[/]\n[dim]{f.id}\n{f.reference}[/]",
+                  ev, f"{f.suggestion}\n\n[green]→[/] {f.expected_effect}")
+    console.print(t)
+    if show_queries:
+        for f in findings:
+            console.rule(f.id)
+            console.print(f.evidence["query"], markup=False, highlight=False)
+
+
+def print_plan(rows: Iterable[PlanRow], context: int, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"KV capacity at {context} tokens per sequence",
+              caption="per GPU; KV bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes, "
+                      "heads split over TP ranks (replicated below one head per rank)")
+    for c in ("TP", "KV dtype", "B/token/GPU", "MiB/seq/GPU", "KV heads replicated", "KV budget GiB/GPU",
+              "weights GiB/GPU", "max sequences"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(str(r.tp), r.kv_dtype, f"{r.bytes_per_token_per_rank:,.0f}",
+                  f"{r.bytes_per_sequence_per_rank / (1 << 20):,.1f}", f"{r.replication:g}x",
+                  f"{r.budget_bytes_per_gpu / GIB:,.1f}",
+                  "-" if r.weight_bytes_per_gpu is None else f"{r.weight_bytes_per_gpu / GIB:,.1f}",
+                  f"{r.max_sequences:,}")
+    console.print(t)
+
+
+def _fmt_metric(k: str, v: Any) -> str:
+    if v is None:
+        return "-"
+    if k.endswith("_s"):
+        return f"{v * 1e3:.1f} ms"
+    if k == "survival_rate":
+        return f"{v:.1%}"
+    if isinstance(v, float):
+        return f"{v:.1f}"
+    return str(v)
+
+
+def print_compare(result: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    a, b = result["a"], result["b"]
+    t = Table(title="phasescope compare")
+    t.add_column("metric")
+    t.add_column(f"A {a['run_id']}", justify="right")
+    t.add_column(f"B {b['run_id']}", justify="right")
+    t.add_column("B vs A", justify="right")
+    for k in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "output_tokens_per_s", "requests",
+              "survival_rate", "preemptions", "aborted", "oom_total"):
+        ch = result["change"].get(k)
+        t.add_row(k, _fmt_metric(k, a["metrics"].get(k)), _fmt_metric(k, b["metrics"].get(k)),
+                  "-" if ch is None else f"{ch:+.1%}")
+    console.print(t)
+    if result["differs"]:
+        d = Table(title="labels that differ")
+        for c in ("label", "A", "B"):
+            d.add_column(c)
+        for k, (x, y) in result["differs"].items():
+            d.add_row(k, str(x), str(y))
+        console.print(d)
+    if result["warning"]:
+        console.print(f"[yellow]warning:[/] {result['warning']}")

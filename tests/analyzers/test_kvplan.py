@@ -1,0 +1,76 @@
+"""KV planner and geometry: exact figures from tuning-knowledge.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from phasescope.analyzers.geometry import ModelGeometry, dtype_bytes, geometry_from_config, load_config
+from phasescope.analyzers.kvplan import (
+    GIB, kv_bytes_per_sequence, kv_bytes_per_token, kv_bytes_per_token_per_rank, max_sequences, plan,
+    replication_factor,
+)
+
+G28 = ModelGeometry(layers=28, heads=28, kv_heads=8, head_dim=128)
+
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+             "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+             "vocab_size": 32000, "torch_dtype": "float16", "tie_word_embeddings": False}
+
+
+def test_gqa_sequence_at_2048_tokens_bf16():
+    # 2 x 28 x 8 x 128 x 2048 x 2 (the source text's 1.17 GB is the 40-head figure's mistake)
+    assert kv_bytes_per_sequence(G28, 2048, "bf16") == 234_881_024
+    assert kv_bytes_per_sequence(G28, 2048, "bf16") * 64 == 15_032_385_536  # ~15 GB for 64 sequences
+
+
+def test_mha_40_heads_4096_tokens():
+    g = ModelGeometry(layers=28, heads=40, kv_heads=40, head_dim=128)
+    assert kv_bytes_per_sequence(g, 4096, "bfloat16") == 2_348_810_240  # 2.35 GB
+
+
+def test_quantized_kv_and_gqa_factor():
+    assert kv_bytes_per_token(G28, "fp8") * 2 == kv_bytes_per_token(G28, "bf16")
+    assert kv_bytes_per_token(G28, "int4") * 4 == kv_bytes_per_token(G28, "bf16")
+    mha = ModelGeometry(layers=28, heads=32, kv_heads=32, head_dim=128)
+    gqa = ModelGeometry(layers=28, heads=32, kv_heads=8, head_dim=128)
+    assert kv_bytes_per_token(gqa) * 4 == kv_bytes_per_token(mha)
+    assert dtype_bytes("torch.bfloat16") == 2
+    with pytest.raises(ValueError):
+        dtype_bytes("fp12")
+
+
+def test_tp_split_and_replication():
+    assert kv_bytes_per_token_per_rank(G28, 2) == kv_bytes_per_token(G28) / 2
+    assert replication_factor(G28, 8) == 1
+    assert replication_factor(G28, 16) == 2  # 8 KV heads on 16 ranks: each head on 2 ranks
+    assert kv_bytes_per_token_per_rank(G28, 16) == kv_bytes_per_token(G28) / 8
+
+
+def test_max_sequences_for_a_budget():
+    # 40 GiB / 234,881,024 B = 182.86 -> 182 sequences of 2048 tokens at TP 1, bf16
+    assert max_sequences(G28, 2048, 40 * GIB, tp=1, kv_dtype="bf16") == 182
+    assert max_sequences(G28, 2048, 40 * GIB, tp=1, kv_dtype="fp8") == 365
+    assert max_sequences(G28, 2048, 40 * GIB, tp=2, kv_dtype="bf16") == 365
+    rows = plan(G28, 2048, 40 * GIB, tps=(1, 2, 4, 8, 16), kv_dtypes=("bf16", "fp8"))
+    assert [(r.tp, r.kv_dtype, r.max_sequences) for r in rows[:4]] == [
+        (1, "bf16", 182), (1, "fp8", 365), (2, "bf16", 365), (2, "fp8", 731)]
+    last = rows[-2]  # tp 16, bf16: replicated, no better than tp 8
+    assert (last.tp, last.replication, last.max_sequences) == (16, 2.0, rows[-4].max_sequences)
+    assert last.replication_bytes_per_sequence == kv_bytes_per_sequence(G28, 2048)
+
+
+def test_llama2_7b_config(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(LLAMA2_7B))
+    g = load_config(str(p))
+    assert (g.layers, g.heads, g.kv_heads, g.head_dim, g.dtype) == (32, 32, 32, 128, "float16")
+    assert g.params == 6_738_415_616  # the published Llama-2-7B parameter count
+    assert g.weight_bytes == 2 * 6_738_415_616
+
+
+def test_live_model_config(tiny_llama):
+    g = geometry_from_config(tiny_llama)  # a model: its .config
+    assert (g.layers, g.heads, g.kv_heads, g.head_dim, g.hidden) == (2, 4, 2, 16, 64)
+    assert g.params == sum(p.numel() for p in tiny_llama.parameters())
