@@ -140,6 +140,8 @@ class Probe:
         self._ring: collections.deque[Record] = collections.deque(maxlen=buffer_records)
         self._maxlen = buffer_records
         self._open: tuple | None = None  # the forward in flight: (t0_ns, mono_ns, shape, slot)
+        # a runtime adapter that knows the batch exactly sets this just before the forward
+        self.next_shape: StepShape | None = None
 
         self._device = _model_device(model)
         self._pool = None
@@ -261,7 +263,11 @@ class Probe:
                     self.gpu_unsampled += 1
                 else:
                     slot.start.record()
-            shape = self._inspect(args, kwargs, slot)
+            shape = self.next_shape
+            if shape is None:
+                shape = self._inspect(args, kwargs, slot)
+            else:
+                self.next_shape = None
             self._open = (time.perf_counter_ns(), mono, shape, slot)
         except Exception as exc:  # noqa: BLE001
             self._open = None

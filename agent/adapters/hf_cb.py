@@ -28,7 +28,9 @@ import logging
 import time
 from typing import Any, Callable
 
+from ..events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL
 from ..kvmath import PageStats, largest_run, page_stats_fast
+from ..phases import StepShape
 from ..probe import Probe
 from .base import RuntimeAdapter
 
@@ -121,10 +123,18 @@ class HFContinuousBatching(RuntimeAdapter):
         self._managers: set[int] = set()
         self._scheduled: set[str] = set()  # requests seen in a forward since their (re)admission
         self._lookup: dict[str, tuple[int, int]] = {}  # rid -> (queried, hit) of its latest admission lookup
-        self._recompute: set[str] = set()  # soft-reset requests awaiting their re-prefill
+        self._lost: dict[str, int] = {}  # soft-reset rid -> tokens of computed KV it lost (to be recomputed)
+        self._computed: dict[str, int] = {}  # rid -> tokens whose KV some forward has computed (max position)
         self._emitted: dict[str, int] = {}  # rid -> output tokens reported so far
         self.last_stats: PageStats | None = None
         self.supported = True  # False once a processor of an unsupported transformers version was seen
+
+    def _forget(self, rid: str) -> None:
+        """Drop the per-request state of a request that ended."""
+        self._scheduled.discard(rid)
+        self._computed.pop(rid, None)
+        self._lost.pop(rid, None)
+        self._lookup.pop(rid, None)
 
     # --- entry points ---
 
@@ -252,22 +262,44 @@ class HFContinuousBatching(RuntimeAdapter):
         def before_forward() -> None:
             ts = clock()
             io = bp.inputs_and_outputs
+            computed = self._computed
+            n_pre = n_dec = t_pre = t_dec = context = 0
             for fs in getattr(io, "requests_in_batch", ()):
                 state = fs.state
                 rid = state.request_id
-                if rid in self._scheduled or rid.startswith("__warmup_"):
-                    continue
-                self._scheduled.add(rid)
-                queried, hit = self._lookup.pop(rid, (0, 0))
-                if rid in self._recompute:
-                    self._recompute.discard(rid)
-                    prefix.recomputed_tokens += len(state.initial_tokens) - hit
-                    emit(rid, "scheduled", ts, cached_tokens=hit)
+                end = state.position_offset  # already counts the tokens this forward computes
+                start = end - fs.query_length
+                # exact phase of this sequence's tokens: prompt (or re-prefill) tokens vs generated ones
+                prompt = min(end, len(state.initial_tokens)) - start
+                if prompt > 0:
+                    n_pre += 1
+                    t_pre += prompt
+                    t_dec += fs.query_length - prompt
                 else:
-                    if cache.use_prefix_sharing:
+                    n_dec += 1
+                    t_dec += fs.query_length
+                context += start
+                if rid.startswith("__warmup_"):
+                    continue
+                if rid not in self._scheduled:
+                    self._scheduled.add(rid)
+                    queried, hit = self._lookup.pop(rid, (0, 0))
+                    # a re-prefill after a soft reset is not a prefix-cache query (nor its hits)
+                    if rid not in self._lost and cache.use_prefix_sharing:
                         prefix.queried_tokens += queried
                         prefix.hit_tokens += hit
                     emit(rid, "scheduled", ts, cached_tokens=hit)
+                lost = self._lost.get(rid)
+                if lost is not None:
+                    # recomputation as executed: the part of this chunk whose KV existed before the reset
+                    prefix.recomputed_tokens += max(0, min(end, lost) - start)
+                    if end >= lost:
+                        del self._lost[rid]
+                if end > computed.get(rid, 0):
+                    computed[rid] = end
+            if n_pre or n_dec:
+                phase = PHASE_MIXED if n_pre and n_dec else (PHASE_PREFILL if n_pre else PHASE_DECODE)
+                self.probe.next_shape = StepShape(phase, n_pre + n_dec, t_pre, t_dec, context)
             self._steps += 1
             if (self._steps - 1) % self.kv_every_steps == 0:
                 every = self.free_run_every or (1 if alloc.num_blocks <= 4096 else 16)
@@ -299,10 +331,10 @@ class HFContinuousBatching(RuntimeAdapter):
                 status = state.status
                 if status == FINISHED and rid not in sched.active_requests:
                     emit(rid, "finished", ts, tokens=self._emitted.pop(rid, 0))
-                    self._scheduled.discard(rid)
+                    self._forget(rid)
                 elif status == FAILED:
                     emit(rid, "aborted", ts, tokens=self._emitted.pop(rid, 0))
-                    self._scheduled.discard(rid)
+                    self._forget(rid)
 
         def make_update(orig: Callable) -> Callable:
             def update_batch() -> Any:
@@ -322,7 +354,7 @@ class HFContinuousBatching(RuntimeAdapter):
                 for state in states:
                     rid = state.request_id
                     emit(rid, "aborted", ts, tokens=self._emitted.pop(rid, 0))
-                    self._scheduled.discard(rid)
+                    self._forget(rid)
                 return states
 
             return clear_cancelled_requests
@@ -340,8 +372,10 @@ class HFContinuousBatching(RuntimeAdapter):
                         continue
                     emit(rid, "preempted", ts)
                     self._scheduled.discard(rid)
-                    if not getattr(state, "is_cpu_offloaded", False):
-                        self._recompute.add(rid)  # soft reset: its KV is gone and will be recomputed
+                    computed = self._computed.get(rid, 0)
+                    if not getattr(state, "is_cpu_offloaded", False) and computed > 0:
+                        # soft reset: computed KV is gone and will be recomputed
+                        self._lost[rid] = max(computed, self._lost.get(rid, 0))
 
             def make_offload(orig: Callable) -> Callable:
                 def offload_requests() -> bool:

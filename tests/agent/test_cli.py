@@ -54,5 +54,7 @@ def test_demo_writes_both_phases_and_prints_the_summary(tmp_path):
     prefix = summary["prefix"]
     assert prefix["queried_tokens"] == summary["requests"]["prompt_tokens"]
     prefilled = sum(p["prefill_tokens"] for p in summary["phases"])
-    assert prefilled == prefix["queried_tokens"] - prefix["hit_tokens"] + prefix["recomputed_tokens"]
+    # first-time prefill + recomputation; a reset request's last sampled token is new work on top
+    slack = prefilled - (prefix["queried_tokens"] - prefix["hit_tokens"] + prefix["recomputed_tokens"])
+    assert 0 <= slack <= prefix["preemptions"]
     assert prefix["hit_tokens"] > 0  # the shared system prompt is reused

@@ -129,6 +129,12 @@ def test_kv_figures_equal_the_cache_ledger_under_preemption_and_sharing():
     assert events["token"] == 5 * 60
     prefix = [r for r in records if type(r) is PrefixCounters][-1]
     assert prefix.recomputed_tokens_total > 0 and prefix.evicted_blocks_total > 0
+    # every prompt is a prefix-cache query once; re-prefills after preemption are recomputation, apart
+    assert prefix.queried_tokens_total == sum(len(p) for p in prompts)
+    prefilled = sum(s.prefill_tokens for s in steps)
+    first_time = prefix.queried_tokens_total - prefix.hit_tokens_total
+    # what is left is the last sampled token of each reset request: new, never computed before
+    assert 0 <= prefilled - first_time - prefix.recomputed_tokens_total <= events["preempted"]
     assert kv[-1].pages_allocated_total > 0 and kv[-1].pages_freed_total > 0
 
     # the probe does not change what is generated

@@ -64,7 +64,7 @@ def test_hooks_never_synchronize_the_device(cuda_llama):
         probe.close()
 
 
-def test_continuous_batching_on_cuda_reads_packed_counts_without_sync(cuda_llama):
+def test_continuous_batching_on_cuda_exact_counts_and_event_timing(cuda_llama):
     from transformers import GenerationConfig
 
     from phasescope.agent.adapters.hf_cb import HFContinuousBatching, cb_config
