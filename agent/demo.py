@@ -227,7 +227,13 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
     probe = None
     try:
         runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"
-        probe = attach(model, agent=addr, runtime=runtime, flush_interval_s=0.05)
+        labels = {"runtime": cfg.runtime, "page_size": cfg.page_size, "num_pages": cfg.num_pages,
+                  "max_batch_tokens": cfg.max_batch_tokens, "arrival_rate_per_s": cfg.arrival_rate_per_s,
+                  "requests": cfg.requests, "seed": cfg.seed, "shared_prefix_tokens": cfg.system_prompt_tokens + 1,
+                  "prefix_position": "first"}
+        if cfg.runtime == "generate":
+            labels["max_batch"] = cfg.max_batch
+        probe = attach(model, agent=addr, runtime=runtime, flush_interval_s=0.05, labels=labels)
         adapter = HFContinuousBatching(probe).instrument_model(model) if cfg.runtime == "cb" else None
         with Progress(TextColumn(f"[bold]serving ({runtime})"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False) as bar:

@@ -143,7 +143,15 @@ class ProbeHealth(NamedTuple):
     gpu_unsampled_total: int
 
 
-Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth]
+class RunLabel(NamedTuple):
+    """One key/value label of the sender's run (config, model geometry, GPU); the latest value wins."""
+
+    ts_ns: int
+    key: str  # <= 32 bytes
+    value: str  # <= 96 bytes
+
+
+Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth, RunLabel]
 
 # type byte -> (class, struct); the order of fields equals the NamedTuple's
 _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
@@ -154,6 +162,7 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     5: (PrefixCounters, struct.Struct("<qHQQQQ")),
     6: (GpuSample, struct.Struct("<qHfQQfffQ")),
     7: (ProbeHealth, struct.Struct("<qHIQQQQQQ")),
+    8: (RunLabel, struct.Struct("<q32s96s")),
 }
 _TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}
 RECORD_TYPES: tuple[type, ...] = tuple(cls for cls, _ in _LAYOUT.values())

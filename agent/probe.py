@@ -28,6 +28,7 @@ from .events import (
     ProbeHealth,
     Record,
     RequestEvent,
+    RunLabel,
     Step,
     encode_frame,
     encode_records,
@@ -103,6 +104,7 @@ class Probe:
         exact_tokens: bool = True,
         connect: bool = True,
         sink: Callable[[list[Record]], None] | None = None,
+        labels: dict[str, Any] | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         if not hasattr(model, "register_forward_pre_hook"):
@@ -127,6 +129,14 @@ class Probe:
         self.exact_tokens = exact_tokens
         self._clock_ns = clock_ns
         self._model = model
+        from .labels import model_labels
+
+        # run labels (config key/values): sent after the Hello on every connection; latest value wins
+        self.labels: dict[str, str] = {**model_labels(model, world_size),
+                                       **{str(k): str(v) for k, v in (labels or {}).items()}}
+        for key, value in self.labels.items():
+            if len(key.encode()) > 32 or len(value.encode()) > 96:
+                raise ValueError(f"label {key!r}={value!r}: keys are at most 32 bytes, values 96")
 
         # counters (monotonic); written by one thread each except `dropped`
         self.records = 0
@@ -188,6 +198,13 @@ class Probe:
             )
         except Exception as exc:  # noqa: BLE001 - the host must never see our errors
             self._error(exc)
+
+    def label(self, **labels: Any) -> None:
+        """Add or change run labels (e.g. the config values an experiment varies)."""
+        now = self._clock_ns()
+        for key, value in labels.items():
+            self.labels[key] = str(value)
+            self._push(RunLabel(now, key, str(value)))
 
     def emit(self, record: Record) -> None:
         """Queue any record (adapters and collectors use this). Never raises."""
@@ -384,7 +401,8 @@ class Probe:
             self._clock_ns(), wall_minus_mono, os.getpid(), self.rank, self.world_size,
             self.run_id, self.model_name.encode()[:48].decode("utf-8", "ignore"), self.runtime[:16],
         )
-        return encode_frame([hello])
+        now = self._clock_ns()
+        return encode_frame([hello] + [RunLabel(now, k, v) for k, v in self.labels.items()])
 
     def _flush_loop(self) -> None:
         next_health = 0.0

@@ -99,6 +99,13 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 
+# labels of a run (config key/values, model geometry, GPU): one row per (run_id, key), latest wins.
+# Written by the sidecar from RunLabel records and by analyzers.runinfo.record_run_info offline.
+RUN_INFO_DDL = ("CREATE TABLE IF NOT EXISTS run_info "
+                "(run_id VARCHAR, key VARCHAR, value VARCHAR, PRIMARY KEY (run_id, key))")
+RUN_INFO_DOC = {"run_id": "sources.run_id", "key": "label name, e.g. model_layers, page_size, gpu_name",
+                "value": "label value as text"}
+
 # record class name -> table (columns after source_id map 1:1 to record fields,
 # except that enum ints become text)
 TABLE_OF_RECORD = {
@@ -165,6 +172,9 @@ def ddl() -> list[str]:
         out.append(f"CREATE TABLE IF NOT EXISTS {table} ({body})")
         for name, _, doc in cols:
             out.append(f"COMMENT ON COLUMN {table}.{name} IS '{doc.replace(chr(39), chr(39) * 2)}'")
+    out.append(RUN_INFO_DDL)
+    for name, doc in RUN_INFO_DOC.items():
+        out.append(f"COMMENT ON COLUMN run_info.{name} IS '{doc}'")
     for view, sql in VIEWS.items():
         out.append(f"CREATE OR REPLACE VIEW {view} AS {sql}")
     out.append(

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import duckdb
 
-from .events import PHASES, REQUEST_EVENTS, Hello, Record
+from .events import PHASES, REQUEST_EVENTS, Hello, Record, RunLabel
 from .schema import SCHEMA_VERSION, TABLE_OF_RECORD, TABLES, ddl
 
 
@@ -51,6 +51,7 @@ class Store:
         )
         self._next_source = (self.con.execute("SELECT coalesce(max(source_id), 0) FROM sources").fetchone()[0]) + 1
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
+        self._run_of: dict[int, str] = dict(self.con.execute("SELECT source_id, run_id FROM sources").fetchall())
         self.rows_written = 0
 
     @staticmethod
@@ -63,6 +64,7 @@ class Store:
         with self._lock:
             sid = self._next_source
             self._next_source += 1
+            self._run_of[sid] = hello.run_id
             self.con.execute(
                 "INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [sid, time.time_ns(), hello.ts_ns, hello.wall_minus_mono_ns, hello.pid, hello.rank,
@@ -73,9 +75,13 @@ class Store:
     def append(self, batches: Iterable[tuple[int, Sequence[Record]]]) -> int:
         """Append records of many sources in one transaction; returns rows written."""
         by_table: dict[str, list[tuple]] = defaultdict(list)
+        labels: dict[tuple[str, str], str] = {}
         for source_id, records in batches:
             by_type: dict[str, list[Record]] = defaultdict(list)
             for r in records:
+                if type(r) is RunLabel:
+                    labels[(self._run_of.get(source_id, ""), r.key)] = r.value
+                    continue
                 table = TABLE_OF_RECORD.get(type(r).__name__)
                 if table is not None:
                     by_type[table].append(r)
@@ -88,6 +94,9 @@ class Store:
                 for table, rows in by_table.items():
                     self._insert_columns(table, rows)
                     n += len(rows)
+                for (run_id, key), value in labels.items():
+                    self.con.execute("INSERT OR REPLACE INTO run_info VALUES (?, ?, ?)", [run_id, key, value])
+                    n += 1
                 self.con.execute("COMMIT")
             except Exception:
                 self.con.execute("ROLLBACK")

@@ -27,8 +27,7 @@ from typing import Any, Mapping
 
 import duckdb
 
-RUN_INFO_DDL = ("CREATE TABLE IF NOT EXISTS run_info "
-                "(run_id VARCHAR, key VARCHAR, value VARCHAR, PRIMARY KEY (run_id, key))")
+from phasescope.agent.schema import RUN_INFO_DDL  # one definition, in the store schema
 
 
 def record_run_info(target: str | duckdb.DuckDBPyConnection, run_id: str,
