@@ -56,4 +56,15 @@ def stores(tmp_path_factory):
     demo = str(d / "demo.duckdb")
     run_demo(demo, DemoConfig(requests=16, seed=3, device="cpu"), quiet=True)
     run_demo(demo, DemoConfig(requests=16, seed=4, device="cpu", num_pages=48), quiet=True)  # a second run
-    return {"empty": empty, "demo": demo, "two-rank": build_two_rank_store(str(d / "tp.duckdb"))}
+    out = {"empty": empty, "demo": demo, "two-rank": build_two_rank_store(str(d / "tp.duckdb"))}
+    # every scenario fixture of the analyzers (healthy and each problem), rebuilt from tests/data
+    from phasescope.analyzers import scenarios
+
+    for name in sorted(os.listdir(scenarios.DATA_DIR)):
+        folder = os.path.join(scenarios.DATA_DIR, name)
+        if os.path.exists(os.path.join(folder, "config.json")):
+            path = str(d / f"{name}.duckdb")
+            scenarios.load(folder, path)
+            out[f"scenario:{name}"] = path
+    return out
+

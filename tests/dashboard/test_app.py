@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import duckdb
 import pytest
 
 pytest.importorskip("streamlit")
@@ -24,7 +25,14 @@ def _app(path, monkeypatch) -> AppTest:
     return at
 
 
-@pytest.mark.parametrize("name", ["empty", "demo", "two-rank"])
+def _scenarios() -> list[str]:
+    from phasescope.analyzers import scenarios
+
+    return sorted(f"scenario:{n}" for n in os.listdir(scenarios.DATA_DIR)
+                  if os.path.exists(os.path.join(scenarios.DATA_DIR, n, "config.json")))
+
+
+@pytest.mark.parametrize("name", ["empty", "demo", "two-rank"] + _scenarios())
 def test_every_page_renders_without_exception(stores, name, monkeypatch):
     at = _app(stores[name], monkeypatch)
     assert not at.exception
@@ -36,9 +44,10 @@ def test_every_page_renders_without_exception(stores, name, monkeypatch):
             assert "No runs yet" in at.info[0].value
 
 
-def test_overview_shows_the_run_figures_and_diagnose_findings(stores, monkeypatch):
-    at = _app(stores["demo"], monkeypatch)
-    reader = open_reader(stores["demo"])
+@pytest.mark.parametrize("name", ["demo"] + _scenarios())
+def test_overview_shows_the_run_figures_and_diagnose_findings(stores, name, monkeypatch):
+    at = _app(stores[name], monkeypatch)
+    reader = open_reader(stores[name])
     try:
         run = at.sidebar.selectbox(key="run").value
         summary = reader.query("request_summary", run_id=run)
@@ -46,9 +55,18 @@ def test_overview_shows_the_run_figures_and_diagnose_findings(stores, monkeypatc
     finally:
         reader.close()
     ttft = next(m for m in at.metric if m.label.startswith("TTFT"))
-    assert ttft.value == f"{summary['ttft_p50_s'] * 1e3:.1f} ms"
+    p50 = summary["ttft_p50_s"]
+    assert ttft.value == ("–" if p50 is None else f"{p50 * 1e3:.1f} ms")
     titles = [e.label.split(" ", 1)[1] for e in at.expander]
-    assert sorted(titles) == sorted(f.get("title", f.get("id")) for f in findings)
+    assert titles == [f.get("title", f.get("id")) for f in findings]  # same findings, same order
+    from phasescope.analyzers.diagnose import diagnose
+
+    con = duckdb.connect(stores[name], read_only=True)
+    try:
+        direct = [f.title for f in diagnose(con, run_id=run)]
+    finally:
+        con.close()
+    assert titles == direct
     if not findings:
         assert "No findings" in at.success[0].value
 
