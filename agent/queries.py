@@ -343,7 +343,7 @@ def rank_kv(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s:
 def rank_steps(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
                max_rows: int = 1_000_000) -> list[dict[str, Any]]:
     """Per rank over steps seen on 2+ ranks: median step time, how often it was the slowest, mean skew
-    (max/median - 1). Above `max_rows` steps, a deterministic sample of step ids (all ranks of each
+    (max/median - 1). Above `max_rows` steps, every k-th step id (all ranks of each
     sampled step kept) bounds the cost; shares and medians are estimates then."""
     where, params = _run_filter(run_id)
     n = con.execute(f"SELECT count(*) FROM steps t JOIN sources s USING (source_id) WHERE true {where}",
@@ -351,7 +351,7 @@ def rank_steps(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     k = max(1, -(-n // max_rows))
     return _rows(con, f"""
         WITH t AS (SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
-                   WHERE hash(t.step_id) % {k} = 0 {where}),
+                   WHERE t.step_id % {k} = 0 {where}),
              g AS (SELECT step_id, max(ms) AS mx, median(ms) AS med, arg_max(rank, ms) AS slow
                    FROM t GROUP BY step_id HAVING count(*) > 1)
         SELECT t.rank, median(t.ms), count(*) FILTER (WHERE g.slow = t.rank) / count(*),
