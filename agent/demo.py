@@ -188,15 +188,74 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
     return results
 
 
-def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Run the whole demo; returns the summary (also printed unless quiet)."""
-    from rich.console import Console
+def demo_labels(cfg: DemoConfig) -> dict[str, Any]:
+    """Run labels of a demo config: the knobs an experiment varies and the workload's prefix layout."""
+    labels: dict[str, Any] = {
+        "runtime": cfg.runtime, "page_size": cfg.page_size, "num_pages": cfg.num_pages,
+        "max_batch_tokens": cfg.max_batch_tokens, "arrival_rate_per_s": cfg.arrival_rate_per_s,
+        "requests": cfg.requests, "seed": cfg.seed, "shared_prefix_tokens": cfg.system_prompt_tokens + 1,
+        "prefix_position": "first"}
+    if cfg.runtime == "generate":
+        labels["max_batch"] = cfg.max_batch
+    return labels
+
+
+def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], model: Any = None,
+                    device: Any = None, console: Any = None, labels: dict[str, Any] | None = None) -> str:
+    """Serve `workload` with the probe attached and an in-process sidecar writing `db_path`.
+
+    Returns the run id. `labels` are added to (and override) `demo_labels(cfg)`; a rich
+    `console` gets a progress bar.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .adapters.hf_cb import HFContinuousBatching
+    from .collectors import NvmlCollector
     from .probe import attach
-    from .queries import kv_summary, phase_summary, prefix_summary, probe_health, request_summary
     from .sidecar import Sidecar
+
+    if model is None:
+        model, device = build_model(cfg)
+    tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
+    addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
+    # the in-process sidecar samples the GPU like a real one (no GPU: no samples, quietly)
+    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1, collectors=[NvmlCollector()],
+                      sample_interval_s=0.5).start()
+    probe = None
+    try:
+        runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"
+        probe = attach(model, agent=addr, runtime=runtime, flush_interval_s=0.05,
+                       labels={**demo_labels(cfg), **(labels or {})})
+        adapter = HFContinuousBatching(probe).instrument_model(model) if cfg.runtime == "cb" else None
+        with Progress(TextColumn(f"[bold]serving ({runtime})"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False,
+                      disable=console is None) as bar:
+            task = bar.add_task("serve", total=len(workload))
+            advance = lambda n: bar.advance(task, n)  # noqa: E731
+            if adapter is not None:
+                serve_cb(model, adapter, workload, cfg, progress=advance)
+                adapter.detach()
+            else:
+                serve(model, device, probe, workload, cfg.max_batch, progress=advance)
+        run_id = probe.run_id
+        probe.close()
+        sidecar.wait_rows(sidecar.drained, 10)
+    finally:
+        if probe is not None:
+            probe.close()
+        sidecar.stop()
+        try:
+            os.rmdir(tmp)
+        except OSError:
+            pass
+    return run_id
+
+
+def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Run the whole demo; returns the summary (also printed unless quiet)."""
+    from rich.console import Console
+
+    from .queries import kv_summary, phase_summary, prefix_summary, probe_health, request_summary
     from .store import Store
     from .summary import print_summary
 
@@ -217,44 +276,7 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
                 serve_cb(model, None, warm, cfg, realtime=False)
             else:
                 serve(model, device, None, warm, cfg.max_batch)
-    tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
-    addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
-    from .collectors import NvmlCollector
-
-    # the in-process sidecar samples the GPU like a real one (no GPU: no samples, quietly)
-    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1, collectors=[NvmlCollector()],
-                      sample_interval_s=0.5).start()
-    probe = None
-    try:
-        runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"
-        labels = {"runtime": cfg.runtime, "page_size": cfg.page_size, "num_pages": cfg.num_pages,
-                  "max_batch_tokens": cfg.max_batch_tokens, "arrival_rate_per_s": cfg.arrival_rate_per_s,
-                  "requests": cfg.requests, "seed": cfg.seed, "shared_prefix_tokens": cfg.system_prompt_tokens + 1,
-                  "prefix_position": "first"}
-        if cfg.runtime == "generate":
-            labels["max_batch"] = cfg.max_batch
-        probe = attach(model, agent=addr, runtime=runtime, flush_interval_s=0.05, labels=labels)
-        adapter = HFContinuousBatching(probe).instrument_model(model) if cfg.runtime == "cb" else None
-        with Progress(TextColumn(f"[bold]serving ({runtime})"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False) as bar:
-            task = bar.add_task("serve", total=len(workload))
-            advance = lambda n: bar.advance(task, n)  # noqa: E731
-            if adapter is not None:
-                serve_cb(model, adapter, workload, cfg, progress=advance)
-                adapter.detach()
-            else:
-                serve(model, device, probe, workload, cfg.max_batch, progress=advance)
-        run_id = probe.run_id
-        probe.close()
-        sidecar.wait_rows(lambda: sidecar.stats.open_connections == 0 and sidecar._queue.empty(), 10)
-    finally:
-        if probe is not None:
-            probe.close()
-        sidecar.stop()
-        try:
-            os.rmdir(tmp)
-        except OSError:
-            pass
+    run_id = record_workload(db_path, cfg, workload, model, device, console=console)
     con = Store.open_readonly(db_path)
     try:
         summary = {

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from .events import (
     PHASE_IDLE,
@@ -31,7 +30,6 @@ from .events import (
     RunLabel,
     Step,
     encode_frame,
-    encode_records,
     record_size,
     short_id,
     MAX_FRAME_BYTES,

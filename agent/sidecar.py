@@ -169,6 +169,10 @@ class Sidecar:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def drained(self) -> bool:
+        """No probe connected and nothing left to write."""
+        return self.stats.open_connections == 0 and self._queue.empty()
+
     def wait_rows(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
         """Poll `predicate` until true (tests and the demo use this)."""
         deadline = time.monotonic() + timeout_s

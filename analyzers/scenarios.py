@@ -69,31 +69,9 @@ def prefix_last_workload(cfg: Any) -> list[Any]:
 
 def run_workload(db_path: str, cfg: Any, workload: list[Any]) -> str:
     """Serve `workload` like `run_demo` does (HF continuous batching, probe, in-process sidecar); returns the run id."""
-    from phasescope.agent.adapters.hf_cb import HFContinuousBatching
-    from phasescope.agent.demo import build_model, serve_cb
-    from phasescope.agent.probe import attach
-    from phasescope.agent.sidecar import Sidecar
-    from phasescope.agent.transport import Address
+    from phasescope.agent.demo import record_workload
 
-    model, _ = build_model(cfg)
-    tmp = tempfile.mkdtemp(prefix="ps-scn-", dir="/tmp")
-    sidecar = Sidecar(db_path, listen=[Address("unix", os.path.join(tmp, "agent.sock"), 0)],
-                      batch_interval_s=0.1).start()
-    probe = None
-    try:
-        probe = attach(model, agent=f"unix:{tmp}/agent.sock", runtime="hf-cb", flush_interval_s=0.05)
-        adapter = HFContinuousBatching(probe).instrument_model(model)
-        serve_cb(model, adapter, workload, cfg)
-        adapter.detach()
-        run_id = probe.run_id
-        probe.close()
-        sidecar.wait_rows(lambda: sidecar.stats.open_connections == 0 and sidecar._queue.empty(), 10)
-    finally:
-        if probe is not None:
-            probe.close()
-        sidecar.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return run_id
+    return record_workload(db_path, cfg, workload)
 
 
 def _demo_labels(cfg: Any) -> dict[str, Any]:

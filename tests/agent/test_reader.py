@@ -12,7 +12,6 @@ import pytest
 from phasescope.agent import events as ev
 from phasescope.agent.reader import AgentReader, FileReader, StoreBusyError, open_reader
 from phasescope.agent.sidecar import Sidecar
-from phasescope.agent.store import Store
 
 
 def _records():

@@ -37,14 +37,21 @@ def test_synthetic_rebuild_is_exact(name, tmp_path, scenario_db):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", REAL)
 def test_real_rebuild_fires(name, tmp_path):
-    path = str(tmp_path / "run.duckdb")
-    run_id, config = build_db(name, path)
-    con = duckdb.connect(path, read_only=True)
-    try:
-        found = {f.id for f in diagnose(con, run_id)}
-    finally:
-        con.close()
+    # A real run on a shared 2-core machine is timing-noisy: one rebuild may be disturbed by
+    # other processes, so a second attempt is allowed. The rules' numbers are pinned
+    # deterministically on the committed fixtures (test_rules.py).
     expect = set(SCENARIOS[name].expect)
+    for attempt in range(2):
+        path = str(tmp_path / f"run{attempt}.duckdb")
+        run_id, config = build_db(name, path)
+        con = duckdb.connect(path, read_only=True)
+        try:
+            found = {f.id for f in diagnose(con, run_id)}
+        finally:
+            con.close()
+        ok = expect <= found if expect else found == set()
+        if ok:
+            break
     if expect:
         assert expect <= found, f"{name}: expected {sorted(expect)}, got {sorted(found)}"
     else:
