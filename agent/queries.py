@@ -403,6 +403,11 @@ def memory_budget(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> 
             "gpu_total_bytes": max((g["mem_total_bytes"] for g in gpu), default=None)}
 
 
+def run_labels(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str]:
+    """The run's labels (table run_info): config key/values, model geometry, GPU."""
+    return dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ? ORDER BY key", [run_id]).fetchall())
+
+
 def run_compare(con: duckdb.DuckDBPyConnection, run_a: str, run_b: str) -> list[dict[str, Any]]:
     """Request summary and preemption counts of two runs, side by side."""
     out = []
@@ -434,6 +439,7 @@ QUERIES: dict[str, Any] = {
     "run_compare": run_compare,
     "memory_budget": memory_budget,
     "run_span": run_span,
+    "run_labels": run_labels,
 }
 
 

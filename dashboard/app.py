@@ -292,6 +292,15 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
     keys = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "output_tokens_per_s", "finished", "aborted",
             "preemptions")
     st.dataframe(pd.DataFrame({r["run_id"]: [r.get(k) for k in keys] for r in rows}, index=list(keys)))
+    la, lb = q(reader, "run_labels", run_id=a), q(reader, "run_labels", run_id=b)
+    differ = {k: (la.get(k), lb.get(k)) for k in sorted(set(la) | set(lb))
+              if la.get(k) != lb.get(k) and k not in ("seed",)}
+    if len(differ) > 1:
+        st.warning(f"{len(differ)} settings differ: the effect cannot be pinned on one of them.")
+    if differ:
+        st.dataframe(pd.DataFrame(differ, index=[a, b]).T, column_config=None)
+    else:
+        st.caption("The two runs carry the same labels.")
     explain("Change one variable per run (KV budget, then quantization, then layout); compare TTFT, TPOT, "
             "throughput and failures side by side.")
 

@@ -102,3 +102,12 @@ def test_ranks_and_gpu_pages_on_a_two_rank_run(stores, monkeypatch):
     at.sidebar.radio(key="page").set_value("GPU").run()
     assert not at.exception and not at.info  # NVML samples present: the budget bar, not the notice
     assert budget["gpu_total_bytes"] == int(141e9) and budget["gpu_used_bytes"] == int(120e9)
+
+
+def test_experiments_page_names_the_setting_that_differs(stores, monkeypatch):
+    at = _app(stores["demo"], monkeypatch)  # two demo runs: num_pages 96 and 48 (and seeds, not a setting)
+    at.sidebar.radio(key="page").set_value("Experiments").run()
+    assert not at.exception and not at.warning  # exactly one setting differs: no warning
+    differ = at.dataframe[1].value
+    assert list(differ.index) == ["num_pages"]
+    assert sorted(differ.loc["num_pages"].tolist()) == ["48", "96"]
