@@ -276,13 +276,13 @@ class Probe:
                 slot = self._pool.take()
                 if slot is None:
                     self.gpu_unsampled += 1
-                else:
-                    slot.start.record()
             shape = self.next_shape
             if shape is None:
-                shape = self._inspect(args, kwargs, slot)
+                shape = self._inspect(args, kwargs, slot)  # may queue a readback: before the timed region
             else:
                 self.next_shape = None
+            if slot is not None:
+                slot.start.record()
             self._open = (time.perf_counter_ns(), mono, shape, slot)
         except Exception as exc:  # noqa: BLE001
             self._open = None
