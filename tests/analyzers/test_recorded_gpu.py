@@ -47,3 +47,26 @@ def test_launch_bound_and_below_roofline_fire_with_the_measured_busy_fraction(h2
            WHERE g.ts_ns + s.wall_minus_mono_ns BETWEEN span.lo AND span.hi""", [run_id]).fetchone()[0]
     assert math.isclose(e["util_pct_mean"], util, rel_tol=0.25)  # the rule's window may differ by a sample
     assert e["busy_fraction"] < 0.05
+
+
+def test_real_two_rank_tp_run_is_balanced_and_names_no_straggler(tmp_path):
+    folder = os.path.join(scenarios.DATA_DIR, "tp2-h200")
+    config = json.load(open(os.path.join(folder, "config.json")))
+    path = str(tmp_path / "tp.duckdb")
+    run_id = scenarios.load(folder, path)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        per_rank = con.execute("SELECT rank, count(*), count(*) FILTER (WHERE NOT isnan(gpu_ms)) FROM steps "
+                               "GROUP BY rank ORDER BY rank").fetchall()
+        assert per_rank == [(0, 192, 192), (1, 192, 192)]  # same steps on both NCCL ranks, all event-timed
+        from phasescope.agent.queries import rank_steps
+
+        ranks = rank_steps(con, run_id)
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert sum(r["slowest_share"] for r in ranks) == pytest.approx(1.0)
+        assert ranks[0]["skew_mean"] < 0.05  # balanced ranks
+        found = {f.id for f in diagnose(con, run_id)}
+    finally:
+        con.close()
+    assert set(config["expect"]) <= found
+    assert not set(config["must_not"]) & found
