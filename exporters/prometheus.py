@@ -296,11 +296,7 @@ class _SnapshotCollector(Collector):
             (CounterMetricFamily("phasescope_prefix_evicted_blocks", "Prefix-cache blocks evicted.", labels=labels),
              "evicted_blocks_total"),
         ]
-        for (model, rank), rec in rows:
-            for fam, field in fams:
-                fam.add_metric([model, str(rank)], getattr(rec, field))
-        for fam, _ in fams:
-            yield fam
+        yield from _per_model_rank(fams, rows)
 
     @staticmethod
     def _probe(rows: list) -> Iterator[Metric]:
@@ -319,11 +315,7 @@ class _SnapshotCollector(Collector):
             (CounterMetricFamily("phasescope_probe_gpu_unsampled_steps", "Steps without a GPU time.",
                                  labels=labels), "gpu_unsampled_total"),
         ]
-        for (model, rank), rec in rows:
-            for fam, field in fams:
-                fam.add_metric([model, str(rank)], getattr(rec, field))
-        for fam, _ in fams:
-            yield fam
+        yield from _per_model_rank(fams, rows)
 
     @staticmethod
     def _gpu(rows: list) -> Iterator[Metric]:
@@ -412,3 +404,11 @@ class MetricsServer:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+
+
+def _per_model_rank(fams: list, rows: list) -> list:
+    """Fill (family, record field) pairs from the latest record of each (model, rank)."""
+    for (model, rank), rec in rows:
+        for fam, field in fams:
+            fam.add_metric([model, str(rank)], getattr(rec, field))
+    return [fam for fam, _ in fams]
