@@ -75,12 +75,12 @@ def run_workload(db_path: str, cfg: Any, workload: list[Any]) -> str:
 
 
 def _demo_labels(cfg: Any) -> dict[str, Any]:
-    """Run labels of a demo config: its knobs and the model geometry (random weights, fp32 on CPU)."""
+    """Run labels of a demo config: all its knobs, and the KV dtype (the cache follows the fp32 model on CPU).
+
+    Model geometry, dtype, weight bytes and TP size come from the probe itself (`agent/labels.py`).
+    """
     out = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("extra", "device")}
-    out.update({"model_layers": cfg.layers, "model_heads": cfg.heads, "model_kv_heads": cfg.kv_heads,
-                "model_head_dim": cfg.hidden_size // cfg.heads, "model_hidden": cfg.hidden_size,
-                "model_intermediate": cfg.hidden_size * 11 // 4, "model_vocab": cfg.vocab_size,
-                "model_dtype": "float32", "tp": 1, "kv_dtype": "float32"})
+    out["kv_dtype"] = "float32"
     return out
 
 
