@@ -1,4 +1,4 @@
-"""phasescope.agent: the in-process probe, runtime adapters, transport, sidecar and CLI.
+"""phasescope.agent: records (events), the probe (probe/), the sidecar (sidecar/), the read layer (read/), and on top the CLI and demo.
 
     from phasescope.agent import attach
     probe = attach(model)          # hooks every forward; ships records to the sidecar

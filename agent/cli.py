@@ -48,8 +48,8 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 def _cmd_agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
-    from .collectors import NvmlCollector
     from .sidecar import Sidecar
+    from .sidecar.collectors import NvmlCollector
 
     log = logging.getLogger("phasescope.cli")
     listen = args.listen or [None]
@@ -76,8 +76,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                 raise SystemExit(f"phasescope agent: cannot serve the read API on {args.api}: {exc}")
             log.warning("no read API: the default %s is taken (%s); pass --api or --no-api", DEFAULT_API_ADDR, exc)
             api = None
+    from phasescope.analyzers.diagnose import diagnose  # the read API serves the analyzers' findings
+
     sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
-                      collectors=[nvml], sample_interval_s=args.sample_s, read_api=api)
+                      collectors=[nvml], sample_interval_s=args.sample_s, read_api=api, findings=diagnose)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 
@@ -131,9 +133,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
-    from .queries import kv_summary, latest_run, phase_summary, prefix_summary, probe_health, request_summary
-    from .store import Store
-    from .summary import print_summary
+    from .read.queries import kv_summary, latest_run, phase_summary, prefix_summary, probe_health, request_summary
+    from .sidecar.store import Store
+    from .read.summary import print_summary
 
     con = Store.open_readonly(args.db)
     try:
@@ -157,7 +159,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .schema import SCHEMA_VERSION, TABLES
+    from .sidecar.schema import SCHEMA_VERSION, TABLES
 
     console = Console()
     console.print(f"phasescope store schema version {SCHEMA_VERSION}")

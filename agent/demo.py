@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .transport import Address
+from .address import Address
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def serve(model: Any, device: Any, probe: Any, workload: list[DemoRequest], max_
     """Serve `workload` in arrival order with static batches; returns tokens per request."""
     import torch
 
-    from .adapters.hf_generate import GenerateRequests
+    from .probe.adapters.hf_generate import GenerateRequests
 
     start = time.monotonic_ns()
     pending = list(workload)
@@ -151,7 +151,7 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
 
     from transformers import GenerationConfig
 
-    from .adapters.hf_cb import cb_config
+    from .probe.adapters.hf_cb import cb_config
 
     gen = GenerationConfig(max_new_tokens=max(r.output_tokens for r in workload), do_sample=False, eos_token_id=-1)
     cb = cb_config(cfg.page_size, cfg.num_pages, cfg.max_batch_tokens)
@@ -209,8 +209,8 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .adapters.hf_cb import HFContinuousBatching
-    from .collectors import NvmlCollector
+    from .probe.adapters.hf_cb import HFContinuousBatching
+    from .sidecar.collectors import NvmlCollector
     from .probe import attach
     from .sidecar import Sidecar
 
@@ -255,9 +255,9 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
     """Run the whole demo; returns the summary (also printed unless quiet)."""
     from rich.console import Console
 
-    from .queries import kv_summary, phase_summary, prefix_summary, probe_health, request_summary
-    from .store import Store
-    from .summary import print_summary
+    from .read.queries import kv_summary, phase_summary, prefix_summary, probe_health, request_summary
+    from .sidecar.store import Store
+    from .read.summary import print_summary
 
     cfg = cfg or DemoConfig()
     console = Console(stderr=True, quiet=quiet)

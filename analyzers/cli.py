@@ -18,8 +18,8 @@ def _value(text: str) -> Any:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from phasescope.agent.queries import latest_run
-    from phasescope.agent.store import Store
+    from phasescope.agent.read.queries import latest_run
+    from phasescope.agent.sidecar.store import Store
 
     from .diagnose import diagnose, thresholds
     from .geometry import load_config

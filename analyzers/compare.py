@@ -12,7 +12,7 @@ from typing import Any
 
 import duckdb
 
-from phasescope.agent.queries import latest_run
+from phasescope.agent.read.queries import latest_run
 
 from .queries import PREEMPTIONS, one
 from .runinfo import read_run_info

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from phasescope.agent.queries import latest_run
+from phasescope.agent.read.queries import latest_run
 
 from .decode import decode_roofline
 from .findings import Finding, sort_findings

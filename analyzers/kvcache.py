@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from phasescope.agent.kvmath import predicted_waste
+from phasescope.agent.probe.kvmath import predicted_waste
 
 from .findings import Finding, ref
 from .geometry import DTYPE_BYTES, ModelGeometry

@@ -11,7 +11,7 @@ from typing import Any
 
 import duckdb
 
-from phasescope.agent.queries import STEP_MS
+from phasescope.agent.read.queries import STEP_MS
 
 # steps of one run on its lowest rank (rank-level rules read every rank themselves)
 RUN_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)

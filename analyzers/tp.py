@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from phasescope.agent.kvmath import kv_imbalance
-from phasescope.agent.queries import STEP_MS
+from phasescope.agent.probe.kvmath import kv_imbalance
+from phasescope.agent.read.queries import STEP_MS
 
 from .findings import Finding, ref
 from .geometry import ModelGeometry

@@ -21,7 +21,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from phasescope.agent import attach
-from phasescope.agent.adapters.hf_cb import HFContinuousBatching, cb_config
+from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching, cb_config
 from phasescope.agent.events import PHASES, KVSnapshot, Step
 
 

@@ -17,8 +17,9 @@ import time
 
 import duckdb
 
-from phasescope.agent.reader import open_reader
-from phasescope.agent.store import Store
+from phasescope.agent.read.reader import open_reader
+from phasescope.analyzers.diagnose import diagnose
+from phasescope.agent.sidecar.store import Store
 
 RUN = "bench-run"
 
@@ -91,7 +92,7 @@ def main() -> None:
         t0 = time.perf_counter()
         build(args.db, args.steps)
         print(f"built {args.db} ({args.steps:,} steps) in {time.perf_counter() - t0:.1f} s")
-    reader = open_reader(args.db)
+    reader = open_reader(args.db, findings=diagnose)
     n = reader.con.execute("SELECT count(*) FROM steps").fetchone()[0]
     print(f"{n:,} steps · {os.cpu_count()} cores · median of {args.repeat} runs per page\n")
     print(f"{'page':14} {'queries':>7} {'page s':>8}  slowest query")

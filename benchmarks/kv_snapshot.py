@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from phasescope.agent.kvmath import largest_run, page_stats_fast
+from phasescope.agent.probe.kvmath import largest_run, page_stats_fast
 
 
 def median_us(fn, n: int = 50) -> float:
@@ -53,7 +53,7 @@ def real_hf(num_blocks: int = 1024) -> tuple[float, float, int]:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from phasescope.agent import attach
-    from phasescope.agent.adapters.hf_cb import HFContinuousBatching, hf_page_stats
+    from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching, hf_page_stats
     from phasescope.agent.events import PHASE_DECODE, Step
 
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 Launch with `phasescope dashboard FILE` (offline: a DuckDB file no agent holds) or
 `phasescope dashboard --agent http://127.0.0.1:7702` (live: a running sidecar's read
 API). Every figure comes from a named query aggregated in DuckDB
-(`phasescope.agent.queries`); the app never runs SQL of its own or typed by a user.
+(`phasescope.agent.read.queries`); the app never runs SQL of its own or typed by a user.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from phasescope.agent.reader import StoreBusyError, open_reader
+from phasescope.agent.read.reader import StoreBusyError, open_reader
+from phasescope.analyzers.diagnose import diagnose
 
 PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
@@ -36,7 +37,7 @@ def target_from_argv(argv: list[str]) -> str:
 
 @st.cache_resource
 def reader_for(target: str) -> Any:
-    return open_reader(target)
+    return open_reader(target, findings=diagnose)
 
 
 def q(reader: Any, name: str, **params: Any) -> Any:

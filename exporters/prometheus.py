@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.agent import kvmath
+from phasescope.agent.probe import kvmath
 from phasescope.agent.events import (PHASES, GpuSample, Hello, KVSnapshot, PrefixCounters, ProbeHealth,
                                      RequestEvent, Step)
 from phasescope.agent.sidecar import Batch, SidecarStats

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from phasescope.agent.collectors import NvmlCollector
+from phasescope.agent.sidecar.collectors import NvmlCollector
 from phasescope.agent.events import GpuSample
 from phasescope.agent.sidecar import Sidecar
 

@@ -1,7 +1,7 @@
 """HF continuous batching on a real random-weight Llama (CPU): lifecycle, paged KV, prefix cache.
 
 The KV figures are checked against an oracle written here, independently of
-phasescope.agent.kvmath, from the cache's own block table, ledger and pool at the
+phasescope.agent.probe.kvmath, from the cache's own block table, ledger and pool at the
 same instant (a forward pre-hook of the test's own, which runs right after the
 adapter's snapshot and before any cache change).
 """
@@ -22,8 +22,8 @@ from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
 from phasescope.agent import attach  # noqa: E402
-from phasescope.agent import kvmath  # noqa: E402
-from phasescope.agent.adapters.hf_cb import HFContinuousBatching  # noqa: E402
+from phasescope.agent.probe import kvmath  # noqa: E402
+from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching  # noqa: E402
 from phasescope.agent.events import REQUEST_EVENTS, KVSnapshot, PrefixCounters, RequestEvent, Step  # noqa: E402
 
 PAGE = 32

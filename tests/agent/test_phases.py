@@ -1,7 +1,7 @@
 """Phase classification, on hand-made shapes."""
 
 from phasescope.agent.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
-from phasescope.agent.phases import StepShape, classify_packed, classify_padded
+from phasescope.agent.probe.phases import StepShape, classify_packed, classify_padded
 
 
 def test_padded_prefill_counts_only_real_tokens():

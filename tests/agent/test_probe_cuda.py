@@ -67,7 +67,7 @@ def test_hooks_never_synchronize_the_device(cuda_llama):
 def test_continuous_batching_on_cuda_exact_counts_and_event_timing(cuda_llama):
     from transformers import GenerationConfig
 
-    from phasescope.agent.adapters.hf_cb import HFContinuousBatching, cb_config
+    from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching, cb_config
     from phasescope.agent.events import KVSnapshot, PrefixCounters
 
     got: list = []

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from phasescope.agent import attach  # noqa: E402
-from phasescope.agent.store import Store  # noqa: E402
+from phasescope.agent.sidecar.store import Store  # noqa: E402
 
 
 def _left_padded(rows: list[list[int]]):

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from phasescope.agent import events as ev
-from phasescope.agent.reader import AgentReader, FileReader, StoreBusyError, open_reader
+from phasescope.agent.read.reader import AgentReader, FileReader, StoreBusyError, open_reader
 from phasescope.agent.sidecar import Sidecar
 
 

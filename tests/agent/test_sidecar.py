@@ -11,7 +11,7 @@ import pytest
 
 from phasescope.agent import events as ev
 from phasescope.agent.sidecar import Sidecar
-from phasescope.agent.store import Store
+from phasescope.agent.sidecar.store import Store
 
 
 def _hello(rank=0, run="run-a"):

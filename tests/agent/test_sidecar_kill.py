@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from phasescope.agent import attach  # noqa: E402
-from phasescope.agent.store import Store  # noqa: E402
+from phasescope.agent.sidecar.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import os
 import duckdb
 import pytest
 
-from phasescope.analyzers import scenarios
+from phasescope.agent import scenarios
 from phasescope.analyzers.diagnose import diagnose
 
 FIXTURE = os.path.join(scenarios.DATA_DIR, "h200-demo")
@@ -59,7 +59,7 @@ def test_real_two_rank_tp_run_is_balanced_and_names_no_straggler(tmp_path):
         per_rank = con.execute("SELECT rank, count(*), count(*) FILTER (WHERE NOT isnan(gpu_ms)) FROM steps "
                                "GROUP BY rank ORDER BY rank").fetchall()
         assert per_rank == [(0, 192, 192), (1, 192, 192)]  # same steps on both NCCL ranks, all event-timed
-        from phasescope.agent.queries import rank_steps
+        from phasescope.agent.read.queries import rank_steps
 
         ranks = rank_steps(con, run_id)
         assert [r["rank"] for r in ranks] == [0, 1]

@@ -14,12 +14,12 @@ import statistics
 
 import pytest
 
-from phasescope.agent.kvmath import kv_imbalance
-from phasescope.agent.queries import kv_summary, probe_health
-from phasescope.analyzers import synthetic
+from phasescope.agent.probe.kvmath import kv_imbalance
+from phasescope.agent.read.queries import kv_summary, probe_health
+from phasescope.agent import synthetic
 from phasescope.analyzers.diagnose import diagnose, thresholds
 from phasescope.analyzers.findings import Finding
-from phasescope.analyzers.scenarios import DATA_DIR, SCENARIOS
+from phasescope.agent.scenarios import DATA_DIR, SCENARIOS
 
 STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
 

@@ -10,7 +10,7 @@ import duckdb
 import pytest
 
 from phasescope.analyzers.diagnose import diagnose
-from phasescope.analyzers.scenarios import SCENARIOS, build_db
+from phasescope.agent.scenarios import SCENARIOS, build_db
 
 REAL = [n for n, s in SCENARIOS.items() if s.kind != "synthetic"]
 SYNTHETIC = [n for n, s in SCENARIOS.items() if s.kind == "synthetic"]

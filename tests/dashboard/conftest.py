@@ -8,7 +8,7 @@ import time
 import pytest
 
 from phasescope.agent import events as ev
-from phasescope.agent.store import Store
+from phasescope.agent.sidecar.store import Store
 
 
 def build_two_rank_store(path: str) -> str:
@@ -58,7 +58,7 @@ def stores(tmp_path_factory):
     run_demo(demo, DemoConfig(requests=16, seed=4, device="cpu", num_pages=48), quiet=True)  # a second run
     out = {"empty": empty, "demo": demo, "two-rank": build_two_rank_store(str(d / "tp.duckdb"))}
     # every scenario fixture of the analyzers (healthy and each problem), rebuilt from tests/data
-    from phasescope.analyzers import scenarios
+    from phasescope.agent import scenarios
 
     for name in sorted(os.listdir(scenarios.DATA_DIR)):
         folder = os.path.join(scenarios.DATA_DIR, name)

@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from phasescope.agent.reader import open_reader  # noqa: E402
+from phasescope.agent.read.reader import open_reader  # noqa: E402
+from phasescope.analyzers.diagnose import diagnose  # noqa: E402
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
 PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
@@ -26,7 +27,7 @@ def _app(path, monkeypatch) -> AppTest:
 
 
 def _scenarios() -> list[str]:
-    from phasescope.analyzers import scenarios
+    from phasescope.agent import scenarios
 
     return sorted(f"scenario:{n}" for n in os.listdir(scenarios.DATA_DIR)
                   if os.path.exists(os.path.join(scenarios.DATA_DIR, n, "config.json")))
@@ -47,7 +48,7 @@ def test_every_page_renders_without_exception(stores, name, monkeypatch):
 @pytest.mark.parametrize("name", ["demo"] + _scenarios())
 def test_overview_shows_the_run_figures_and_diagnose_findings(stores, name, monkeypatch):
     at = _app(stores[name], monkeypatch)
-    reader = open_reader(stores[name])
+    reader = open_reader(stores[name], findings=diagnose)
     try:
         run = at.sidebar.selectbox(key="run").value
         summary = reader.query("request_summary", run_id=run)
@@ -59,8 +60,6 @@ def test_overview_shows_the_run_figures_and_diagnose_findings(stores, name, monk
     assert ttft.value == ("–" if p50 is None else f"{p50 * 1e3:.1f} ms")
     titles = [e.label.split(" ", 1)[1] for e in at.expander]
     assert titles == [f.get("title", f.get("id")) for f in findings]  # same findings, same order
-    from phasescope.analyzers.diagnose import diagnose
-
     con = duckdb.connect(stores[name], read_only=True)
     try:
         direct = [f.title for f in diagnose(con, run_id=run)]

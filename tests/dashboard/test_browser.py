@@ -51,7 +51,7 @@ def test_browser_sees_the_overview_of_a_live_agent(tiny_llama, short_tmp):
     def serve() -> None:  # a bounded workload that keeps the sidecar writing while the browser looks
         import torch
 
-        from phasescope.agent.adapters.hf_generate import GenerateRequests
+        from phasescope.agent.probe.adapters.hf_generate import GenerateRequests
 
         for i in range(400):
             if stop.is_set():

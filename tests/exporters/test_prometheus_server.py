@@ -126,7 +126,7 @@ def _run_probe(tiny_llama, socket_path: str) -> tuple[str, int, int]:
     import torch
 
     from phasescope.agent import attach
-    from phasescope.agent.adapters.hf_generate import GenerateRequests
+    from phasescope.agent.probe.adapters.hf_generate import GenerateRequests
 
     rows = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 9]]
     width = max(map(len, rows))

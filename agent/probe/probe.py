@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from .events import (
+from ..events import (
     PHASE_IDLE,
     Hello,
     ProbeHealth,
@@ -36,7 +36,8 @@ from .events import (
     REQUEST_EVENTS,
 )
 from .phases import StepShape, classify_packed, classify_padded
-from .transport import Address, Sender, parse_address
+from ..address import Address, parse_address
+from .sender import Sender
 
 log = logging.getLogger("phasescope.probe")
 

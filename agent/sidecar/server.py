@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Callable, Protocol, Sequence
 
-from .events import HEADER, FrameError, Hello, Record, decode_header, decode_payload
+from ..events import HEADER, FrameError, Hello, Record, decode_header, decode_payload
 from .store import Store
-from .transport import Address, parse_address
+from ..address import Address, parse_address
 
 log = logging.getLogger("phasescope.sidecar")
 
@@ -76,8 +76,10 @@ class Sidecar:
         collectors: Sequence[Collector] = (),
         sample_interval_s: float = 1.0,
         read_api: str | None = None,
+        findings: Callable | None = None,
     ) -> None:
-        """`read_api`: "HOST:PORT" (loopback; port 0 picks one) to serve named queries to live readers."""
+        """`read_api`: "HOST:PORT" (loopback; port 0 picks one) to serve named queries to live readers;
+        `findings`: (connection, run_id) -> findings served at /api/v1/findings (the CLI injects diagnose)."""
         if batch_interval_s <= 0 or checkpoint_interval_s <= 0:
             raise ValueError("intervals must be > 0")
         self.db_path = db_path
@@ -92,6 +94,7 @@ class Sidecar:
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_batches)
         self.read_api_addr = read_api
         self.read_api = None
+        self._findings = findings
         self.sinks = list(sinks)
         self.collectors = list(collectors)
         self.sample_interval_s = sample_interval_s
@@ -116,7 +119,7 @@ class Sidecar:
 
             host, _, port = self.read_api_addr.rpartition(":")
             self.read_api = ReadAPI(lambda: self.store.cursor(), host or "127.0.0.1", int(port),
-                                    health=lambda: dict(vars(self.stats)))
+                                    health=lambda: dict(vars(self.stats)), findings=self._findings)
         self.store = Store(self.db_path)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="phasescope-sidecar", daemon=True)

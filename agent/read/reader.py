@@ -3,7 +3,7 @@
 - a file path: the DuckDB file, opened read-only (only possible when no agent holds it);
 - an http(s) URL: a running sidecar's read API (`phasescope agent --api ...`).
 
-Both run the same named queries (`agent/queries.py`) and the analyzers' findings,
+Both run the same named queries (`agent/read/queries.py`) and the findings the caller injects,
 so the dashboard and `diagnose` never care which one they have.
 """
 
@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import urllib.parse
 import urllib.request
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import duckdb
 
+from .jsonsafe import json_safe
 from .queries import run_named
+
+Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings, e.g. analyzers.diagnose
 
 
 class StoreBusyError(RuntimeError):
@@ -34,7 +37,9 @@ class Reader(Protocol):
 class FileReader:
     """Named queries over a DuckDB file that no agent holds."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, findings: Findings | None = None) -> None:
+        """`findings`: computes findings over the connection (the caller injects the analyzers' diagnose)."""
+        self._findings = findings
         try:
             self.con = duckdb.connect(path, read_only=True)
         except (duckdb.IOException, duckdb.ConnectionException) as exc:
@@ -51,13 +56,9 @@ class FileReader:
         return run_named(self.con, name, params)
 
     def findings(self, run_id: str | None = None) -> list[dict[str, Any]]:
-        try:
-            from phasescope.analyzers.diagnose import diagnose
-        except ImportError:
+        if self._findings is None:
             return []
-        from .readapi import _clean
-
-        return _clean(diagnose(self.con, run_id=run_id))
+        return json_safe(self._findings(self.con, run_id))
 
     def close(self) -> None:
         self.con.close()
@@ -85,8 +86,8 @@ class AgentReader:
         pass
 
 
-def open_reader(target: str) -> FileReader | AgentReader:
-    """A reader for a DuckDB file path or a sidecar URL."""
+def open_reader(target: str, findings: Findings | None = None) -> FileReader | AgentReader:
+    """A reader for a DuckDB file path or a sidecar URL (which computes its own findings)."""
     if target.startswith(("http://", "https://")):
         return AgentReader(target)
-    return FileReader(target)
+    return FileReader(target, findings)

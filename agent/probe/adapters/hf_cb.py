@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL
+from ...events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL
 from ..kvmath import PageStats, largest_run, page_stats_fast
 from ..phases import StepShape
 from ..probe import Probe

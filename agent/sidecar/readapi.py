@@ -4,7 +4,7 @@ DuckDB lets one process hold a file read-write and then no other process can ope
 it, so live readers (the dashboard, `diagnose --agent`) ask the sidecar, which runs
 the query on a cursor of its own connection (DuckDB cursors are safe to use from
 other threads while the writer appends). Only the named queries of
-`agent/queries.py` (and the analyzers' `diagnose`) can run: never user SQL.
+`agent/read/queries.py` (and the findings function the CLI injects) can run: never user SQL.
 
     GET /api/v1/health                      sidecar counters
     GET /api/v1/query/<name>?param=value    rows of a named query
@@ -16,37 +16,18 @@ handful of readers; no web framework is pulled into the sidecar.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
-from dataclasses import asdict, is_dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 from urllib.parse import parse_qsl, urlparse
 
-from .queries import QUERIES, run_named
+from ..read.jsonsafe import to_json
+from ..read.queries import QUERIES, run_named
+
+Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings; the CLI injects diagnose
 
 log = logging.getLogger("phasescope.readapi")
-
-
-def _clean(v: Any) -> Any:
-    """JSON-safe values: NaN/inf -> None, dataclasses -> dicts."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {str(k): _clean(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
-    if is_dataclass(v) and not isinstance(v, type):
-        return _clean(asdict(v))
-    if isinstance(v, (str, int, bool)) or v is None:
-        return v
-    return str(v)
-
-
-def to_json(v: Any) -> bytes:
-    return json.dumps(_clean(v), separators=(",", ":")).encode()
 
 
 class ReadAPI:
@@ -58,8 +39,11 @@ class ReadAPI:
         host: str = "127.0.0.1",
         port: int = 0,
         health: Callable[[], dict[str, Any]] | None = None,
+        findings: Findings | None = None,
     ) -> None:
+        """`findings`: the analyzers' diagnose, injected by the caller (the sidecar never imports analyzers)."""
         self._cursor = cursor
+        self._findings_fn = findings
         self._health = health or (lambda: {})
         api = self
 
@@ -120,12 +104,10 @@ class ReadAPI:
         req.wfile.write(data)
 
     def _findings(self, run_id: str | None) -> dict[str, Any]:
-        try:
-            from phasescope.analyzers.diagnose import diagnose
-        except ImportError:
-            return {"findings": [], "error": "analyzers not installed"}
+        if self._findings_fn is None:
+            return {"findings": [], "error": "this agent serves no findings (started without analyzers)"}
         con = self._cursor()
         try:
-            return {"findings": diagnose(con, run_id=run_id)}
+            return {"findings": self._findings_fn(con, run_id)}
         finally:
             con.close()

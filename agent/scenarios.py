@@ -12,8 +12,8 @@ configuration, notes and run labels) and one zstd Parquet file per table (a few
 KB each; the DuckDB file itself is ~2 MB of mostly empty blocks). `load()`
 turns the folder back into a DuckDB file with the store's schema.
 
-    python -m phasescope.analyzers.scenarios build            # all, into tests/data
-    python -m phasescope.analyzers.scenarios build healthy kv-pressure --out DIR
+    python -m phasescope.agent.scenarios build            # all, into tests/data
+    python -m phasescope.agent.scenarios build healthy kv-pressure --out DIR
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import duckdb
 
-from .runinfo import RUN_INFO_DDL, record_run_info
+from phasescope.analyzers.runinfo import RUN_INFO_DDL, record_run_info
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
 TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples",
@@ -223,7 +223,7 @@ def build(name: str, out_dir: str) -> dict[str, Any]:
 
 def load(scenario_dir: str, db_path: str) -> str:
     """A DuckDB file at `db_path` with the store's schema and the scenario's records; returns the run id."""
-    from phasescope.agent.store import Store
+    from phasescope.agent.sidecar.store import Store
 
     Store(db_path).close()  # schema and views
     con = duckdb.connect(db_path)
@@ -242,7 +242,7 @@ def load(scenario_dir: str, db_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m phasescope.analyzers.scenarios")
+    p = argparse.ArgumentParser(prog="python -m phasescope.agent.scenarios")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build scenario fixtures")
     b.add_argument("names", nargs="*", help=f"scenarios (default: all of {', '.join(SCENARIOS)})")

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import duckdb
 
-from .events import PHASES, REQUEST_EVENTS, Hello, Record, RunLabel
+from ..events import PHASES, REQUEST_EVENTS, Hello, Record, RunLabel
 from .schema import SCHEMA_VERSION, TABLE_OF_RECORD, TABLES, ddl
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from ..events import KVSnapshot, PrefixCounters
+from ...events import KVSnapshot, PrefixCounters
 from ..kvmath import PageStats
 from ..probe import Probe
 

@@ -42,7 +42,7 @@ OVERLOAD = dict(finished=90, aborted=6, unfinished=4, records=10_000, dropped=25
 
 def _store(db_path: str, run_id: str, world_size: int, per_rank: Callable[[int], list[Any]],
            sidecar: list[Any] | None = None, model: str = "synthetic") -> str:
-    from phasescope.agent.store import Store
+    from phasescope.agent.sidecar.store import Store
 
     store = Store(db_path)
     try:
