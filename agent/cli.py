@@ -48,10 +48,16 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 def _cmd_agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
+    from .agentconfig import resolve
+    from .deploycli import start_agent_extras
     from .sidecar import Sidecar
     from .sidecar.collectors import NvmlCollector
 
     log = logging.getLogger("phasescope.cli")
+    try:
+        resolve(args)  # flags > PHASESCOPE_* > --config file > defaults
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"phasescope agent: {exc}")
     listen = args.listen or [None]
     registry = CollectorRegistry()  # this process's own, never the global one
     sinks: list = []
@@ -66,6 +72,11 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
         sinks.append(OtlpExporter(registry=registry, export_interval_s=args.otlp_interval_s))
     nvml = NvmlCollector()
+    scrapers = []
+    if args.scrape:
+        from .sidecar.scrape import ScrapeCollector
+
+        scrapers = [ScrapeCollector(url) for url in args.scrape]  # a bad URL fails here, loudly
     api = None if args.no_api else (args.api or DEFAULT_API_ADDR)
     if api is not None:
         try:  # probe the port, as for /metrics: a taken default only warns
@@ -79,7 +90,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from phasescope.analyzers.diagnose import diagnose  # the read API serves the analyzers' findings
 
     sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
-                      collectors=[nvml], sample_interval_s=args.sample_s, read_api=api, findings=diagnose)
+                      collectors=[nvml, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 
@@ -92,19 +103,34 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             log.warning("no /metrics: the default %s is taken (%s); pass --metrics-addr or --no-metrics",
                         DEFAULT_METRICS_ADDR, exc)
             server = None
+    if not args.no_retention:
+        sidecar.checks["retention"] = lambda: (False, "not started yet")
     sidecar.start()
+    retention = start_agent_extras(args, sidecar)  # socket mode; retention thread
+    if retention is not None:
+        sidecar.checks["retention"] = retention.check
+        if server is not None:
+            from phasescope.exporters.storage_metrics import RetentionCollector
+
+            registry.register(RetentionCollector(retention))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     extra = f"; metrics on {server.url}" if server is not None else ""
     extra += f"; read API on {sidecar.read_api.url}" if sidecar.read_api is not None else ""
     extra += "; exporting OTLP" if args.otlp else ""
+    if scrapers:
+        from .sidecar.scrape import CANNOT
+
+        extra += "; scraping " + ", ".join(s.url for s in scrapers) + " (scrape mode cannot give: " + "; ".join(CANNOT) + ")"
     print(f"phasescope agent: writing {args.db}; listening on " + ", ".join(map(str, sidecar.bound)) + extra,
           flush=True)
     try:
         while not stop.wait(1.0):
             pass
     finally:
+        if retention is not None:
+            retention.stop()
         sidecar.stop()  # closes the exporters (OTLP flushes, bounded)
         if server is not None:
             server.close()
@@ -199,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--otlp-interval-s", type=float, default=10.0,
                    help="OTLP metric export interval, s (default: %(default)s)")
     a.add_argument("--sample-s", type=float, default=1.0, help="GPU (NVML) sampling interval, s (default: %(default)s)")
+    from .agentconfig import add_arguments
+
+    add_arguments(a)  # --config, --socket-mode, retention; every option also from PHASESCOPE_* / the file
+    a.add_argument("--scrape", action="append", metavar="URL",
+                   help="scrape mode: poll an inference server's Prometheus /metrics (vLLM without the plugin, SGLang, "
+                        "TGI, TensorRT-LLM) every --sample-s and store what maps onto the tables; repeatable")
     a.set_defaults(func=_cmd_agent)
 
     r = sub.add_parser("rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",
@@ -244,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     from phasescope.analyzers.cli import add_commands  # diagnose, plan-kv, compare
 
     add_commands(sub)
+    from .deploycli import add_commands as add_deploy_commands  # run, health, retention
+
+    add_deploy_commands(sub)
     return p
 
 

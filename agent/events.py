@@ -151,7 +151,18 @@ class RunLabel(NamedTuple):
     value: str  # <= 96 bytes
 
 
-Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth, RunLabel]
+class ServerMetric(NamedTuple):
+    """One sample of an inference server's own metric (scraped /metrics, or vLLM's stat logger)."""
+
+    ts_ns: int
+    engine: int  # the server's engine index (data-parallel engine); 0 when it has one
+    name: str  # <= 64 bytes, the server's metric name, e.g. "vllm:kv_cache_usage_perc"
+    labels: str  # <= 64 bytes, the other labels as k=v,k=v (e.g. "le=0.5" for a histogram bucket)
+    value: float
+
+
+Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth, RunLabel,
+               ServerMetric]
 
 # type byte -> (class, struct); the order of fields equals the NamedTuple's
 _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
@@ -163,6 +174,7 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     6: (GpuSample, struct.Struct("<qHfQQfffQ")),
     7: (ProbeHealth, struct.Struct("<qHIQQQQQQ")),
     8: (RunLabel, struct.Struct("<q32s96s")),
+    9: (ServerMetric, struct.Struct("<qH64s64sd")),
 }
 _TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}
 RECORD_TYPES: tuple[type, ...] = tuple(cls for cls, _ in _LAYOUT.values())

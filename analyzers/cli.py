@@ -28,6 +28,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.list_thresholds:
         print(json.dumps(thresholds(), indent=2))
         return 0
+    if args.fleet:
+        from .fleet import diagnose_fleet, print_fleet
+
+        report = diagnose_fleet(args.fleet)
+        print(json.dumps(report, indent=2, default=str)) if args.json else print_fleet(report)
+        return 0
     if not args.db:
         print("diagnose: give a DuckDB file", file=sys.stderr)
         return 2
@@ -116,6 +122,8 @@ def add_commands(sub: Any) -> None:
     d.add_argument("--set", action="append", metavar="NAME=VALUE", help="override a named threshold; repeatable")
     d.add_argument("--queries", action="store_true", help="also print the SQL behind each finding")
     d.add_argument("--list-thresholds", action="store_true", help="print every threshold and its default")
+    d.add_argument("--fleet", metavar="GLOB", help="compare hosts over Parquet exports (host=/date=/table=), "
+                                                  "e.g. 'exports/**/*.parquet' or 's3://bucket/phasescope/**/*.parquet'")
     d.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("plan-kv", help="KV capacity planner: bytes per token, sequences that fit a budget",

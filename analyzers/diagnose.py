@@ -9,6 +9,7 @@ Model geometry and the GPU come from the run's labels (`run_info`) unless given.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from .prefill import prefill_stalls_decode
 from .prefix import prefix_hit_collapse
 from .queueing import ttft_queueing
 from .reliability import preemption_recompute, probe_dropping, survival_rate
-from .runinfo import read_run_info
+from .runinfo import read_run_info, with_flag_values
 from .tp import tp_kv_head_replication, tp_kv_imbalance, tp_straggler
 
 Analyzer = Callable[..., list[Finding]]
@@ -73,4 +74,6 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
         params = inspect.signature(fn).parameters
         kw = {k: v for k, v in {**overrides, **context}.items() if k in params}
         findings.extend(fn(con, run_id, **kw))
+    if labels.get("runtime") == "vllm":  # name vLLM's flags with this run's values
+        findings = [dataclasses.replace(f, suggestion=with_flag_values(f.suggestion, labels)) for f in findings]
     return sort_findings(findings)

@@ -71,3 +71,31 @@ def as_number(value: str | None) -> float | None:
         return float(value)
     except ValueError:
         return None
+
+
+# run label -> the vLLM flag that sets it (the vLLM plugin labels runs with these keys)
+VLLM_FLAGS = {
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--max-num-seqs": "max_num_seqs",
+    "--block-size": "block_size",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--num-gpu-blocks-override": "num_gpu_blocks",
+    "--enable-chunked-prefill": "enable_chunked_prefill",
+    "--enable-prefix-caching": "enable_prefix_caching",
+    "--enforce-eager": "enforce_eager",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--max-model-len": "max_model_len",
+    "--tensor-parallel-size": "tp",
+}
+
+
+def with_flag_values(text: str, labels: Mapping[str, str]) -> str:
+    """On a vLLM run, each vLLM flag `text` names gets the run's value: "--max-num-seqs (now 8)"."""
+    if labels.get("runtime") != "vllm":
+        return text
+    import re
+
+    for flag, key in VLLM_FLAGS.items():
+        if key in labels and f"{flag} (now" not in text:
+            text = re.sub(re.escape(flag) + r"(?![\w-])", f"{flag} (now {labels[key]})", text, count=1)
+    return text

@@ -9,6 +9,7 @@ other threads while the writer appends). Only the named queries of
     GET /api/v1/health                      sidecar counters
     GET /api/v1/query/<name>?param=value    rows of a named query
     GET /api/v1/findings?run_id=RUN         diagnose() findings, when analyzers are installed
+    GET /healthz, /readyz                   liveness / readiness, each check with what it saw (200 or 503)
 
 The standard library's ThreadingHTTPServer is enough for a loopback API with a
 handful of readers; no web framework is pulled into the sidecar.
@@ -40,11 +41,14 @@ class ReadAPI:
         port: int = 0,
         health: Callable[[], dict[str, Any]] | None = None,
         findings: Findings | None = None,
+        live: Callable[[], dict[str, Any]] | None = None,
+        ready: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         """`findings`: the analyzers' diagnose, injected by the caller (the sidecar never imports analyzers)."""
         self._cursor = cursor
         self._findings_fn = findings
         self._health = health or (lambda: {})
+        self._probes = {"healthz": live, "readyz": ready}  # agent/sidecar/health.py: {"ok": bool, "checks": ...}
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -78,6 +82,9 @@ class ReadAPI:
         try:
             if parts == ["api", "v1", "health"]:
                 body, status = self._health(), 200
+            elif len(parts) == 1 and self._probes.get(parts[0]) is not None:
+                body = self._probes[parts[0]]()
+                status = 200 if body["ok"] else 503
             elif parts[:3] == ["api", "v1", "query"] and len(parts) == 4:
                 if parts[3] not in QUERIES:
                     body, status = {"error": f"unknown query {parts[3]!r}", "queries": sorted(QUERIES)}, 404

@@ -97,6 +97,14 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("send_failures_total", "BIGINT", "failed sends (connection lost)"),
         ("gpu_unsampled_total", "BIGINT", "steps left untimed (event pool empty)"),
     ],
+    "server_metrics": [
+        ("source_id", "INTEGER", "sources.source_id (the scraper's or the vLLM frontend's)"),
+        ("ts_ns", "BIGINT", "monotonic time of the sample"),
+        ("engine", "SMALLINT", "server engine index (data-parallel engine)"),
+        ("name", "VARCHAR", "the server's own metric name, e.g. vllm:kv_cache_usage_perc"),
+        ("labels", "VARCHAR", "other labels as k=v,k=v (le=... for histogram buckets)"),
+        ("value", "DOUBLE", "sample value (counters are cumulative)"),
+    ],
 }
 
 # labels of a run (config key/values, model geometry, GPU): one row per (run_id, key), latest wins.
@@ -115,6 +123,7 @@ TABLE_OF_RECORD = {
     "PrefixCounters": "prefix_counters",
     "GpuSample": "gpu_samples",
     "ProbeHealth": "probe_health",
+    "ServerMetric": "server_metrics",
 }
 
 VIEWS: dict[str, str] = {

@@ -109,17 +109,20 @@ class Sidecar:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.bound: list[Address] = []
+        self.checks: dict[str, Callable[[], tuple[bool, str]]] = {}  # extra readiness checks (retention)
 
     # --- lifecycle ---------------------------------------------------------
 
     def start(self) -> "Sidecar":
         """Open the store, bind every address and start serving. Raises if binding fails."""
         if self.read_api_addr is not None:  # bind first: a taken port fails before anything opens
+            from .health import liveness, readiness
             from .readapi import ReadAPI
 
             host, _, port = self.read_api_addr.rpartition(":")
             self.read_api = ReadAPI(lambda: self.store.cursor(), host or "127.0.0.1", int(port),
-                                    health=lambda: dict(vars(self.stats)), findings=self._findings)
+                                    health=lambda: dict(vars(self.stats)), findings=self._findings,
+                                    live=lambda: liveness(self), ready=lambda: readiness(self, self.checks))
         self.store = Store(self.db_path)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="phasescope-sidecar", daemon=True)
@@ -321,19 +324,25 @@ class Sidecar:
                 return
 
     def _sample_loop(self) -> None:
+        # a collector with a `hello()` (the /metrics scraper) gets a source of its own; the rest share source 0
+        sources = {id(c): SIDECAR_SOURCE_ID for c in self.collectors}
+        for c in self.collectors:
+            if callable(getattr(c, "hello", None)):
+                assert self.store is not None
+                sources[id(c)] = self.store.register_source(c.hello())
         while not self._stopping.wait(self.sample_interval_s):
-            records: list[Record] = []
             for c in self.collectors:
                 try:
-                    records.extend(c.sample())
+                    records = list(c.sample())
                 except Exception as exc:  # noqa: BLE001 - quiet for the environment
                     self.stats.collector_errors_total += 1
                     log.info("collector %s failed: %r", type(c).__name__, exc)
-            if records:
-                try:
-                    self._queue.put_nowait((SIDECAR_SOURCE_ID, records))
-                except queue.Full:
-                    self.stats.records_dropped_total += len(records)
+                    continue
+                if records:
+                    try:
+                        self._queue.put_nowait((sources[id(c)], records))
+                    except queue.Full:
+                        self.stats.records_dropped_total += len(records)
 
 
 def _prepare_unix_path(path: str) -> None:

@@ -1,0 +1,179 @@
+"""`phasescope run`, `phasescope health`, `phasescope retention`, and the agent's deploy options.
+
+    phasescope run [--agent ADDR] [--run-id ID] [--label K=V]... -- python serve.py ...
+        runs the program with the probe attached to the models it loads (zero code):
+        sets PHASESCOPE_* and puts the `sitecustomize` bootstrap first on PYTHONPATH,
+        then replaces itself with the program (exit code, signals and output are the program's).
+    phasescope health [--ready]
+        asks the local agent's read API; exit 0 when alive (ready), 1 otherwise.
+    phasescope retention DB --export-dir DIR ...
+        one retention roll over a DuckDB file no agent holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from . import agentconfig
+
+GIB = 1 << 30
+DAY_S = 86_400.0
+
+
+def bootstrap_dir() -> str:
+    """The folder whose `sitecustomize.py` attaches probes (put first on PYTHONPATH)."""
+    from .probe import autoattach
+
+    return str(Path(autoattach.__file__).resolve().parent / "bootstrap")
+
+
+def build_run_env(agent: str | None, run_id: str | None, labels: list[str] | None, no_cuda_timing: bool,
+                  environ: dict[str, str]) -> dict[str, str]:
+    """The environment `phasescope run` gives the program: `environ` plus PHASESCOPE_* and the bootstrap."""
+    from .probe.autoattach import ENV_CUDA_TIMING, ENV_LABELS, ENV_RUN_ID, parse_labels
+
+    env = dict(environ)
+    if agent:
+        env["PHASESCOPE_AGENT"] = agent
+    env[ENV_RUN_ID] = run_id or env.get(ENV_RUN_ID) or uuid.uuid4().hex[:12]
+    if labels:
+        merged = parse_labels(env.get(ENV_LABELS, ""))
+        for item in labels:
+            merged.update(parse_labels(item))
+        env[ENV_LABELS] = ",".join(f"{k}={v}" for k, v in merged.items())
+    if no_cuda_timing:
+        env[ENV_CUDA_TIMING] = "0"
+    paths = [bootstrap_dir()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    argv = list(args.program)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("phasescope run: give the program to run after --, e.g. phasescope run -- python serve.py")
+    try:
+        env = build_run_env(args.agent, args.run_id, args.label, args.no_cuda_timing, dict(os.environ))
+    except ValueError as exc:
+        raise SystemExit(f"phasescope run: {exc}")
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as exc:
+        raise SystemExit(f"phasescope run: cannot run {argv[0]!r}: {exc.strerror}")
+    return 0  # not reached
+
+
+def api_address(args: argparse.Namespace, environ: Any = os.environ) -> str:
+    """The read API the local agent serves: --api, else $PHASESCOPE_API, else the config file's, else the default."""
+    from .cli import DEFAULT_API_ADDR
+
+    if args.api:
+        return args.api
+    if environ.get("PHASESCOPE_API"):
+        return environ["PHASESCOPE_API"]
+    path = args.config or environ.get(agentconfig.ENV_CONFIG)
+    if path:
+        return agentconfig.load_file(path).get("api") or DEFAULT_API_ADDR
+    return DEFAULT_API_ADDR
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    addr = api_address(args)
+    url = f"http://{addr}/{'readyz' if args.ready else 'healthz'}"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout_s) as r:
+            body, status = r.read(), r.status
+    except urllib.error.HTTPError as exc:
+        body, status = exc.read(), exc.code
+    except (urllib.error.URLError, OSError) as exc:
+        print(json.dumps({"ok": False, "error": f"no agent answers at {url}: {exc}"}))
+        return 1
+    print(body.decode(errors="replace"))
+    return 0 if status == 200 else 1
+
+
+def policy_from_args(args: argparse.Namespace) -> Any:
+    from .sidecar.retention import RetentionPolicy
+
+    return RetentionPolicy(max_age_s=args.retention_days * DAY_S, max_bytes=int(args.retention_max_gib * GIB),
+                           rollup_max_age_s=args.rollup_days * DAY_S, export_dir=args.export_dir,
+                           host=args.host or socket.gethostname())
+
+
+def start_agent_extras(args: argparse.Namespace, sidecar: Any) -> Any:
+    """After the sidecar started: the socket mode, and retention (returned, or None)."""
+    for addr in sidecar.bound:
+        if addr.kind == "unix":
+            os.chmod(addr.path, args.socket_mode)
+    if args.no_retention:
+        return None
+    from .sidecar.retention import Retention
+
+    return Retention(sidecar.store, policy_from_args(args)).start(args.retention_interval_s)
+
+
+def cmd_retention(args: argparse.Namespace) -> int:
+    from .sidecar.retention import Retention
+    from .sidecar.store import Store
+
+    store = Store(args.db)
+    try:
+        r = Retention(store, policy_from_args(args)).roll()
+    finally:
+        store.close()
+    out = {"cutoff_ns": r.cutoff_ns, "reason": r.reason, "rows_rolled": r.rows_rolled, "files": len(r.files),
+           "used_bytes_before": r.used_bytes_before, "used_bytes_after": r.used_bytes_after}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register run, health and retention on the CLI's subparsers."""
+    r = sub.add_parser("run", help="run a program with the probe attached to the models it serves (zero code)",
+                       description="Start PROGRAM with phasescope attached, like opentelemetry-instrument: HF "
+                                   "transformers models get a probe when loaded (from_pretrained) or first used "
+                                   "(generate, init_continuous_batching); vLLM's plugin reads the same "
+                                   "variables. Without a running agent the program runs as it would "
+                                   "alone (records are dropped, counted, nothing printed).")
+    r.add_argument("--agent", metavar="ADDR", help="where the agent listens (default: $PHASESCOPE_AGENT or the "
+                                                   "default socket)")
+    r.add_argument("--run-id", help="run id for every process of the program (default: a new one)")
+    r.add_argument("--label", action="append", metavar="K=V[,K=V]", help="run label; repeatable")
+    r.add_argument("--no-cuda-timing", action="store_true", help="time forwards on the host only")
+    r.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+    r.set_defaults(func=cmd_run)
+
+    h = sub.add_parser("health", help="ask the local agent whether it is alive (or ready); exit 0 if so",
+                       description="GET /healthz (alive: the loop and writer threads run) or, with --ready, "
+                                   "/readyz (also: the store answers, every probe socket exists, the ingest "
+                                   "queue has room, retention is not failing) from the agent's read API; print "
+                                   "each check. For container HEALTHCHECKs and Kubernetes exec probes.")
+    h.add_argument("--ready", action="store_true", help="readiness instead of liveness")
+    h.add_argument("--api", metavar="HOST:PORT", help="the agent's read API (default: $PHASESCOPE_API, the "
+                                                     "config file's api, or 127.0.0.1:7702)")
+    h.add_argument("--config", metavar="FILE", help="agent config file (default: $PHASESCOPE_CONFIG)")
+    h.add_argument("--timeout-s", type=float, default=3.0, help="HTTP timeout, s (default: %(default)s)")
+    h.set_defaults(func=cmd_health)
+
+    t = sub.add_parser("retention", help="roll old rows of a DuckDB file no agent holds (rollups + Parquet)",
+                       description="One retention roll: rows older than --retention-days, or the oldest beyond "
+                                   "--retention-max-gib, are aggregated per minute into rollup_* tables, written "
+                                   "as Parquet under --export-dir (host=/date=/table=) and deleted.")
+    t.add_argument("db", help="DuckDB file")
+    t.add_argument("--export-dir", help="Parquet export folder (default: none, rows are only rolled up)")
+    t.add_argument("--host", help="host name in the export paths (default: the hostname)")
+    t.add_argument("--retention-days", type=float, default=7.0)
+    t.add_argument("--retention-max-gib", type=float, default=10.0)
+    t.add_argument("--rollup-days", type=float, default=90.0)
+    t.set_defaults(func=cmd_retention)

@@ -1,0 +1,714 @@
+"""vLLM V1 adapter: records from vLLM's scheduler, block pool and workers (vllm 0.32).
+
+Where each figure comes from (see docs: vLLM section of the README):
+
+- EngineCore process (`Scheduler` instance): request lifecycle (`add_request`,
+  `schedule`, `update_from_output`, `_preempt_request`, `finish_requests`), prefix
+  lookups (`kv_cache_manager.record_prefix_cache_stats`: resumed-after-preemption
+  lookups kept apart, exactly as vLLM's `/metrics` counts), KV snapshots from the
+  block pool after every step (cost O(used pages): gaps between used ids, never a
+  free-list walk), page churn (`get_new_blocks`, `touch`, `free_blocks`) and
+  evictions (`_maybe_evict_cached_block`).
+- Worker process, one per TP rank (`Worker` instance): one `Step` per engine step
+  timed around `execute_model` + `sample_tokens` (host time; on CUDA also events
+  recorded on the current stream and completed by a poller thread, which also
+  covers steps that replay full CUDA graphs); token counts from the
+  `SchedulerOutput` every rank receives.
+
+Everything is wrapped on instances; the classes are touched only to catch their
+first instance and are put back at once. Every wrapper is guarded: an exception
+is counted as a probe error, logged once, and vLLM runs on untouched.
+Imports nothing from vLLM at module import; `install()` does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from ...events import (
+    PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, KVSnapshot, PrefixCounters, RequestEvent, Step,
+    REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
+)
+from ..probe import Probe
+from ..phases import StepShape
+
+log = logging.getLogger("phasescope.vllm")
+
+ENV_RUN_ID = "PHASESCOPE_RUN_ID"
+ENV_TOKENS_AT = "PHASESCOPE_VLLM_TOKENS_AT"  # "frontend": the frontend records token/finish events
+ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine steps (default 1)
+RUNTIME = "vllm"
+NAN = float("nan")
+
+_STATE_LOCK = threading.Lock()
+_CHANNELS: dict[str, Probe] = {}  # role -> this process's record channel
+_FAILURES = collections.Counter()  # install-time failures by hook name (internals that moved)
+
+
+class _NoModule:
+    """What a `Probe` hooks when there is no forward to hook: vLLM steps are timed
+    around `execute_model` instead, so the probe is only a record channel here."""
+
+    class _Handle:
+        def remove(self) -> None:
+            pass
+
+    def register_forward_pre_hook(self, *a: Any, **k: Any) -> "_NoModule._Handle":
+        return self._Handle()
+
+    register_forward_hook = register_forward_pre_hook
+
+    def parameters(self) -> Any:
+        return iter(())
+
+
+def run_id() -> str:
+    """The run id every process of one vLLM instance shares (inherited through the environment)."""
+    rid = os.environ.get(ENV_RUN_ID)
+    if not rid:
+        rid = uuid.uuid4().hex[:16]
+        os.environ[ENV_RUN_ID] = rid
+    return rid[:16]
+
+
+def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str, str]) -> Probe:
+    """This process's probe for `role` ("engine", "worker", "frontend"), made once."""
+    with _STATE_LOCK:
+        p = _CHANNELS.get(role)
+        if p is None:
+            p = Probe(_NoModule(), rank=rank, world_size=max(world_size, rank + 1), run_id=run_id(),
+                      model_name=model, runtime=f"{RUNTIME}-{role}"[:16], cuda_timing=False, labels=labels)
+            if not _CHANNELS:
+                atexit.register(close_channels)
+            _CHANNELS[role] = p
+        return p
+
+
+def close_channels(timeout_s: float = 1.0) -> None:
+    """Send what is buffered and stop (at exit: vLLM ends its processes on SIGTERM -> SystemExit)."""
+    for p in list(_CHANNELS.values()):
+        try:
+            p.close(timeout_s)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+_FORKED = False  # this process is a forked child of a process that had armed the plugin
+
+
+def reset_after_fork() -> None:
+    """In a forked child the parent's flush threads are gone: forget its channels."""
+    global _FORKED
+    _FORKED = True
+    _CHANNELS.clear()
+
+
+def failures() -> dict[str, int]:
+    """Hooks that could not be installed on this vLLM version (name -> count)."""
+    return dict(_FAILURES)
+
+
+def _fail(what: str, exc: BaseException) -> None:
+    if not _FAILURES:
+        log.warning("phasescope: vLLM internals differ from what this adapter knows (%s: %r); "
+                    "those figures are missing, vLLM runs on (further failures are only counted)", what, exc)
+    _FAILURES[what] += 1
+
+
+def wrap(obj: Any, name: str, after: Callable[..., Any], probe_ref: Callable[[], Probe | None],
+         before: Callable[..., Any] | None = None) -> bool:
+    """Replace the bound method `obj.name` by a guarded wrapper on the instance.
+
+    `before(*args, **kw)` may return replacement args (a tuple) or None;
+    `after(result, *args, **kw)` observes. Neither can raise into vLLM.
+    """
+    try:
+        original = getattr(obj, name)
+    except AttributeError as exc:
+        _fail(name, exc)
+        return False
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        if before is not None:
+            try:
+                new = before(*args, **kw)
+                if new is not None:
+                    args = new
+            except Exception as exc:  # noqa: BLE001 - never into vLLM
+                _err(probe_ref, exc)
+        result = original(*args, **kw)
+        try:
+            after(result, *args, **kw)
+        except Exception as exc:  # noqa: BLE001
+            _err(probe_ref, exc)
+        return result
+
+    setattr(obj, name, wrapper)
+    return True
+
+
+def _err(probe_ref: Callable[[], Probe | None], exc: BaseException) -> None:
+    p = probe_ref()
+    if p is not None:
+        p._error(exc)
+    else:
+        _fail("hook", exc)
+
+
+# --- run labels -------------------------------------------------------------
+
+def config_labels(vllm_config: Any) -> dict[str, str]:
+    """Run labels from a `VllmConfig`: model geometry and the vLLM flags the analyzers name."""
+    out: dict[str, str] = {"runtime": RUNTIME}
+    try:
+        import vllm
+
+        out["vllm_version"] = str(vllm.__version__)
+    except Exception:  # noqa: BLE001
+        pass
+    mc = getattr(vllm_config, "model_config", None)
+    sc = getattr(vllm_config, "scheduler_config", None)
+    cc = getattr(vllm_config, "cache_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    fields: dict[str, Any] = {}
+    if mc is not None:
+        hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+        heads = getattr(hf, "num_attention_heads", None)
+        hidden = getattr(hf, "hidden_size", None)
+        fields.update(
+            model_layers=getattr(hf, "num_hidden_layers", None),
+            model_heads=heads,
+            model_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            model_head_dim=getattr(hf, "head_dim", None) or (hidden // heads if hidden and heads else None),
+            model_hidden=hidden,
+            model_intermediate=getattr(hf, "intermediate_size", None),
+            model_vocab=getattr(hf, "vocab_size", None),
+            model_dtype=str(getattr(mc, "dtype", "")).replace("torch.", "") or None,
+            max_model_len=getattr(mc, "max_model_len", None),
+            enforce_eager=getattr(mc, "enforce_eager", None),
+        )
+    if sc is not None:
+        fields.update(
+            max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", None),
+            max_num_seqs=getattr(sc, "max_num_seqs", None),
+            enable_chunked_prefill=getattr(sc, "enable_chunked_prefill", None),
+            async_scheduling=getattr(sc, "async_scheduling", None),
+        )
+    if cc is not None:
+        fields.update(
+            block_size=getattr(cc, "block_size", None),
+            page_size=getattr(cc, "block_size", None),
+            enable_prefix_caching=getattr(cc, "enable_prefix_caching", None),
+            kv_cache_dtype=getattr(cc, "cache_dtype", None),
+            gpu_memory_utilization=getattr(cc, "gpu_memory_utilization", None),
+            num_gpu_blocks=getattr(cc, "num_gpu_blocks", None),
+        )
+    if pc is not None:
+        fields.update(
+            tp=getattr(pc, "tensor_parallel_size", None),
+            pp=getattr(pc, "pipeline_parallel_size", None),
+            dp=getattr(pc, "data_parallel_size", None),
+        )
+    for k, v in fields.items():
+        if v is not None and v != "":
+            out[k] = str(v)[:96]
+    return out
+
+
+def _model_name(vllm_config: Any) -> str:
+    mc = getattr(vllm_config, "model_config", None)
+    return str(getattr(mc, "served_model_name", None) or getattr(mc, "model", "") or "vllm")
+
+
+def _ranks(vllm_config: Any) -> tuple[int, int, int]:
+    """(tp_size, pp_size, dp_rank) of this engine."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    # an independent (non-MoE) DP engine is reconfigured as DP=1; data_parallel_index keeps its index
+    index = getattr(pc, "data_parallel_index", None)
+    if index is None:
+        index = getattr(pc, "data_parallel_rank", 0)
+    return (int(getattr(pc, "tensor_parallel_size", 1) or 1), int(getattr(pc, "pipeline_parallel_size", 1) or 1),
+            int(index or 0))
+
+
+# --- step shape (pure) --------------------------------------------------------
+
+def split_tokens(start: int, n: int, num_prompt: int, num_tokens: int) -> tuple[int, int]:
+    """(prefill, decode) tokens of one sequence computing positions [start, start+n).
+
+    Positions before max(num_prompt, num_tokens-1) are prefill (the prompt, or a
+    recomputation after preemption); the rest decode the latest token(s).
+    """
+    boundary = max(num_prompt, num_tokens - 1)
+    pre = max(0, min(start + n, boundary) - start)
+    return pre, n - pre
+
+
+def step_shape(per_seq: list[tuple[int, int, int]]) -> StepShape:
+    """StepShape from per-sequence (prefill, decode, context) token counts."""
+    pre = dec = ctx = n_pre = n_dec = 0
+    for p, d, c in per_seq:
+        if p + d <= 0:
+            continue
+        pre += p
+        dec += d
+        ctx += c
+        if p:
+            n_pre += 1
+        else:
+            n_dec += 1
+    phase = (PHASE_IDLE if n_pre + n_dec == 0 else PHASE_MIXED if n_pre and n_dec
+             else PHASE_PREFILL if n_pre else PHASE_DECODE)
+    return StepShape(phase, n_pre + n_dec, pre, dec, ctx)
+
+
+# --- EngineCore: scheduler, block pool, prefix cache ----------------------------
+
+class EngineHooks:
+    """Instance wrappers on one `Scheduler` (EngineCore process)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        cfg = scheduler.vllm_config
+        self.tp, pp, self.dp_rank = _ranks(cfg)
+        self.rank0 = self.dp_rank * self.tp * pp
+        labels = config_labels(cfg)
+        labels["kv_imbalance_tp"] = "0 by construction (TP ranks share block ids)"
+        labels["engine_process_start"] = "fork" if _FORKED else "spawn"
+        self.probe = channel("engine", self.rank0, self.tp * pp * max(1, int(labels.get("dp", "1"))),
+                             _model_name(cfg), labels)
+        self.sched = scheduler
+        self.wall_minus_mono_ns = time.time_ns() - time.monotonic_ns()
+        self.kv_every = max(1, int(os.environ.get(ENV_KV_EVERY, "1") or 1))
+        self.steps = 0
+        self.seen: set[str] = set()  # requests scheduled at least once
+        self.out_tokens: dict[str, int] = {}
+        self.tokens_at_frontend = os.environ.get(ENV_TOKENS_AT) == "frontend"
+        # prefix ledger: lookups by fresh requests (what /metrics counts) and by resumed ones, apart
+        self.queried = self.hits = self.resumed_queried = self.resumed_hits = 0
+        self.recomputed = self.evicted = 0
+        self.lost: dict[str, int] = {}  # request id -> KV tokens its last preemption dropped
+        self.allocated = self.freed = 0
+        self.snapshot_ns_total = 0
+        self.snapshots = 0
+        self._last_prefix: tuple | None = None
+        self.pool = None
+        self.page_size = 0
+        self.page_bytes = 0
+        self.kv_dtype = ""
+        ref = lambda: self.probe  # noqa: E731
+        wrap(scheduler, "add_request", self._after_add, ref)
+        wrap(scheduler, "schedule", self._after_schedule, ref)
+        wrap(scheduler, "update_from_output", self._after_update, ref)
+        wrap(scheduler, "_preempt_request", lambda r, *a, **k: None, ref, before=self._before_preempt)
+        wrap(scheduler, "finish_requests", self._after_finish_requests, ref)
+        kvm = getattr(scheduler, "kv_cache_manager", None)
+        if kvm is None:
+            _fail("kv_cache_manager", AttributeError("kv_cache_manager"))
+            return
+        wrap(kvm, "record_prefix_cache_stats", self._after_prefix, ref)
+        try:
+            self.pool = kvm.block_pool
+            self.page_size = int(kvm.coordinator.single_type_managers[0].block_size)
+            group = scheduler.kv_cache_config.kv_cache_groups[0]
+            self.page_bytes = int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+            self.kv_dtype = str(getattr(group.kv_cache_spec, "dtype", "")).replace("torch.", "")
+        except Exception as exc:  # noqa: BLE001
+            _fail("block_pool", exc)
+            self.pool = None
+            return
+        self.probe.label(kv_page_bytes_per_rank=self.page_bytes, kv_total_pages=self.pool.num_gpu_blocks - 1,
+                         kv_dtype=self.kv_dtype)
+        wrap(self.pool, "get_new_blocks", self._after_new_blocks, ref)
+        wrap(self.pool, "touch", lambda r, *a, **k: None, ref, before=self._before_touch)
+        wrap(self.pool, "free_blocks", self._after_free, ref, before=self._before_free)
+        wrap(self.pool, "_maybe_evict_cached_block", self._after_evict, ref)
+
+    # lifecycle
+    def _mono_of_wall(self, wall_s: float) -> int:
+        return int(wall_s * 1e9) - self.wall_minus_mono_ns
+
+    def _event(self, ts: int, event: int, rid: str, tokens: int = 0, cached: int = 0) -> None:
+        self.probe.emit(RequestEvent(ts, self.rank0, event, short_id(rid), tokens, cached))
+
+    def _after_add(self, _res: Any, request: Any, *a: Any, **k: Any) -> None:
+        rid = request.request_id
+        if rid in self.out_tokens:  # a streaming-input update of a known request
+            return
+        self.out_tokens[rid] = 0
+        arrival = getattr(request, "arrival_time", None)
+        ts = self._mono_of_wall(arrival) if arrival else time.monotonic_ns()
+        self._event(ts, REQ_ARRIVAL, rid, int(request.num_prompt_tokens))
+
+    def _after_schedule(self, so: Any, *a: Any, **k: Any) -> None:
+        now = time.monotonic_ns()
+        reqs = self.sched.requests
+        for nr in so.scheduled_new_reqs:
+            rid = nr.req_id
+            if rid not in self.seen:
+                self.seen.add(rid)
+                req = reqs.get(rid)
+                cached = getattr(req, "num_cached_tokens", -1) if req is not None else -1
+                if cached is None or cached < 0:
+                    cached = int(nr.num_computed_tokens)
+                self._event(now, REQ_SCHEDULED, rid, 0, int(cached))
+
+    def _after_update(self, outputs: Any, so: Any, *a: Any, **k: Any) -> None:
+        now = time.monotonic_ns()
+        # token and finish times are the frontend's when it records them (vLLM's TTFT/E2E are measured there)
+        for eco in (() if self.tokens_at_frontend else (outputs or {}).values()):
+            for o in getattr(eco, "outputs", ()) or ():
+                rid = o.request_id
+                n = len(o.new_token_ids or ())
+                if n:
+                    self.out_tokens[rid] = self.out_tokens.get(rid, 0) + n
+                    self._event(now, REQ_TOKEN, rid, n)
+                if o.finish_reason is not None:
+                    self._finished(now, rid, aborted=_is_abort(o.finish_reason))
+        if getattr(so, "total_num_scheduled_tokens", 0) > 0:
+            self.steps += 1
+            if self.pool is not None and self.steps % self.kv_every == 0:
+                self.snapshot(now)
+        self._emit_prefix(now)
+
+    def _finished(self, ts: int, rid: str, aborted: bool) -> None:
+        if rid not in self.out_tokens:
+            return
+        n = self.out_tokens.pop(rid)
+        self.seen.discard(rid)
+        self._event(ts, REQ_ABORTED if aborted else REQ_FINISHED, rid, n)
+
+    def _before_preempt(self, request: Any, *a: Any, **k: Any) -> None:
+        # num_computed_tokens is reset inside: what it holds now is the KV this preemption loses
+        lost = int(request.num_computed_tokens)
+        self.lost[request.request_id] = lost
+        self._event(time.monotonic_ns(), REQ_PREEMPTED, request.request_id, lost)
+
+    def _after_finish_requests(self, aborted: Any, *a: Any, **k: Any) -> None:
+        now = time.monotonic_ns()
+        for req in aborted or ():
+            self._finished(now, req.request_id, aborted=True)
+
+    # prefix cache
+    def _after_prefix(self, _res: Any, request: Any, num_hits: int, *a: Any, **k: Any) -> None:
+        kvm = self.sched.kv_cache_manager
+        enabled = getattr(kvm, "prefix_cache_lookup_enabled", None)
+        if callable(enabled) and not enabled(request):
+            return
+        q, h = int(request.num_tokens), int(num_hits)
+        if getattr(request, "num_preemptions", 0) > 0:
+            self.resumed_queried += q
+            self.resumed_hits += h
+            # recomputed: positions whose KV the preemption dropped and the cache did not give back
+            lost = self.lost.pop(request.request_id, q)
+            self.recomputed += max(0, min(q, lost) - h)
+        else:
+            self.queried += q
+            self.hits += h
+
+    def _emit_prefix(self, now: int) -> None:
+        state = (self.queried, self.hits, self.recomputed, self.evicted)
+        if state == self._last_prefix:
+            return
+        self._last_prefix = state
+        # one prefix cache per engine (the scheduler's), so one series: the engine's first rank
+        self.probe.emit(PrefixCounters(now, self.rank0, *state))
+        self.probe.label(prefix_resumed_queried_tokens=self.resumed_queried,
+                         prefix_resumed_hit_tokens=self.resumed_hits)
+
+    # block pool counters
+    def _after_new_blocks(self, blocks: Any, *a: Any, **k: Any) -> None:
+        self.allocated += len(blocks)
+
+    def _before_touch(self, blocks: Any, *a: Any, **k: Any) -> None:
+        self.allocated += sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def _before_free(self, ordered_blocks: Any, *a: Any, **k: Any) -> tuple:
+        blocks = list(ordered_blocks)  # vLLM passes iterators: copy so both sides see every block
+        self._freeing = blocks
+        return (blocks, *a)
+
+    def _after_free(self, _res: Any, *a: Any, **k: Any) -> None:
+        blocks, self._freeing = getattr(self, "_freeing", ()), ()
+        self.freed += sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def _after_evict(self, evicted: Any, *a: Any, **k: Any) -> None:
+        if evicted:
+            self.evicted += 1
+
+    # KV snapshot
+    def snapshot(self, now: int) -> None:
+        """One KVSnapshot per TP rank from the block pool, in O(used pages)."""
+        t0 = time.perf_counter_ns()
+        pool, P = self.pool, self.page_size
+        total = pool.num_gpu_blocks - 1  # block 0 is the null block
+        free = int(pool.free_block_queue.num_free_blocks)
+        tables = self.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+        reqs = self.sched.requests
+        used_ids: set[int] = set()
+        shared: dict[int, int] = {}
+        live = seqs = 0
+        for rid, blocks in tables.items():
+            if not blocks:
+                continue
+            seqs += 1
+            n_real = 0
+            for b in blocks:
+                if b.is_null:
+                    continue
+                n_real += 1
+                used_ids.add(b.block_id)
+                if b.ref_cnt > 1:
+                    shared[b.block_id] = b.ref_cnt
+            req = reqs.get(rid)
+            ncomp = int(req.num_computed_tokens) if req is not None else n_real * P
+            live += min(ncomp, n_real * P)
+        live -= sum((refs - 1) * P for refs in shared.values())
+        used = total - free
+        cached = self._cached_pages()
+        ids = sorted(used_ids)
+        run, prev = 0, 0  # block 0 (null) bounds the first gap
+        for i in ids:
+            run = max(run, i - prev - 1)
+            prev = i
+        run = max(run, pool.num_gpu_blocks - prev - 1)
+        for r in range(self.tp):
+            self.probe.emit(KVSnapshot(
+                now, self.rank0 + r, P, total, used, free, cached, len(shared), sum(shared.values()), seqs,
+                max(live, 0), run if free else 0, self.allocated, self.freed, used * self.page_bytes,
+                self.kv_dtype[:12]))
+        self.snapshot_ns_total += time.perf_counter_ns() - t0
+        self.snapshots += 1
+        if self.snapshots in (10, 100) or self.snapshots % 1000 == 0:  # what the snapshots cost, now and then
+            self.probe.label(kv_snapshot_mean_us=round(self.snapshot_ns_total / self.snapshots / 1e3, 1))
+
+    def _cached_pages(self) -> int:
+        """Hashed pages no request references (evictable prefix-cache pages)."""
+        cache = getattr(self.pool.cached_block_hash_to_block, "_cache", None)
+        if cache is None:
+            return 0
+        n = 0
+        for v in cache.values():
+            if isinstance(v, dict):
+                n += sum(1 for b in v.values() if b.ref_cnt == 0)
+            elif v.ref_cnt == 0:
+                n += 1
+        return n
+
+
+def _is_abort(reason: Any) -> bool:
+    return "ABORT" in str(reason).upper()
+
+
+# --- frontend: token and finish times where vLLM measures them ------------------
+
+class FrontendHooks:
+    """Instance wrapper on the frontend's `OutputProcessor` (`vllm serve`, `LLM`): token and
+    finish events stamped when the frontend receives them, as vLLM's own TTFT/ITL/E2E are.
+    Aborts are still recorded by the EngineCore (`finish_requests`)."""
+
+    def __init__(self, processor: Any) -> None:
+        os.environ[ENV_TOKENS_AT] = "frontend"  # read by the EngineCore, started after this
+        self.probe = channel("frontend", 0, 1, "vllm", {"runtime": RUNTIME})
+        self.out_tokens: dict[str, int] = {}
+        wrap(processor, "process_outputs", lambda r, *a, **k: None, lambda: self.probe, before=self._before)
+
+    def _before(self, outputs: Any, *a: Any, **k: Any) -> None:
+        now = time.monotonic_ns()
+        for o in outputs or ():
+            rid = o.request_id
+            n = len(o.new_token_ids or ())
+            if n:
+                self.out_tokens[rid] = self.out_tokens.get(rid, 0) + n
+                self.probe.emit(RequestEvent(now, 0, REQ_TOKEN, short_id(rid), n, 0))
+            if o.finish_reason is not None:
+                event = REQ_ABORTED if _is_abort(o.finish_reason) else REQ_FINISHED
+                self.probe.emit(RequestEvent(now, 0, event, short_id(rid), self.out_tokens.pop(rid, 0), 0))
+
+
+# --- workers: per-rank step time --------------------------------------------------
+
+class WorkerHooks:
+    """Instance wrappers on one vLLM `Worker` (one TP rank): one Step per engine step."""
+
+    def __init__(self, worker: Any) -> None:
+        cfg = worker.vllm_config
+        tp, pp, dp_rank = _ranks(cfg)
+        self.rank = dp_rank * tp * pp + int(getattr(worker, "rank", 0) or 0) % (tp * pp)
+        labels = config_labels(cfg)
+        self.probe = channel("worker", self.rank, tp * pp * max(1, int(labels.get("dp", "1"))),
+                             _model_name(cfg), labels)
+        self.step_id = 0
+        self.prompt_len: dict[str, int] = {}
+        self._open: tuple | None = None  # (mono_ns, t0_ns, exec_ns, shape, slot)
+        self._pool = None
+        self._pending: collections.deque = collections.deque()
+        self._torch = None
+        try:
+            import torch
+
+            dev = getattr(worker, "device", None)
+            if getattr(dev, "type", "") == "cuda" and torch.cuda.is_available():
+                from ..cuda_timing import EventPool
+
+                self._torch = torch
+                self._pool = EventPool(dev, 256)
+                threading.Thread(target=self._poll_loop, name="phasescope-vllm-poll", daemon=True).start()
+        except Exception as exc:  # noqa: BLE001 - no CUDA timing, host time only
+            _fail("cuda_events", exc)
+            self._pool = None
+        self._label_weights(worker, tp * pp)
+        ref = lambda: self.probe  # noqa: E731
+        wrap(worker, "execute_model", self._after_execute, ref, before=self._before_execute)
+        wrap(worker, "sample_tokens", self._after_sample, ref)
+
+    def _label_weights(self, worker: Any, ranks: int) -> None:
+        """Weight bytes/params (whole model at one rank; per rank otherwise) and the GPU's name."""
+        try:
+            params = list(worker.model_runner.get_model().parameters())
+            n = sum(p.numel() for p in params)
+            nbytes = sum(p.numel() * p.element_size() for p in params)
+            if ranks == 1:
+                self.probe.label(model_params=n, weight_bytes=nbytes)
+            else:
+                self.probe.label(weight_bytes_per_rank=nbytes)
+            dev = params[0].device if params else None
+            if dev is not None and dev.type == "cuda":
+                import torch
+
+                props = torch.cuda.get_device_properties(dev)
+                self.probe.label(gpu_name=props.name, gpu_mem_bytes=props.total_memory)
+        except Exception as exc:  # noqa: BLE001 - labels are optional
+            _fail("model_weights", exc)
+
+    def shape(self, so: Any) -> StepShape:
+        """Token counts of one SchedulerOutput (identical on every rank)."""
+        per_seq = []
+        nst = so.num_scheduled_tokens
+        for rid in so.finished_req_ids or ():
+            self.prompt_len.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            plen = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else int(nr.num_computed_tokens)
+            self.prompt_len[nr.req_id] = plen
+            start, n = int(nr.num_computed_tokens), int(nst.get(nr.req_id, 0))
+            per_seq.append((*split_tokens(start, n, plen, plen), start))
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            plen = self.prompt_len.get(rid, 0)
+            start, n = int(cr.num_computed_tokens[i]), int(nst.get(rid, 0))
+            num_tokens = plen + int(cr.num_output_tokens[i])
+            per_seq.append((*split_tokens(start, n, plen, num_tokens), start))
+        return step_shape(per_seq)
+
+    def _before_execute(self, so: Any, *a: Any, **k: Any) -> None:
+        self._close_open(None)  # a step whose sample_tokens never came
+        if getattr(so, "total_num_scheduled_tokens", 0) <= 0:
+            return None
+        shape = self.shape(so)
+        slot = None
+        if self._pool is not None and not self._torch.cuda.is_current_stream_capturing():
+            slot = self._pool.take()
+            if slot is None:
+                self.probe.gpu_unsampled += 1
+            else:
+                slot.start.record()
+        self._open = [time.monotonic_ns(), time.perf_counter_ns(), 0, shape, slot]
+        return None
+
+    def _after_execute(self, result: Any, *a: Any, **k: Any) -> None:
+        if self._open is None:
+            return
+        self._open[2] = time.perf_counter_ns() - self._open[1]
+        if result is not None:  # no sample_tokens half for this step
+            self._close_open(None)
+
+    def _after_sample(self, result: Any, *a: Any, **k: Any) -> None:
+        if self._open is None:
+            return
+        self._open[2] = time.perf_counter_ns() - self._open[1]
+        self._close_open(None)
+
+    def _close_open(self, _: Any) -> None:
+        opened, self._open = self._open, None
+        if opened is None:
+            return
+        mono, _t0, host_ns, s, slot = opened
+        sid = self.step_id
+        self.step_id += 1
+        if slot is None:
+            self.probe.emit(Step(mono, sid, self.rank, s[0], s[1], s[2], s[3], s[4], host_ns / 1e6, NAN))
+        else:
+            slot.end.record()
+            self._pending.append((mono, sid, host_ns / 1e6, s, slot))
+
+    def _poll_loop(self) -> None:
+        pending, pool = self._pending, self._pool
+        while True:
+            try:
+                while pending and pending[0][4].end.query():
+                    mono, sid, host_ms, s, slot = pending.popleft()
+                    gpu_ms = slot.start.elapsed_time(slot.end)
+                    pool.give(slot)
+                    self.probe.emit(Step(mono, sid, self.rank, s[0], s[1], s[2], s[3], s[4], host_ms, gpu_ms))
+            except Exception as exc:  # noqa: BLE001
+                if pending:
+                    pool.give(pending.popleft()[4])
+                self.probe._error(exc)
+            time.sleep(0.002)
+
+
+# --- install: catch the first Scheduler and Worker ------------------------------------
+
+_HOOKED: dict[int, Any] = {}  # id(instance) -> hooks (keeps them alive, makes install idempotent)
+
+
+def _catch_first(cls: Any, method: str, on_instance: Callable[[Any], Any]) -> None:
+    """Wrap `cls.method` until its first call returns, then put the class back."""
+    original = cls.__dict__.get(method)
+    if original is None or getattr(original, "_phasescope_catch", False):
+        return
+
+    @functools.wraps(original)
+    def catcher(self: Any, *a: Any, **k: Any) -> Any:
+        result = original(self, *a, **k)
+        if cls.__dict__.get(method) is catcher:
+            setattr(cls, method, original)
+        if id(self) not in _HOOKED:
+            try:
+                _HOOKED[id(self)] = on_instance(self)
+            except Exception as exc:  # noqa: BLE001 - never into vLLM
+                _fail(f"{cls.__name__}.{method}", exc)
+        return result
+
+    catcher._phasescope_catch = True  # type: ignore[attr-defined]
+    setattr(cls, method, catcher)
+
+
+def install() -> None:
+    """Arm the one-shot catchers for the scheduler (EngineCore) and the worker (each rank)."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        _catch_first(Scheduler, "__init__", EngineHooks)
+    except Exception as exc:  # noqa: BLE001
+        _fail("Scheduler", exc)
+    try:
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        _catch_first(OutputProcessor, "__init__", FrontendHooks)
+    except Exception as exc:  # noqa: BLE001
+        _fail("OutputProcessor", exc)
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+
+        _catch_first(Worker, "load_model", WorkerHooks)
+    except Exception as exc:  # noqa: BLE001
+        _fail("Worker", exc)

