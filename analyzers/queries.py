@@ -56,7 +56,7 @@ def page_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
 
 
 PREEMPTIONS = """SELECT count(*) AS preemptions, count(DISTINCT request_id) AS preempted_requests
-    FROM request_events r JOIN sources s USING (source_id) WHERE s.run_id = $run AND r.event = 'preempted'"""
+    FROM request_log WHERE run_id = $run AND event = 'preempted'"""
 
 PREFIX_TOTALS = """WITH last AS (
         SELECT p.source_id, max(queried_tokens_total) AS q, max(hit_tokens_total) AS h,

@@ -13,7 +13,10 @@ Exact definitions (DESIGN.md), all on the producer's monotonic clock:
 
 State is kept only for requests in flight, at most `max_requests` of them, and
 a request not heard of for `max_age_s` (producer time) is dropped; both kinds of
-eviction are counted in `evicted_total`.
+eviction are counted in `evicted_total`. A request is one arrival: runtimes reuse ids
+(HF generate_batch names every call's requests req_0..), so an arrival for an id still in
+flight starts a new request. Cached tokens are those of the first admission; prefix reuse
+at a re-admission after preemption is recomputation avoided, not a cache hit of the request.
 """
 
 from __future__ import annotations
@@ -121,6 +124,11 @@ class RequestTracker:
     def on_event(self, source_id: int, source: Source, ev: RequestEvent) -> None:
         key = (source_id, ev.request_id)
         req = self._live.get(key)
+        if req is not None and ev.event == REQ_ARRIVAL and req.arrival is not None:
+            # the runtime reused the id of a request that never ended here: a new request; the old one is lost
+            del self._live[key]
+            self.evicted_total += 1
+            req = None
         if req is None:
             req = self._live[key] = _Req()
         else:
@@ -142,9 +150,9 @@ class RequestTracker:
             req.arrival = ts
             req.prompt = ev.tokens
         elif kind == REQ_SCHEDULED:
-            if req.scheduled is None:
+            if req.scheduled is None:  # the first admission: its prefix hits are the request's cached tokens
                 req.scheduled = ts
-            req.cached = max(req.cached, ev.cached_tokens)
+                req.cached = ev.cached_tokens
         elif kind == REQ_PREEMPTED:
             req.preempt += 1
         elif kind in (REQ_FINISHED, REQ_ABORTED):

@@ -227,10 +227,11 @@ def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         n = con.execute(f"""SELECT count(*) FROM request_events r JOIN sources s USING (source_id)
                             WHERE r.event = 'token'{run}""", p).fetchone()[0]
         k = max(1, -(-n // 1_000_000))
-        src = f"""(SELECT s.run_id, (r.ts_ns - lag(r.ts_ns) OVER w) / 1e9 / r.tokens AS itl_s
-                   FROM request_events r JOIN sources s USING (source_id), range(r.tokens) AS k(i)
-                   WHERE r.event = 'token' AND r.tokens > 0 AND hash(r.request_id) % {k} = 0{run}
-                   WINDOW w AS (PARTITION BY s.run_id, r.request_id ORDER BY r.ts_ns))"""
+        # request_log: gaps are taken within one arrival of a request id, never across two reuses of it
+        src = f"""(SELECT s.run_id, (s.ts_ns - lag(s.ts_ns) OVER w) / 1e9 / s.tokens AS itl_s
+                   FROM request_log s, range(s.tokens) AS k(i)
+                   WHERE s.event = 'token' AND s.tokens > 0 AND hash(s.runtime_request_id) % {k} = 0{run}
+                   WINDOW w AS (PARTITION BY s.run_id, s.request_id ORDER BY s.ts_ns))"""
         col = "itl_s"
     elif metric in LATENCY_METRICS:
         src, col = "requests", LATENCY_METRICS[metric]

@@ -41,7 +41,7 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("ts_ns", "BIGINT", "monotonic time of the event"),
         ("rank", "SMALLINT", "rank that reported it"),
         ("event", "VARCHAR", "arrival, scheduled, token, finished, aborted, preempted"),
-        ("request_id", "VARCHAR", "runtime's request id (<= 32 bytes)"),
+        ("request_id", "VARCHAR", "runtime's request id (<= 32 bytes); a label: runtimes reuse ids, view request_log keys arrivals"),
         ("tokens", "INTEGER", "arrival: prompt tokens; token: new tokens; finished: output tokens"),
         ("cached_tokens", "INTEGER", "scheduled: prompt tokens served from the prefix cache"),
     ],
@@ -126,26 +126,52 @@ TABLE_OF_RECORD = {
     "ServerMetric": "server_metrics",
 }
 
+# Events of one request id that come after a later `arrival` of the same id belong to that
+# new arrival: runtimes reuse ids across calls (HF generate_batch names every call's requests
+# req_0..), so a request's identity is (runtime id, arrival number) and the runtime id is only a
+# label. On equal timestamps the previous arrival's tokens and end come before the next arrival,
+# and a scheduling after it.
+REQUEST_EVENT_ORDER = "CASE r.event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 ELSE 0 END"
+
 VIEWS: dict[str, str] = {
-    # per request, exactly as DESIGN.md defines; seconds
-    "requests": """
+    # every request event with its request's unique id: `request_id` is the runtime's id for its
+    # first arrival and `<runtime id>#<n>` for its n-th arrival (n >= 2); `runtime_request_id` the label
+    "request_log": f"""
         WITH e AS (
-            SELECT s.run_id, r.request_id, r.event, r.ts_ns, r.tokens, r.cached_tokens
+            SELECT r.source_id, s.run_id, r.rank, r.request_id AS runtime_request_id, r.event, r.ts_ns,
+                   r.tokens, r.cached_tokens,
+                   greatest(1, count(*) FILTER (WHERE r.event = 'arrival') OVER (
+                       PARTITION BY s.run_id, r.request_id ORDER BY r.ts_ns, {REQUEST_EVENT_ORDER}
+                       ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS arrival_no
             FROM request_events r JOIN sources s USING (source_id)
-        ), agg AS (
-            SELECT run_id, request_id,
+        )
+        SELECT source_id, run_id, rank,
+               CASE WHEN arrival_no = 1 THEN runtime_request_id
+                    ELSE runtime_request_id || '#' || arrival_no END AS request_id,
+               runtime_request_id, arrival_no, event, ts_ns, tokens, cached_tokens
+        FROM e
+    """,
+    # per request, exactly as DESIGN.md defines; seconds. `cached_tokens` are those of the request's
+    # first admission; prefix reuse at a re-admission after preemption (recomputation avoided) is
+    # `readmit_cached_tokens`, never part of the request's cache hits
+    "requests": """
+        WITH agg AS (
+            SELECT run_id, request_id, any_value(runtime_request_id) AS runtime_request_id,
                 min(ts_ns) FILTER (WHERE event = 'arrival') AS arrival_ns,
                 min(ts_ns) FILTER (WHERE event = 'scheduled') AS scheduled_ns,
                 min(ts_ns) FILTER (WHERE event = 'token') AS first_token_ns,
                 max(ts_ns) FILTER (WHERE event = 'token') AS last_token_ns,
                 coalesce(sum(tokens) FILTER (WHERE event = 'token'), 0) AS output_tokens,
                 max(tokens) FILTER (WHERE event = 'arrival') AS prompt_tokens,
-                max(cached_tokens) FILTER (WHERE event = 'scheduled') AS cached_tokens,
+                arg_min(cached_tokens, ts_ns) FILTER (WHERE event = 'scheduled') AS cached_tokens,
+                coalesce(sum(cached_tokens) FILTER (WHERE event = 'scheduled'), 0)
+                    - coalesce(arg_min(cached_tokens, ts_ns) FILTER (WHERE event = 'scheduled'), 0)
+                    AS readmit_cached_tokens,
                 count(*) FILTER (WHERE event = 'preempted') AS preemptions,
                 CASE WHEN bool_or(event = 'aborted') THEN 'aborted'
                      WHEN bool_or(event = 'finished') THEN 'finished'
                      ELSE 'running' END AS status
-            FROM e GROUP BY run_id, request_id
+            FROM request_log GROUP BY run_id, request_id
         )
         SELECT *,
             (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
@@ -161,10 +187,10 @@ VIEWS: dict[str, str] = {
     # arriving `gap` after the previous one gives k samples of gap / k
     "itl": """
         WITH t AS (
-            SELECT s.run_id, r.request_id, r.ts_ns, r.tokens,
-                   lag(r.ts_ns) OVER (PARTITION BY s.run_id, r.request_id ORDER BY r.ts_ns) AS prev_ns
-            FROM request_events r JOIN sources s USING (source_id)
-            WHERE r.event = 'token' AND r.tokens > 0
+            SELECT run_id, request_id, ts_ns, tokens,
+                   lag(ts_ns) OVER (PARTITION BY run_id, request_id ORDER BY ts_ns) AS prev_ns
+            FROM request_log
+            WHERE event = 'token' AND tokens > 0
         )
         SELECT run_id, request_id, ts_ns, (ts_ns - prev_ns) / 1e9 / tokens AS itl_s
         FROM t, range(tokens) AS k(i)
