@@ -10,19 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import duckdb
-
-from phasescope.agent.read.queries import latest_run
-
-from .queries import PREEMPTIONS, one
-from .runinfo import read_run_info
-
-METRICS_SQL = """SELECT count(*) AS requests, count(*) FILTER (WHERE status = 'finished') AS finished,
-           count(*) FILTER (WHERE status = 'aborted') AS aborted,
-           quantile_cont(ttft_s, 0.5) AS ttft_p50_s, quantile_cont(ttft_s, 0.95) AS ttft_p95_s,
-           quantile_cont(tpot_s, 0.5) AS tpot_p50_s, quantile_cont(tpot_s, 0.95) AS tpot_p95_s,
-           sum(output_tokens) / nullif((max(last_token_ns) - min(arrival_ns)) / 1e9, 0) AS output_tokens_per_s
-    FROM requests WHERE run_id = $run"""
+from phasescope.agent.read.reader import open_reader
 
 # metric -> True when higher is better
 METRICS = {"ttft_p50_s": False, "ttft_p95_s": False, "tpot_p50_s": False, "tpot_p95_s": False,
@@ -32,39 +20,48 @@ METRICS = {"ttft_p50_s": False, "ttft_p95_s": False, "tpot_p50_s": False, "tpot_
 
 @dataclass(frozen=True)
 class RunRef:
-    db: str
+    db: str  # a DuckDB file no agent holds, or a running agent's read API URL
     run_id: str
 
 
+def _is_url(text: str) -> bool:
+    return text.startswith(("http://", "https://"))
+
+
 def resolve(arg: str, db: str | None = None) -> RunRef:
-    """`FILE` (its latest run), `FILE::RUN`, or a run id in `db`."""
-    path, _, run = arg.partition("::")
-    if os.path.exists(path):
+    """`FILE` (its latest run), `FILE::RUN`, `URL::RUN`, or a run id in `db` (a file or an agent URL)."""
+    if _is_url(arg):
+        path, sep, run = arg.rpartition("::")
+        if not sep:
+            path, run = arg, ""
+    else:
+        path, _, run = arg.partition("::")
+    if _is_url(path) or os.path.exists(path):
         if not run:
-            con = duckdb.connect(path, read_only=True)
+            reader = open_reader(path)
             try:
-                run = latest_run(con)
+                listed = reader.query("runs")
             finally:
-                con.close()
-            if run is None:
+                reader.close()
+            if not listed:
                 raise ValueError(f"{path}: no runs")
+            run = listed[0]["run_id"]
         return RunRef(path, run)
     if db is None:
-        raise ValueError(f"{arg!r} is not a file; give --db FILE to look it up as a run id")
+        raise ValueError(f"{arg!r} is neither a file nor a run id of --db FILE (no --db given)")
     return RunRef(db, arg)
 
 
-def run_metrics(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, Any]:
-    """TTFT / TPOT percentiles (s), output throughput (tokens/s), survival, preemptions, OOMs."""
-    m = one(con, METRICS_SQL, run_id)
-    if not m["requests"]:
-        known = con.execute("SELECT count(*) FROM sources WHERE run_id = ?", [run_id]).fetchone()[0]
-        if not known:
-            raise ValueError(f"no run {run_id!r}")
+def run_metrics(reader: Any, run_id: str) -> dict[str, Any]:
+    """TTFT / TPOT percentiles (s), output throughput (tokens/s), survival, preemptions, OOMs of one run."""
+    if run_id not in {r["run_id"] for r in reader.query("runs")}:
+        raise ValueError(f"no run {run_id!r} in {reader.target}")
+    r = reader.query("request_summary", run_id=run_id)
+    m = {k: r.get(k) for k in ("requests", "finished", "aborted", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s",
+                               "tpot_p95_s", "output_tokens_per_s", "preemptions")}
     m["survival_rate"] = m["finished"] / m["requests"] if m["requests"] else None
-    m["preemptions"] = one(con, PREEMPTIONS, run_id)["preemptions"]
-    labels = read_run_info(con, run_id)
-    oom = labels.get("oom_total")
+    m["preemptions"] = int(m["preemptions"] or 0)
+    oom = reader.query("run_labels", run_id=run_id).get("oom_total")
     m["oom_total"] = int(float(oom)) if oom is not None else None
     return m
 
@@ -73,12 +70,12 @@ def compare(a: RunRef, b: RunRef) -> dict[str, Any]:
     """Metrics of both runs, their relative change, the labels that differ and a warning if > 1 does."""
     out: dict[str, Any] = {}
     for key, ref in (("a", a), ("b", b)):
-        con = duckdb.connect(ref.db, read_only=True)
+        reader = open_reader(ref.db)
         try:
-            out[key] = {"db": ref.db, "run_id": ref.run_id, "metrics": run_metrics(con, ref.run_id),
-                        "labels": read_run_info(con, ref.run_id)}
+            out[key] = {"db": ref.db, "run_id": ref.run_id, "metrics": run_metrics(reader, ref.run_id),
+                        "labels": reader.query("run_labels", run_id=ref.run_id)}
         finally:
-            con.close()
+            reader.close()
     la, lb = out["a"]["labels"], out["b"]["labels"]
     out["differs"] = {k: (la.get(k), lb.get(k)) for k in sorted(set(la) | set(lb)) if la.get(k) != lb.get(k)}
     changes = {}

@@ -65,8 +65,10 @@ def print_plan(rows: Iterable[PlanRow], context: int, console: Console | None = 
 def _fmt_metric(k: str, v: Any) -> str:
     if v is None:
         return "-"
+    if k.endswith("_per_s"):
+        return f"{v:.1f} tok/s" if k.endswith("tokens_per_s") else f"{v:.2f} /s"
     if k.endswith("_s"):
-        return f"{v * 1e3:.1f} ms"
+        return f"{v * 1e3:.1f} ms" if v < 10 else f"{v:.2f} s"
     if k == "survival_rate":
         return f"{v:.1%}"
     if isinstance(v, float):

@@ -405,7 +405,9 @@ def memory_budget(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> 
 
 
 def run_labels(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str]:
-    """The run's labels (table run_info): config key/values, model geometry, GPU."""
+    """The run's labels (table run_info): config key/values, model geometry, GPU; {} when the file has none."""
+    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'run_info'").fetchone()[0]:
+        return {}
     return dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ? ORDER BY key", [run_id]).fetchall())
 
 

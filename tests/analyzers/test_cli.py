@@ -77,3 +77,21 @@ def test_compare_one_variable(tmp_path, scenario_db):
     con = duckdb.connect(b, read_only=True)
     assert read_run_info(con, run_id)["kv_dtype"] == "fp8"
     con.close()
+
+
+def test_compare_prints_throughput_in_tokens_per_second(scenario_db, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "240")
+    a, _ = scenario_db("healthy")
+    r = compare(resolve(a), resolve(a))
+    tps = r["a"]["metrics"]["output_tokens_per_s"]
+    assert tps > 0
+    assert main(["compare", a, a]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "output_tokens_per_s" in line)
+    assert f"{tps:.1f} tok/s" in row and " ms" not in row
+    assert _fmt_row("ttft_p50_s", 0.25) == "250.0 ms" and _fmt_row("ttft_p50_s", 12.5) == "12.50 s"
+
+
+def _fmt_row(k, v):
+    from phasescope.analyzers.render import _fmt_metric
+
+    return _fmt_metric(k, v)
