@@ -10,15 +10,40 @@ import socket
 import sys
 import threading
 
+from .errors import CliError, UsageError
 
 DEFAULT_API_ADDR = "127.0.0.1:7702"
 
 
-def _host_port(addr: str) -> tuple[str, int]:
+def _host_port(addr: str, flag: str = "--api") -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
-    if not port.isdigit():
-        raise SystemExit(f"bad address {addr!r}; expected HOST:PORT")
+    if not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"{flag} {addr!r}: expected HOST:PORT, e.g. 127.0.0.1:7702")
     return host or "127.0.0.1", int(port)
+
+
+def _check_agent_args(args: argparse.Namespace) -> None:
+    """Refuse, in one line, what the agent could only fail on later (or silently misread)."""
+    import os
+
+    from .address import parse_address
+
+    for addr in args.listen or []:
+        if not addr.startswith(("unix:", "tcp:")) and "/" not in addr:
+            raise UsageError(f"--listen {addr!r}: expected unix:/path/agent.sock or tcp:127.0.0.1:PORT")
+        try:
+            parse_address(addr)
+        except ValueError as exc:
+            raise UsageError(f"--listen: {exc}") from None
+    if args.metrics_addr:
+        _host_port(args.metrics_addr, "--metrics-addr")
+    if args.api:
+        _host_port(args.api, "--api")
+    parent = os.path.dirname(os.path.abspath(args.db))
+    if not os.path.isdir(parent):
+        raise CliError(f"--db {args.db!r}: directory {parent} does not exist; create it or choose another path")
+    if os.path.isdir(args.db):
+        raise CliError(f"--db {args.db!r} is a directory; give a file path")
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
@@ -29,10 +54,12 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
     try:
         import streamlit  # noqa: F401
     except ImportError:
-        raise SystemExit("phasescope dashboard needs streamlit: pip install 'phasescope[dashboard]'")
+        raise CliError("needs streamlit: pip install 'phasescope[dashboard]'")
     target = args.agent or args.db
-    if not target.startswith("http") and not os.path.exists(target):
-        raise SystemExit(f"phasescope dashboard: no such file {target!r}")
+    if not target.startswith("http"):
+        from .read.reader import connect_readonly
+
+        connect_readonly(target).close()  # one line now for a missing, foreign, empty or held file
     app = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
     if not app.exists():  # installed layout: phasescope/dashboard/app.py
         import phasescope.dashboard as pkg
@@ -57,7 +84,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     try:
         resolve(args)  # flags > PHASESCOPE_* > --config file > defaults
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"phasescope agent: {exc}")
+        raise UsageError(str(exc)) from None
+    _check_agent_args(args)
     listen = args.listen or [None]
     registry = CollectorRegistry()  # this process's own, never the global one
     sinks: list = []
@@ -151,6 +179,16 @@ def _cmd_rules(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
+    if args.requests <= 0:
+        raise UsageError(f"--requests must be > 0, got {args.requests}")
+    if args.device not in (None, "cpu") and not args.device.startswith("cuda"):
+        raise UsageError(f"--device {args.device!r}: expected cpu or cuda")
+    if args.device and args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {args.device}: CUDA is not available here (torch {torch.__version__}); "
+                           "use --device cpu or leave --device out")
     cfg = DemoConfig(requests=args.requests, seed=args.seed, device=args.device, runtime=args.runtime)
     summary = run_demo(args.db, cfg, quiet=args.json)
     if args.json:
@@ -158,22 +196,42 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reader_target(args: argparse.Namespace, command: str) -> str:
+    """The DuckDB file or the agent URL a reading command reads (exactly one of them)."""
+    if args.agent and args.db:
+        raise UsageError(f"give a DuckDB file or --agent URL, not both")
+    if args.agent:
+        if not args.agent.startswith(("http://", "https://")):
+            raise UsageError(f"--agent takes the agent's read API URL, e.g. http://127.0.0.1:7702, not {args.agent!r}")
+        return args.agent
+    if not args.db:
+        raise UsageError(f"give a DuckDB file, or --agent URL to read a running agent")
+    if args.db.startswith(("http://", "https://")):
+        return args.db  # a URL in place of the file: read through its API, never DuckDB's httpfs
+    return args.db
+
+
 def _cmd_summary(args: argparse.Namespace) -> int:
-    from .read.queries import kv_summary, latest_run, phase_summary, prefix_summary, probe_health, request_summary
-    from .sidecar.store import Store
+    from .read.reader import open_reader, require_run
     from .read.summary import print_summary
 
-    con = Store.open_readonly(args.db)
+    target = _reader_target(args, "summary")
+    reader = open_reader(target)
     try:
-        run_id = args.run or latest_run(con)
-        if run_id is None:
-            print(f"{args.db}: no runs yet", file=sys.stderr)
-            return 1
-        summary = {"db": args.db, "run_id": run_id, "phases": phase_summary(con, run_id),
-                   "requests": request_summary(con, run_id), "kv": kv_summary(con, run_id),
-                   "prefix": prefix_summary(con, run_id), "probe": probe_health(con, run_id)}
+        runs = reader.query("runs")
+        run_id = require_run(runs, args.run, target)
+        run = next(r for r in runs if r["run_id"] == run_id)
+        labels = reader.query("run_labels", run_id=run_id)
+        summary = {"db": target, "run_id": run_id, "model": run.get("model") or labels.get("model", ""),
+                   "device": labels.get("gpu_name") or labels.get("device") or "CPU (no GPU label)",
+                   "runtime": run.get("runtime"),
+                   "phases": reader.query("phase_summary", run_id=run_id),
+                   "requests": reader.query("request_summary", run_id=run_id),
+                   "kv": reader.query("kv_summary", run_id=run_id),
+                   "prefix": reader.query("prefix_summary", run_id=run_id),
+                   "probe": reader.query("probe_health", run_id=run_id)}
     finally:
-        con.close()
+        reader.close()
     if args.json:
         print(json.dumps(summary, default=str, indent=2))
     else:
@@ -199,8 +257,15 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2); subcommand parsers inherit it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="phasescope", description="Observability and diagnostics for LLM inference.")
+    p = _Parser(prog="phasescope", description="Observability and diagnostics for LLM inference.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -264,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("summary", help="print a run's per-phase summary from a DuckDB file no agent holds",
                        description="Per-phase step times and request latencies of one run.")
-    s.add_argument("db", help="DuckDB file")
+    s.add_argument("db", nargs="?", help="DuckDB file no agent holds")
+    s.add_argument("--agent", metavar="URL", help="read a running agent instead, e.g. http://127.0.0.1:7702")
     s.add_argument("--run", help="run id (default: the latest)")
     s.add_argument("--json", action="store_true", help="JSON output")
     s.set_defaults(func=_cmd_summary)
@@ -282,11 +348,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. The one error boundary: a CliError (or an unreadable file, a DuckDB error) is one
+    line on stderr and exit 1; a UsageError or an argparse error exit 2; anything else is a bug and a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return int(args.func(args) or 0)
+    prog = f"phasescope {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] in ("duckdb", "_duckdb"):
+            print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+            return 1
+        raise
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from phasescope.agent.errors import CliError, UsageError
+
 
 def _value(text: str) -> Any:
     for cast in (int, float):
@@ -17,16 +19,35 @@ def _value(text: str) -> Any:
     return text
 
 
+def _overrides(items: list[str], known: dict[str, Any]) -> dict[str, Any]:
+    """--set NAME=VALUE items as threshold overrides; UsageError for an unknown name or a bad value."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set takes NAME=VALUE, got {item!r}")
+        if key not in known:
+            raise UsageError(f"--set: unknown threshold {key!r}; list them with --list-thresholds")
+        value = _value(val)
+        if isinstance(known[key], (int, float)) and not isinstance(value, (int, float)):
+            raise UsageError(f"--set {key}: {val!r} is not a number")
+        out[key] = value
+    return out
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from phasescope.agent.read.queries import latest_run
-    from phasescope.agent.sidecar.store import Store
+    from phasescope.agent.read.reader import connect_readonly, open_reader, require_run
 
     from .diagnose import diagnose, thresholds
+    from .findings import Finding
     from .geometry import load_config
-    from .render import print_findings
+    from .render import print_findings, print_thresholds
 
     if args.list_thresholds:
-        print(json.dumps(thresholds(), indent=2))
+        if args.json:
+            print(json.dumps(thresholds(), indent=2))
+        else:
+            print_thresholds()
         return 0
     if args.fleet:
         from .fleet import diagnose_fleet, print_fleet
@@ -34,62 +55,126 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         report = diagnose_fleet(args.fleet)
         print(json.dumps(report, indent=2, default=str)) if args.json else print_fleet(report)
         return 0
-    if not args.db:
-        print("diagnose: give a DuckDB file", file=sys.stderr)
-        return 2
-    overrides = {}
-    for item in args.set or []:
-        key, _, val = item.partition("=")
-        overrides[key] = _value(val)
-    model = load_config(args.model_config) if args.model_config else None
-    con = Store.open_readonly(args.db)
-    try:
-        run_id = args.run or latest_run(con)
-        if run_id is None:
-            print(f"{args.db}: no runs", file=sys.stderr)
-            return 1
-        findings = diagnose(con, run_id, model=model, gpu=args.gpu, **overrides)
-    finally:
-        con.close()
+    known = {n: v for params in thresholds().values() for n, v in params.items()}
+    overrides = _overrides(args.set or [], known)
+    target = args.agent or args.db
+    if args.agent and args.db:
+        raise UsageError("give a DuckDB file or --agent URL, not both")
+    if not target:
+        raise UsageError("give a DuckDB file, or --agent URL to read a running agent")
+    if target.startswith(("http://", "https://")):
+        if overrides or args.model_config or args.gpu:
+            raise UsageError("--set, --model-config and --gpu apply to a file; a running agent diagnoses with "
+                             "its defaults and the run's labels")
+        reader = open_reader(target)
+        try:
+            run_id = require_run(reader.query("runs"), args.run, target)
+            findings = [Finding(**d) for d in reader.findings(run_id)]
+        finally:
+            reader.close()
+    else:
+        model = None
+        if args.model_config:
+            try:
+                model = load_config(args.model_config)
+            except FileNotFoundError:
+                raise CliError(f"no such file {args.model_config!r} (--model-config takes an HF config.json)") \
+                    from None
+            except (OSError, ValueError) as exc:
+                raise CliError(f"cannot read {args.model_config!r} as an HF config.json: {exc}") from None
+        if args.gpu:
+            from .gpus import lookup
+
+            if lookup(args.gpu) is None:
+                raise UsageError(f"unknown GPU {args.gpu!r}")
+        con = connect_readonly(target)
+        try:
+            from phasescope.agent.read.queries import runs
+
+            run_id = require_run(runs(con), args.run, target)
+            findings = diagnose(con, run_id, model=model, gpu=args.gpu, **overrides)
+        finally:
+            con.close()
     if args.json:
-        print(json.dumps({"db": args.db, "run_id": run_id, "findings": [f.to_dict() for f in findings]},
+        print(json.dumps({"db": target, "run_id": run_id, "findings": [f.to_dict() for f in findings]},
                          indent=2, default=str))
     else:
         print_findings(findings, run_id, show_queries=args.queries)
     return 0
 
 
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated positive integers, got {text!r}") from None
+    if not out or min(out) <= 0:
+        raise UsageError(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return out
+
+
+def _geometry_from_flags(args: argparse.Namespace) -> Any:
+    from .geometry import ModelGeometry
+
+    if not (args.layers and args.kv_heads and args.head_dim):
+        raise UsageError("give --config config.json, or --layers, --kv-heads and --head-dim "
+                         "(and --hidden, --intermediate, --vocab for the weights)")
+    for flag in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab"):
+        v = getattr(args, flag)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {v}")
+    if args.params is not None and args.params <= 0:
+        raise UsageError(f"--params must be > 0, got {args.params}")
+    return ModelGeometry(layers=args.layers, heads=args.heads or args.kv_heads, kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, hidden=args.hidden or 0, intermediate=args.intermediate or 0,
+                         vocab=args.vocab or 0, params=args.params or 0.0, dtype=args.dtype,
+                         tied_embeddings=args.tied_embeddings)
+
+
 def cmd_plan_kv(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from .geometry import ModelGeometry, load_config
+    from .geometry import dtype_bytes, load_config
     from .gpus import lookup
     from .kvplan import GIB, plan
     from .render import print_plan
 
+    if args.context <= 0:
+        raise UsageError(f"--context must be > 0 tokens, got {args.context}")
+    if args.budget_gib is not None and args.budget_gib <= 0:
+        raise UsageError(f"--budget-gib must be > 0, got {args.budget_gib}")
+    tps = _positive_ints(args.tp, "--tp")
+    kv_dtypes = [x for x in args.kv_dtype.split(",") if x.strip()]
+    for dt in kv_dtypes or [""]:
+        try:
+            dtype_bytes(dt)
+        except ValueError as exc:
+            raise UsageError(f"--kv-dtype: {exc}") from None
     if args.config:
-        g = load_config(args.config)
-    elif args.layers and args.kv_heads and args.head_dim:
-        g = ModelGeometry(layers=args.layers, heads=args.heads or args.kv_heads, kv_heads=args.kv_heads,
-                          head_dim=args.head_dim, params=args.params or 0.0)
+        try:
+            g = load_config(args.config)
+        except FileNotFoundError:
+            raise CliError(f"no such file {args.config!r} (--config takes a model's HF config.json)") from None
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot read {args.config!r} as an HF config.json: {exc}") from None
     else:
-        print("plan-kv: give --config config.json or --layers/--kv-heads/--head-dim", file=sys.stderr)
-        return 2
+        g = _geometry_from_flags(args)
+    weights_known = bool(args.config or args.params or (g.intermediate and g.vocab))
     gpu = lookup(args.gpu) if args.gpu else None
     if args.gpu and gpu is None:
-        print(f"plan-kv: unknown GPU {args.gpu!r}", file=sys.stderr)
-        return 2
+        raise UsageError(f"unknown GPU {args.gpu!r}; give --budget-gib instead, or a known GPU name")
     if args.budget_gib is None and gpu is None:
-        print("plan-kv: give --budget-gib or --gpu", file=sys.stderr)
-        return 2
-    rows = plan(g, args.context, None if args.budget_gib is None else args.budget_gib * GIB,
-                tps=[int(x) for x in args.tp.split(",")], kv_dtypes=args.kv_dtype.split(","),
-                gpu_mem_bytes=gpu.mem_bytes if gpu else None)
+        raise UsageError("give --budget-gib or --gpu")
+    rows = plan(g, args.context, None if args.budget_gib is None else args.budget_gib * GIB, tps=tps,
+                kv_dtypes=kv_dtypes, gpu_mem_bytes=gpu.mem_bytes if gpu else None, weights_known=weights_known)
     if args.json:
-        print(json.dumps({"geometry": asdict(g), "context_tokens": args.context, "rows": [asdict(r) for r in rows]},
-                         indent=2))
+        print(json.dumps({"geometry": asdict(g), "weights_known": weights_known, "context_tokens": args.context,
+                          "rows": [asdict(r) for r in rows]}, indent=2))
     else:
         print_plan(rows, args.context)
+        if not weights_known:
+            print("weights unknown: give --intermediate and --vocab (or --params, or --config) to count them",
+                  file=sys.stderr)
     return 0
 
 
@@ -97,11 +182,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .compare import compare, resolve
     from .render import print_compare
 
+    if args.agent and args.db:
+        raise UsageError("give --db FILE or --agent URL, not both")
+    where = args.agent or args.db
     try:
-        result = compare(resolve(args.run_a, args.db), resolve(args.run_b, args.db))
+        result = compare(resolve(args.run_a, where), resolve(args.run_b, where))
     except ValueError as e:
-        print(f"compare: {e}", file=sys.stderr)
-        return 1
+        raise CliError(str(e)) from None
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
@@ -114,14 +201,15 @@ def add_commands(sub: Any) -> None:
     d = sub.add_parser("diagnose", help="findings with evidence and tuning suggestions for one run",
                        description="Run every analyzer over a run of a DuckDB file no agent holds. Model geometry "
                                    "and GPU come from the run's labels (run_info) unless given.")
-    d.add_argument("db", nargs="?", help="DuckDB file")
+    d.add_argument("db", nargs="?", help="DuckDB file no agent holds")
+    d.add_argument("--agent", metavar="URL", help="diagnose a running agent's store, e.g. http://127.0.0.1:7702")
     d.add_argument("--run", help="run id (default: the latest)")
     d.add_argument("--json", action="store_true", help="JSON output")
     d.add_argument("--model-config", help="HF config.json of the served model (rooflines, planner rules)")
     d.add_argument("--gpu", help="GPU name: a table key (H100-SXM, A100-SXM-80GB, ...) or an NVML name")
     d.add_argument("--set", action="append", metavar="NAME=VALUE", help="override a named threshold; repeatable")
     d.add_argument("--queries", action="store_true", help="also print the SQL behind each finding")
-    d.add_argument("--list-thresholds", action="store_true", help="print every threshold and its default")
+    d.add_argument("--list-thresholds", action="store_true", help="print every threshold, its default and unit")
     d.add_argument("--fleet", metavar="GLOB", help="compare hosts over Parquet exports (host=/date=/table=), "
                                                   "e.g. 'exports/**/*.parquet' or 's3://bucket/phasescope/**/*.parquet'")
     d.set_defaults(func=cmd_diagnose)
@@ -134,7 +222,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
-    p.add_argument("--params", type=float, help="parameter count (weights per GPU in the table)")
+    p.add_argument("--hidden", type=int, help="hidden size (default: heads x head dim)")
+    p.add_argument("--intermediate", type=int, help="MLP intermediate size (weights)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (embeddings and LM head)")
+    p.add_argument("--tied-embeddings", action="store_true", help="the LM head shares the embedding matrix")
+    p.add_argument("--dtype", default="bfloat16", help="weight dtype (default: %(default)s)")
+    p.add_argument("--params", type=float, help="parameter count (overrides the estimate from the shapes)")
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")
     p.add_argument("--budget-gib", type=float, help="KV budget per GPU, GiB (default: 45%% of --gpu memory)")
     p.add_argument("--gpu", help="GPU name, for its memory")
@@ -148,5 +241,6 @@ def add_commands(sub: Any) -> None:
     c.add_argument("run_a")
     c.add_argument("run_b")
     c.add_argument("--db", help="DuckDB file holding both run ids")
+    c.add_argument("--agent", metavar="URL", help="a running agent holding both run ids, e.g. http://127.0.0.1:7702")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare)

@@ -66,16 +66,21 @@ class PlanRow:
 
 def plan(g: ModelGeometry, context_tokens: int, budget_bytes_per_gpu: float | None = None,
          tps: Iterable[int] = (1,), kv_dtypes: Iterable[str] = ("bf16",), gpu_mem_bytes: float | None = None,
-         kv_fraction: float = 0.45) -> list[PlanRow]:
+         kv_fraction: float = 0.45, weights_known: bool = True) -> list[PlanRow]:
     """One row per (TP layout, KV dtype).
 
     Without an explicit per-GPU budget, the budget is `kv_fraction` of the GPU's
     memory (the 45% of the 30/20/45/5 starting split) — but never more than what
-    the weights leave, less 25% for activations and margin.
+    the weights leave, less 25% for activations and margin. `weights_known`: False when the
+    geometry lacks the MLP and vocabulary sizes (the weights are then not counted).
     """
+    if context_tokens <= 0:
+        raise ValueError("context_tokens must be > 0")
+    if budget_bytes_per_gpu is not None and budget_bytes_per_gpu <= 0:
+        raise ValueError("the KV budget must be > 0 bytes")
     rows = []
     for tp in tps:
-        weights = g.weight_bytes / tp if g.params else None
+        weights = g.weight_bytes / tp if g.params and weights_known else None
         budget = budget_bytes_per_gpu
         if budget is None:
             if gpu_mem_bytes is None:

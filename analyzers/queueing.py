@@ -11,8 +11,12 @@ QUEUE_SQL = """SELECT count(*) AS requests,
            quantile_cont(prefill_s, 0.5) AS prefill_p50_s, quantile_cont(prefill_s, 0.95) AS prefill_p95_s,
            sum(queue_s) / sum(ttft_s) AS queue_share_of_ttft,
            count(*) / nullif((max(arrival_ns) - min(arrival_ns)) / 1e9, 0) AS arrival_rate_per_s,
+           (max(arrival_ns) - min(arrival_ns)) / 1e9 AS arrival_span_s,
+           -- the window the prompts had to be prefilled in: first arrival to last first token (a burst of
+           -- arrivals within microseconds would otherwise give an absurd rate)
+           (max(first_token_ns) - min(arrival_ns)) / 1e9 AS demand_window_s,
            sum(prompt_tokens - coalesce(cached_tokens, 0))
-               / nullif((max(arrival_ns) - min(arrival_ns)) / 1e9, 0) AS prefill_demand_tokens_per_s
+               / nullif((max(first_token_ns) - min(arrival_ns)) / 1e9, 0) AS prefill_demand_tokens_per_s
     FROM requests WHERE run_id = $run AND ttft_s IS NOT NULL"""
 
 CAPACITY_SQL = f"""WITH st AS ({RUN_STEPS})
@@ -38,8 +42,10 @@ def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s
             if e["prefill_demand_tokens_per_s"] and cap["prefill_capacity_tokens_per_s"] else None)
     e["prefill_utilization"] = util
     e["query"] = QUEUE_SQL + ";\n" + CAPACITY_SQL
-    load = (f" Offered prefill load is {e['prefill_demand_tokens_per_s']:.0f} tokens/s against a measured "
-            f"prefill rate of {cap['prefill_capacity_tokens_per_s']:.0f} tokens/s ({util:.0%})." if util else "")
+    load = (f" Offered prefill load is {e['prefill_demand_tokens_per_s']:.0f} tokens/s over the "
+            f"{e['demand_window_s']:.1f} s from the first arrival to the last first token (arrivals spanned "
+            f"{e['arrival_span_s']:.1f} s), against a measured prefill rate of "
+            f"{cap['prefill_capacity_tokens_per_s']:.0f} tokens/s ({util:.0%})." if util else "")
     return [Finding(
         id="ttft-queueing",
         title="TTFT is dominated by queueing",

@@ -99,3 +99,36 @@ def print_compare(result: dict[str, Any], console: Console | None = None) -> Non
         console.print(d)
     if result["warning"]:
         console.print(f"[yellow]warning:[/] {result['warning']}")
+
+
+def threshold_unit(name: str, default: Any) -> str:
+    """The unit of a named threshold, from its name (names carry units: `_s`, `_tokens`, `_per_s`, ...)."""
+    if name.endswith("_per_s"):
+        return "1/s"
+    if name.endswith("_s"):
+        return "s"
+    if name.endswith("_ms"):
+        return "ms"
+    if name.endswith(("_tokens", "_page_size")) or name == "min_page_size":
+        return "tokens"
+    if name.endswith(("_steps", "_preemptions", "_errors", "_rows")):
+        return "count"
+    if name.endswith(("_ratio", "_skew", "_imbalance")) or name in ("stall_ratio", "critical_ratio"):
+        return "ratio"
+    if isinstance(default, float) and 0 <= default <= 1:
+        return "fraction (0-1)"
+    return "-" if isinstance(default, str) else "number"
+
+
+def print_thresholds(console: Console | None = None) -> None:
+    """Every analyzer's named thresholds with default and unit (`diagnose --list-thresholds`)."""
+    from .diagnose import thresholds
+
+    console = console or Console()
+    t = Table(title="diagnose thresholds (override with --set NAME=VALUE)")
+    for c in ("analyzer", "threshold", "default", "unit"):
+        t.add_column(c)
+    for analyzer, params in thresholds().items():
+        for name, default in params.items():
+            t.add_row(analyzer, name, str(default), threshold_unit(name, default))
+    console.print(t)

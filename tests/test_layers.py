@@ -20,7 +20,7 @@ FOLDERS = {"agent": "phasescope.agent", "analyzers": "phasescope.analyzers",
 
 # layer -> module prefixes it holds; first match wins, so the more specific prefixes come first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("records", ("phasescope.agent.events", "phasescope.agent.address")),
+    ("records", ("phasescope.agent.events", "phasescope.agent.address", "phasescope.agent.errors")),
     ("probe", ("phasescope.agent.probe",)),
     ("read", ("phasescope.agent.read",)),
     ("sidecar", ("phasescope.agent.sidecar",)),

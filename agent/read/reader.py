@@ -16,14 +16,61 @@ from typing import Any, Callable, Protocol
 
 import duckdb
 
+from ..errors import CliError
 from .jsonsafe import json_safe
 from .queries import run_named
 
 Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings, e.g. analyzers.diagnose
 
 
-class StoreBusyError(RuntimeError):
+class StoreBusyError(CliError):
     """The file is held read-write by a running agent."""
+
+
+def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
+    """A read-only connection to a phasescope DuckDB file no agent holds.
+
+    Raises CliError (one line: what is wrong, what to do) for a missing file, a file that is
+    not DuckDB, a DuckDB file without phasescope tables, and StoreBusyError for a file a
+    running agent holds.
+    """
+    import os
+
+    if not os.path.exists(path):
+        raise CliError(f"no such file {path!r}; record a run first (phasescope demo, or phasescope agent --db FILE)")
+    if os.path.isdir(path):
+        raise CliError(f"{path!r} is a directory, not a DuckDB file")
+    try:
+        con = duckdb.connect(path, read_only=True)
+    except (duckdb.IOException, duckdb.ConnectionException) as exc:
+        # another process: "Could not set lock"; this process: "different configuration"
+        text = str(exc).lower()
+        if "lock" in text or "different configuration" in text:
+            raise StoreBusyError(
+                f"{path} is held by a running agent; read it live through the agent's read API "
+                "(--agent http://127.0.0.1:7702, the agent's --api address) or stop the agent first") from None
+        if "not a valid duckdb" in text:
+            raise CliError(f"{path} is not a DuckDB file; give the file phasescope agent or demo wrote") from None
+        raise CliError(f"cannot open {path}: {exc}") from None
+    has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'sources'").fetchone()[0]
+    if not has:
+        con.close()
+        raise CliError(f"{path} holds no phasescope data (an empty or foreign DuckDB file); record a run into it "
+                       "with phasescope agent --db FILE or phasescope demo --db FILE")
+    return con
+
+
+def require_run(runs: list[dict[str, Any]], run_id: str | None, target: str) -> str:
+    """`run_id` if the store knows it, else its latest run; CliError for an unknown run or no runs."""
+    known = [r["run_id"] for r in runs]
+    if run_id is None:
+        if not known:
+            raise CliError(f"{target}: no runs yet; the probe has not sent anything")
+        return known[0]
+    if run_id not in known:
+        listed = ", ".join(known[:8]) + (" ..." if len(known) > 8 else "")
+        raise CliError(f"{target}: no run {run_id!r}; runs: {listed or 'none'}")
+    return run_id
 
 
 class Reader(Protocol):
@@ -40,16 +87,7 @@ class FileReader:
     def __init__(self, path: str, findings: Findings | None = None) -> None:
         """`findings`: computes findings over the connection (the caller injects the analyzers' diagnose)."""
         self._findings = findings
-        try:
-            self.con = duckdb.connect(path, read_only=True)
-        except (duckdb.IOException, duckdb.ConnectionException) as exc:
-            # another process: "Could not set lock"; this process: "different configuration"
-            text = str(exc).lower()
-            if "lock" in text or "different configuration" in text:
-                raise StoreBusyError(
-                    f"{path} is held by a running agent; read it live through the agent's read API "
-                    "(phasescope agent --api 127.0.0.1:PORT, then use http://127.0.0.1:PORT)") from exc
-            raise
+        self.con = connect_readonly(path)
         self.target = path
 
     def query(self, name: str, **params: Any) -> Any:
@@ -72,9 +110,22 @@ class AgentReader:
         self.timeout_s = timeout_s
 
     def _get(self, path: str, params: dict[str, Any]) -> Any:
+        import urllib.error
+
         query = urllib.parse.urlencode({k: "" if v is None else v for k, v in params.items()})
-        with urllib.request.urlopen(f"{self.target}{path}?{query}", timeout=self.timeout_s) as resp:
-            return json.load(resp)
+        try:
+            with urllib.request.urlopen(f"{self.target}{path}?{query}", timeout=self.timeout_s) as resp:
+                return json.load(resp)
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = json.load(exc).get("error", "")
+            except (ValueError, AttributeError):
+                detail = ""
+            raise CliError(f"agent {self.target} answered {exc.code} to {path}: {detail or exc.reason}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise CliError(f"cannot reach an agent's read API at {self.target} ({reason}); is phasescope agent "
+                           "running with --api on that address?") from None
 
     def query(self, name: str, **params: Any) -> Any:
         return self._get(f"/api/v1/query/{urllib.parse.quote(name)}", params)["rows"]
