@@ -159,6 +159,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("overload", "synthetic",
              "Synthetic overloaded service: 90 of 100 requests finish; the probe dropped 2.44% of its records.",
              expect=("survival-rate-low", "probe-dropping")),
+    Scenario("reused-ids", "synthetic",
+             "HF generate_batch called 4 times, each naming its 6 requests req_0..req_5: 24 requests of 450 ms, "
+             "not 6 of ~3.5 s. In call 2, req_1 is soft-reset and re-admitted with 48 tokens from the prefix "
+             "cache: 1 preemption, 16 tokens recomputed, its own cached tokens 0.",
+             expect=("preemption-recompute",)),
 )}
 
 

@@ -132,9 +132,56 @@ def overload(db_path: str) -> str:
     return _store(db_path, "synthetic-overload", 1, rank_records)
 
 
+REUSE = dict(calls=4, per_call=6, prompt=64, output=8, call_gap_ms=1000, readmit_cached=48)
+
+
+def reused_ids(db_path: str) -> str:
+    """HF generate_batch style: 4 calls, each naming its 6 requests req_0..req_5 (24 requests, 4 arrivals per
+    id). Each request takes 450 ms (first token at 100 ms, then 7 more every 50 ms). In call 2, req_1 computed its
+    prompt, was soft-reset at 150 ms and re-admitted at 200 ms with 48 prompt tokens from the prefix cache
+    (recomputation avoided, not a cache hit of the request). The other requests of calls 2-4 hit a 48-token
+    shared prefix once each call's first request has computed it."""
+    r = REUSE
+
+    def rank_records(rank: int) -> list[Any]:
+        from phasescope.agent.events import REQ_PREEMPTED, PrefixCounters
+
+        out: list[Any] = []
+        queried = hit = recomputed = 0
+        step = 0
+        for c in range(r["calls"]):
+            base = T0 + c * r["call_gap_ms"] * MS
+            for i in range(r["per_call"]):
+                rid, t = f"req_{i}", base + i * MS
+                preempted = c == 1 and i == 1
+                cached = r["readmit_cached"] if (c > 0 and i > 0 and not preempted) else 0
+                queried += r["prompt"]
+                hit += cached
+                out += [RequestEvent(t, 0, REQ_ARRIVAL, rid, r["prompt"], 0),
+                        RequestEvent(t + 5 * MS, 0, REQ_SCHEDULED, rid, 0, cached)]
+                if preempted:
+                    out += [RequestEvent(t + 150 * MS, 0, REQ_PREEMPTED, rid, 0, 0),
+                            RequestEvent(t + 200 * MS, 0, REQ_SCHEDULED, rid, 0, r["readmit_cached"])]
+                    recomputed += r["prompt"] - r["readmit_cached"]
+                out += [RequestEvent(t + (100 + 50 * k) * MS, 0, REQ_TOKEN, rid, 1, 0) for k in range(r["output"])]
+                out.append(RequestEvent(t + 450 * MS, 0, REQ_FINISHED, rid, r["output"], 0))
+            # one prefill step for the call, then decode steps every 50 ms
+            out.append(Step(base + 5 * MS, step, 0, PHASE_PREFILL, r["per_call"], r["per_call"] * r["prompt"], 0, 0,
+                            40.0, NAN))
+            step += 1
+            for k in range(r["output"]):
+                out.append(Step(base + (100 + 50 * k) * MS, step, 0, PHASE_DECODE, r["per_call"], 0, r["per_call"],
+                                r["per_call"] * (r["prompt"] + k), 10.0, NAN))
+                step += 1
+            out.append(PrefixCounters(base + 460 * MS, 0, queried, hit, recomputed, 0))
+        return out
+
+    return _store(db_path, "synthetic-reuse", 1, rank_records, model="hf-cb-reuse")
+
+
 BUILDERS: dict[str, Callable[[str], str]] = {
     "tp-imbalance": tp_imbalance, "gpu-memory": gpu_memory, "decode-roofline": decode_roofline,
-    "overload": overload,
+    "overload": overload, "reused-ids": reused_ids,
 }
 
 LABELS: dict[str, dict[str, Any]] = {
@@ -143,6 +190,7 @@ LABELS: dict[str, dict[str, Any]] = {
     "decode-roofline": {**LLAMA7B, "model_params": 7_000_000_000, "tp": 1, "kv_dtype": "fp16",
                         "gpu_name": "NVIDIA H100 PCIe"},
     "overload": {"oom_total": 3},
+    "reused-ids": {"runtime": "hf-cb"},
 }
 
 

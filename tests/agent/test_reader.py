@@ -64,3 +64,42 @@ def test_live_reads_through_the_sidecar_match_the_file_afterwards(short_tmp):
         offline.close()
     assert live_req["requests"] == 2 and live_req["ttft_p50_s"] == pytest.approx(0.01)
     assert live_req["tpot_p50_s"] == pytest.approx(0.01)
+
+
+def test_diagnose_summary_compare_read_a_live_agent(short_tmp, capsys):
+    """`--agent URL` goes through the read API (never DuckDB's httpfs) and equals the file afterwards."""
+    from phasescope.agent.cli import main
+    from phasescope.analyzers.diagnose import diagnose
+
+    db = os.path.join(short_tmp, "agent.duckdb")
+    sc = Sidecar(db, listen=[f"unix:{short_tmp}/b.sock"], batch_interval_s=0.05, read_api="127.0.0.1:0",
+                 findings=diagnose).start()
+    try:
+        import socket
+
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(f"{short_tmp}/b.sock")
+        s.sendall(ev.encode_frame(_records()))
+        s.close()
+        assert sc.wait_rows(lambda: sc.stats.rows_written_total == 10 + 24)
+        url = sc.read_api.url
+        assert main(["summary", "--agent", url, "--json"]) == 0
+        live = json.loads(capsys.readouterr().out)
+        assert live["run_id"] == "run-r" and live["requests"]["requests"] == 2 and live["model"] == "m"
+        assert main(["diagnose", "--agent", url, "--json"]) == 0
+        live_findings = json.loads(capsys.readouterr().out)
+        assert main(["diagnose", url, "--json"]) == 0  # a URL in place of the file reads the API too
+        assert json.loads(capsys.readouterr().out)["run_id"] == "run-r"
+        assert main(["compare", "run-r", "run-r", "--agent", url, "--json"]) == 0
+        cmp = json.loads(capsys.readouterr().out)
+        assert cmp["a"]["metrics"]["requests"] == 2 and cmp["change"]["ttft_p50_s"] == 0
+        assert main(["summary", "--agent", url, "--run", "nosuchrun"]) == 1
+        assert "no run 'nosuchrun'" in capsys.readouterr().err
+    finally:
+        sc.stop()
+    assert main(["summary", db, "--json"]) == 0
+    offline = json.loads(capsys.readouterr().out)
+    assert offline["requests"] == live["requests"] and offline["phases"] == live["phases"]
+    assert main(["diagnose", db, "--json"]) == 0
+    assert [f["id"] for f in json.loads(capsys.readouterr().out)["findings"]] == \
+        [f["id"] for f in live_findings["findings"]]

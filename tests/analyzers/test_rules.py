@@ -213,3 +213,21 @@ def test_model_and_gpu_overrides(scenario):
         diagnose(con, run_id, gpu="Voodoo2")
     # CPU run: no CUDA-event times, so the roofline rules stay silent even with a GPU named
     assert diagnose(con, run_id, gpu="H100-SXM") == []
+
+
+def test_reused_ids_fixture_counts_one_request_per_arrival(scenario):
+    con, run_id = scenario("reused-ids")
+    from phasescope.agent.read.queries import prefix_summary, request_summary
+
+    r = request_summary(con, run_id)
+    assert (r["requests"], r["finished"], r["preemptions"]) == (24, 24, 1)
+    assert r["e2e_p50_s"] == pytest.approx(0.45) and r["e2e_p95_s"] == pytest.approx(0.45)
+    rows = con.execute("""SELECT request_id, cached_tokens, readmit_cached_tokens, preemptions FROM requests
+                          WHERE runtime_request_id = 'req_1' ORDER BY arrival_ns""").fetchall()
+    assert rows == [("req_1", 0, 0, 0), ("req_1#2", 0, 48, 1), ("req_1#3", 48, 0, 0), ("req_1#4", 48, 0, 0)]
+    # the requests' own cached tokens add up to the run's prefix-hit counter; re-admission reuse is apart
+    per_request = con.execute("SELECT sum(cached_tokens) FROM requests").fetchone()[0]
+    assert per_request == prefix_summary(con, run_id)["hit_tokens"] == 14 * 48
+    f = {x.id: x for x in diagnose(con, run_id)}
+    assert f["preemption-recompute"].evidence["preempted_requests"] == 1
+    assert f["preemption-recompute"].evidence["recomputed_tokens"] == 16
