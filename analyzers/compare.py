@@ -1,6 +1,6 @@
 """Experiments: two labelled runs side by side, and the variables that differ between them.
 
-Change one variable per round (tuning-knowledge.md § Experiment discipline): `compare` warns when the
+Change one variable per round (docs/tuning.md#experiments): `compare` warns when the
 runs' labels differ in more than one key.
 """
 

@@ -91,7 +91,7 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
                         f"batch more sequences per step (mean batch now {e['batch_mean']:.1f})."),
             expected_effect=(f"The GPU is busy {busy:.0%} of the time during decode; removing launch gaps brings a "
                              f"{e['decode_ms_p50']:.2f} ms decode step toward ~{e['decode_ms_p50'] * busy:.2f} ms."),
-            reference=ref("Two species: prefill and decode"),
+            reference=ref("Decode"),
             run_id=run_id, thresholds=th))
     if e["mbu_p50"] < min_mbu:
         target_ms = e["decode_floor_ms"] / target_mbu
@@ -106,6 +106,6 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
             expected_effect=(f"Median decode step {e['decode_ms_p50']:.2f} ms against a bandwidth floor of "
                              f"{e['decode_floor_ms']:.2f} ms (MBU {e['mbu_p50']:.0%}); at {target_mbu:.0%} MBU the "
                              f"step takes ~{target_ms:.2f} ms, i.e. TPOT ~{e['decode_ms_p50'] / target_ms:.1f}x lower."),
-            reference=ref("Two species: prefill and decode"),
+            reference=ref("Decode"),
             run_id=run_id, thresholds=th))
     return out

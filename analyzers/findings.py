@@ -9,7 +9,7 @@ from typing import Any
 SEVERITIES = ("critical", "warning", "info")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
-KNOWLEDGE = "shared/reference/tuning-knowledge.md"
+GUIDE = "docs/tuning.md"  # the project's tuning guide; every finding links to one of its sections
 
 
 @dataclass(frozen=True)
@@ -17,8 +17,8 @@ class Finding:
     """One diagnosis: what is wrong, the numbers that show it, and what to change.
 
     `evidence` holds the measured numbers (units in the key names) and the SQL
-    that produced them under the key `query`. `reference` names the section of
-    tuning-knowledge.md the advice comes from.
+    that produced them under the key `query`. `reference` links the section of
+    docs/tuning.md the advice comes from.
     """
 
     id: str
@@ -62,6 +62,13 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: (severity_rank(f.severity), f.id))
 
 
+def anchor(heading: str) -> str:
+    """The Markdown anchor of a heading, as GitHub and most renderers make it."""
+    import re
+
+    return re.sub(r"[^a-z0-9 -]", "", heading.lower()).strip().replace(" ", "-")
+
+
 def ref(section: str) -> str:
-    """A reference to a section of the tuning knowledge."""
-    return f"{KNOWLEDGE} § {section}"
+    """A link to a section (its `## ` heading) of the tuning guide, e.g. docs/tuning.md#prefill."""
+    return f"{GUIDE}#{anchor(section)}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .findings import Finding, sort_findings
+from .findings import Finding, ref, sort_findings
 
 # figure -> (SQL over one host's tables, unit, what the figure is); all "more is worse"
 HOST_SQL: dict[str, tuple[str, str, str]] = {
@@ -78,7 +78,7 @@ def fleet_findings(metrics: dict[str, dict[str, Any]], *, outlier_ratio: float =
                            "neighbours); `phasescope compare` shows the labels that differ.",
                 expected_effect=f"bringing {host} to the fleet median cuts its {what} by "
                                 f"{(1 - 1 / ratio) * 100:.0f}%",
-                reference="fleet",
+                reference=ref("Fleet"),
                 thresholds={"outlier_ratio": outlier_ratio, "min_hosts": min_hosts},
             ))
     return sort_findings(findings)

@@ -87,7 +87,7 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = 0.9, min_preemptions: int
                          f"({share:.0%}) recomputed {px['recomputed_tokens'] or 0} tokens. "
                          + (f"fp8 KV gives {gains['fp8']:g}x the capacity; " if gains else "")
                          + "preemptions stop once the peak working set fits."),
-        reference=ref("KV cache geometry"),
+        reference=ref("KV cache capacity"),
         run_id=run_id,
         thresholds={"near_cap": near_cap, "min_preemptions": min_preemptions,
                     "critical_preempt_share": critical_preempt_share},
@@ -146,7 +146,7 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
                          f"{predicted[page]:.1%} from the requests' lengths); at {choice} tokens the predicted "
                          f"waste is {y:.1%}, so the same tokens need ~{saved:.0%} fewer pages (room for more "
                          "concurrent sequences)."),
-        reference=ref("KV cache geometry"),
+        reference=ref("KV fragmentation"),
         run_id=run_id,
         thresholds={"max_internal_fragmentation": max_internal_fragmentation,
                     "target_fragmentation": target_fragmentation, "min_page_size": min_page_size},
@@ -200,7 +200,7 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
                          f"scattered on average, and in {e['snapshots_blocked']} of {e['snapshots_with_room']} snapshots "
                          f"({blocked:.0%}) a p95 request ({need} pages) would fit the free pages but no contiguous run. "
                          "Compaction would make those allocations succeed without preemption."),
-        reference=ref("Lessons from production"),
+        reference=ref("KV fragmentation"),
         run_id=run_id,
         thresholds={"max_external_fragmentation": max_external_fragmentation,
                     "max_blocked_share": max_blocked_share, "min_turnover_per_s": min_turnover_per_s},
@@ -235,7 +235,7 @@ def kv_headroom_low(con, run_id: str, *, headroom_usage: float = 0.7, **_: objec
                          f">= {headroom_usage:.0%}); the cache holds {cap_tokens} tokens, only {fit} sequences of the "
                          f"p95 length ({seq['seq_tokens_p95']} tokens). Admission control keeps a burst from "
                          "turning into preemptions and recomputation."),
-        reference=ref("System level"),
+        reference=ref("Overload and preemption"),
         run_id=run_id,
         thresholds={"headroom_usage": headroom_usage},
     )]

@@ -53,7 +53,7 @@ def gpu_memory_near_full(con, run_id: str, *, max_used_share: float = 0.95, crit
         expected_effect=(f"Peak use {e['mem_used_share_max']:.1%} of {e['mem_total_bytes'] / GIB:.1f} GiB leaves "
                          f"{free:.2f} GiB; an activation spike beyond that is an OOM, the most expensive "
                          "recomputation there is."),
-        reference=ref("Memory budget (starting split, adjust from measurements)"),
+        reference=ref("Memory budget"),
         run_id=run_id,
         thresholds={"max_used_share": max_used_share, "critical_used_share": critical_used_share},
     )]
@@ -74,7 +74,7 @@ def gpu_xid_errors(con, run_id: str, *, max_xid_errors: int = 0, **_: object) ->
                     "drain the node if they repeat (memory ECC, fallen off the bus, NVLink errors)."),
         expected_effect=(f"{e['xid_errors_max']} XID errors on GPU {e['xid_gpu']} ({e['xid_errors_delta']} during the "
                          "run); crashes, stragglers and silent slowdowns follow from a failing GPU."),
-        reference=ref("Lessons from production"),
+        reference=ref("GPU health"),
         run_id=run_id,
         thresholds={"max_xid_errors": max_xid_errors},
     )]
@@ -126,7 +126,7 @@ def kv_budget_oom_risk(con, run_id: str, *, max_kv_share_of_remaining: float = 0
         expected_effect=(f"KV takes {share:.0%} of the {remaining / GIB:.1f} GiB the weights leave on each GPU. "
                          f"Memory split: {split_txt}. At {target / GIB:.1f} GiB the activations and margin get "
                          f"{(remaining - target) / GIB:.1f} GiB."),
-        reference=ref("Memory budget (starting split, adjust from measurements)"),
+        reference=ref("Memory budget"),
         run_id=run_id,
         thresholds={"max_kv_share_of_remaining": max_kv_share_of_remaining, "min_margin": min_margin},
     )]

@@ -76,7 +76,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = 128, s
                          f"token a {chunk}-token chunk keeps them near {expected_ms:.1f} ms "
                          f"(~{expected_ms / e['pure_decode_p50_ms']:.1f}x), cutting the TPOT tail "
                          f"(p95 now {(tpot['tpot_p95_s'] or 0) * 1e3:.1f} ms)."),
-        reference=ref("Prefill side"),
+        reference=ref("Prefill"),
         run_id=run_id,
         thresholds={"long_prefill_tokens": long_prefill_tokens, "stall_ratio": stall_ratio,
                     "critical_ratio": critical_ratio, "min_steps": min_steps, "target_ratio": target_ratio,

@@ -87,7 +87,7 @@ def prefix_hit_collapse(con, run_id: str, *, min_achievable_hit_rate: float = 0.
         evidence=e,
         suggestion="; ".join(advice).capitalize() + ".",
         expected_effect=effect,
-        reference=ref("System level"),
+        reference=ref("Prefix cache"),
         run_id=run_id,
         thresholds={"min_achievable_hit_rate": min_achievable_hit_rate, "max_hit_ratio": max_hit_ratio,
                     "collapse_ratio": collapse_ratio, "min_window_hit_rate": min_window_hit_rate},

@@ -60,7 +60,7 @@ def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s
                          f"{e['queue_p50_s'] * 1e3:.0f} ms of a {e['ttft_p50_s'] * 1e3:.0f} ms median TTFT). Removing "
                          f"it brings TTFT toward the prefill time itself: median {e['prefill_p50_s'] * 1e3:.0f} ms, "
                          f"p95 {e['prefill_p95_s'] * 1e3:.0f} ms (TTFT p95 now {e['ttft_p95_s'] * 1e3:.0f} ms)."),
-        reference=ref("Prefill side"),
+        reference=ref("Queueing"),
         run_id=run_id,
         thresholds={"queue_share": queue_share, "min_queue_p50_s": min_queue_p50_s,
                     "critical_queue_p50_s": critical_queue_p50_s},

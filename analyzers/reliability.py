@@ -44,7 +44,7 @@ def preemption_recompute(con, run_id: str, *, min_preemptions: int = 1, critical
                             f"{lat['e2e_p50_other_s']:.2f} s for the others. " if lat['e2e_p50_preempted_s'] and
                             lat['e2e_p50_other_s'] else "")
                          + "Avoiding preemption returns that time to useful work."),
-        reference=ref("System level"),
+        reference=ref("Overload and preemption"),
         run_id=run_id,
         thresholds={"min_preemptions": min_preemptions, "critical_recompute_share": critical_recompute_share},
     )]
@@ -87,7 +87,7 @@ def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_surv
         expected_effect=(f"{e['finished']} of {e['requests']} requests finished ({rate:.1%}); {e['aborted']} aborted, "
                          f"{e['unfinished']} never finished, at up to {e['peak_concurrency']} concurrent requests. "
                          f"The target is >= {min_survival:.0%}."),
-        reference=ref("Experiment discipline"),
+        reference=ref("Experiments"),
         run_id=run_id,
         thresholds={"min_survival": min_survival, "critical_survival": critical_survival},
     )]
@@ -121,7 +121,7 @@ def probe_dropping(con, run_id: str, *, max_drop_share: float = 0.0, critical_dr
         expected_effect=(f"{e['dropped_total']} of {total} records dropped ({share:.2%}), {e['errors_total']} "
                          f"errors, {e['send_failures_total']} failed sends; with none dropped every figure here is "
                          "complete."),
-        reference=ref("Two species: prefill and decode"),
+        reference=ref("Probe health"),
         run_id=run_id,
         thresholds={"max_drop_share": max_drop_share, "critical_drop_share": critical_drop_share},
     )]

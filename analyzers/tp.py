@@ -41,7 +41,7 @@ def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = 0.1, critical_im
         expected_effect=(f"The hottest rank fills first: capacity is set by rank {hot['rank']}, which holds "
                          f"{imb:.0%} more KV than the mean. Balanced ranks would admit ~{imb / (1 + imb):.0%} more "
                          "tokens before the first rank reaches its cap."),
-        reference=ref("Lessons from production"),
+        reference=ref("Tensor parallelism"),
         run_id=run_id,
         thresholds={"max_imbalance": max_imbalance, "critical_imbalance": critical_imbalance},
     )]
@@ -87,7 +87,7 @@ def tp_straggler(con, run_id: str, *, max_skew: float = 0.15, min_straggler_shar
         expected_effect=(f"Rank {e['straggler_rank']} is the slowest in {e['straggler_share']:.0%} of {e['steps']} steps; "
                          f"the median step waits {e['step_skew_p50']:.0%} ({e['wait_ms_mean']:.2f} ms on average) for it. "
                          f"Fixing it makes steps ~{e['step_skew_p50'] / (1 + e['step_skew_p50']):.0%} shorter."),
-        reference=ref("Lessons from production"),
+        reference=ref("Tensor parallelism"),
         run_id=run_id,
         thresholds={"max_skew": max_skew, "min_straggler_share": min_straggler_share, "min_steps": min_steps,
                     "max_rows": max_rows},
@@ -117,7 +117,7 @@ def tp_kv_head_replication(con, run_id: str, *, model: ModelGeometry | None = No
                     "or budget KV per card with the replication counted."),
         expected_effect=(f"Each rank holds {per_rank:.0f} bytes of KV per token, {factor:g}x its 1/{tp} share "
                          f"({total / tp:.0f} B); across ranks that is {per_rank * tp - total:.0f} extra bytes per token."),
-        reference=ref("Lessons from production"),
+        reference=ref("Tensor parallelism"),
         run_id=run_id,
         thresholds={},
     )]

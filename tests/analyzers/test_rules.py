@@ -18,6 +18,12 @@ from phasescope.agent.probe.kvmath import kv_imbalance
 from phasescope.agent.read.queries import kv_summary, probe_health
 from phasescope.agent import synthetic
 from phasescope.analyzers.diagnose import diagnose, thresholds
+from phasescope.analyzers.findings import anchor
+
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "tuning.md")
+with open(GUIDE, encoding="utf-8") as _f:
+    # every `## ` heading of the shipped guide, as the link a finding carries
+    GUIDE_LINKS = {"docs/tuning.md#" + anchor(line[3:].strip()) for line in _f if line.startswith("## ")}
 from phasescope.analyzers.findings import Finding
 from phasescope.agent.scenarios import DATA_DIR, SCENARIOS
 
@@ -38,7 +44,7 @@ def test_scenario_fires_its_rules(scenario, name):
     for fid in expect:
         assert fid in found, f"{name}: {fid} did not fire; got {sorted(found)}"
     for f in found.values():
-        assert f.suggestion and f.expected_effect and f.reference.startswith("shared/reference/tuning-knowledge.md")
+        assert f.suggestion and f.expected_effect and f.reference in GUIDE_LINKS, f.reference
         assert "SELECT" in f.evidence["query"]
         json.dumps(f.to_dict())
 
@@ -231,3 +237,17 @@ def test_reused_ids_fixture_counts_one_request_per_arrival(scenario):
     f = {x.id: x for x in diagnose(con, run_id)}
     assert f["preemption-recompute"].evidence["preempted_requests"] == 1
     assert f["preemption-recompute"].evidence["recomputed_tokens"] == 16
+
+
+def test_every_analyzer_links_a_section_the_guide_has():
+    import inspect
+    import re
+
+    from phasescope.analyzers import diagnose as d, fleet
+
+    sections = set()
+    for mod in {inspect.getmodule(fn) for fn in d.ANALYZERS} | {fleet}:
+        sections |= set(re.findall(r'ref\("([^"]+)"\)', inspect.getsource(mod)))
+    assert sections, "no ref() calls found"
+    for s in sections:
+        assert "docs/tuning.md#" + anchor(s) in GUIDE_LINKS, s
