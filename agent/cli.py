@@ -172,7 +172,15 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 def _cmd_rules(args: argparse.Namespace) -> int:
     from phasescope.exporters.rules import dashboard_text, rules_text
 
-    sys.stdout.write(dashboard_text() if args.grafana else rules_text())
+    if args.grafana:
+        sys.stdout.write(dashboard_text())
+        return 0
+    slo = {k: v for k, v in (("ttft_slo_s", args.ttft_slo_s), ("tpot_slo_s", args.tpot_slo_s)) if v is not None}
+    try:
+        text = rules_text(**slo)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    sys.stdout.write(text)
     return 0
 
 
@@ -299,10 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=_cmd_agent)
 
     r = sub.add_parser("rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",
-                       description="Print the shipped Prometheus rule file: SLO burn-rate, KV, prefix-cache, "
+                       description="Print the Prometheus rule file: SLO burn-rate, KV, prefix-cache, "
                                    "tensor-parallel, probe and GPU alerts, each with a runbook naming the analyzer "
-                                   "finding. Save it and list it under rule_files in prometheus.yml.")
+                                   "finding, on the analyzers' own thresholds. Save it and list it under rule_files "
+                                   "in prometheus.yml.")
     r.add_argument("--grafana", action="store_true", help="print the Grafana dashboard JSON instead")
+    r.add_argument("--ttft-slo-s", type=float, metavar="S",
+                   help="TTFT SLO in seconds, a bucket bound of the TTFT histogram (default 2.5)")
+    r.add_argument("--tpot-slo-s", type=float, metavar="S",
+                   help="TPOT SLO in seconds, a bucket bound of the TPOT histogram (default 0.1)")
     r.set_defaults(func=_cmd_rules)
 
     db = sub.add_parser("dashboard", help="open the Streamlit diagnostics app on a DuckDB file or a live agent",

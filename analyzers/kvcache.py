@@ -6,6 +6,7 @@ import math
 
 from phasescope.agent.probe.kvmath import predicted_waste
 
+from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import DTYPE_BYTES, ModelGeometry
 from .kvplan import kv_bytes_per_token_per_rank
@@ -30,7 +31,7 @@ def _dtype_bytes(name: str | None) -> float | None:
     return DTYPE_BYTES.get(str(name).lower()) if name else None
 
 
-def kv_near_cap(con, run_id: str, *, near_cap: float = 0.9, min_preemptions: int = 1,
+def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemptions: int = 1,
                 critical_preempt_share: float = 0.1, model: ModelGeometry | None = None,
                 **_: object) -> list[Finding]:
     """Fires when block usage reaches `near_cap` (fraction of pages) and >= `min_preemptions` requests
@@ -107,7 +108,7 @@ LENGTHS_SQL = """SELECT prompt_tokens + k AS tokens
     FROM requests, range(greatest(output_tokens, 1)::BIGINT) AS r(k) WHERE run_id = $run AND prompt_tokens > 0"""
 
 
-def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = 0.25,
+def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = T["max_internal_fragmentation"],
                               target_fragmentation: float = 0.10, min_page_size: int = 16,
                               **_: object) -> list[Finding]:
     """Fires when the mean internal fragmentation (slack inside used pages, a fraction) is
@@ -164,7 +165,7 @@ EXTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
     FROM k"""
 
 
-def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: float = 0.25,
+def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: float = T["max_external_fragmentation"],
                               max_blocked_share: float = 0.25, min_turnover_per_s: float = 0.1,
                               **_: object) -> list[Finding]:
     """Fires under churn (pages allocated per second >= `min_turnover_per_s` x total pages) when free

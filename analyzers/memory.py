@@ -7,6 +7,7 @@ those of its own sources plus the sidecar's taken while the run's steps ran (one
 
 from __future__ import annotations
 
+from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import ModelGeometry
 from .gpus import GIB, GpuSpec
@@ -34,7 +35,7 @@ KV_BUDGET_SQL = """SELECT max(total_pages * (kv_bytes / nullif(used_pages, 0))) 
 SPLIT = {"weights": 0.30, "activations": 0.20, "kv": 0.45, "margin": 0.05}
 
 
-def gpu_memory_near_full(con, run_id: str, *, max_used_share: float = 0.95, critical_used_share: float = 0.98,
+def gpu_memory_near_full(con, run_id: str, *, max_used_share: float = T["max_used_share"], critical_used_share: float = 0.98,
                          **_: object) -> list[Finding]:
     """Fires when a GPU's used memory reaches `max_used_share` of its total."""
     e = one(con, GPU_SQL, run_id)

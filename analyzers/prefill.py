@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .queries import RUN_STEPS, one, page_size
 
@@ -35,7 +36,7 @@ def suggest_chunk(pure_decode_ms: float, ms_per_token: float | None, target_rati
     return max(page, min(chunk, max(page, (max_prefill - 1) // page * page)))
 
 
-def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = 128, stall_ratio: float = 3.0,
+def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefill_tokens"]), stall_ratio: float = 3.0,
                           critical_ratio: float = 10.0, min_steps: int = 5, target_ratio: float = 2.0,
                           min_chunk_tokens: int = 64,
                           **_: object) -> list[Finding]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .queries import PREFIX_TOTALS, one, page_size, prefill_cost
 from .runinfo import as_number
@@ -23,7 +24,7 @@ REQ_SQL = """SELECT count(*) AS requests, sum(prompt_tokens) AS prompt_tokens,
 
 
 def prefix_hit_collapse(con, run_id: str, *, min_achievable_hit_rate: float = 0.1, max_hit_ratio: float = 0.5,
-                        collapse_ratio: float = 0.5, min_window_hit_rate: float = 0.2,
+                        collapse_ratio: float = T["collapse_ratio"], min_window_hit_rate: float = T["min_window_hit_rate"],
                         labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires when the hit rate is below `max_hit_ratio` x what the prompts' shared prefix allows (the run
     label `shared_prefix_tokens`; whole pages only, the first request misses; both rates per request,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from phasescope.agent.probe.kvmath import kv_imbalance
 from phasescope.agent.read.queries import STEP_MS
 
+from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import ModelGeometry
 from .kvplan import kv_bytes_per_token, kv_bytes_per_token_per_rank, replication_factor
@@ -16,7 +17,7 @@ KV_RANK_SQL = """SELECT k.rank, avg(kv_bytes) AS kv_bytes_mean, max(kv_bytes) AS
     GROUP BY k.rank ORDER BY k.rank"""
 
 
-def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = 0.1, critical_imbalance: float = 0.3,
+def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance"], critical_imbalance: float = 0.3,
                     **_: object) -> list[Finding]:
     """Fires when max_r / mean_r - 1 of the ranks' mean KV bytes is >= `max_imbalance`."""
     ranks = rows(con, KV_RANK_SQL, run_id)
@@ -63,7 +64,7 @@ SKEW_SQL = f"""WITH st AS (
     FROM per, m"""
 
 
-def tp_straggler(con, run_id: str, *, max_skew: float = 0.15, min_straggler_share: float = 0.5,
+def tp_straggler(con, run_id: str, *, max_skew: float = T["max_skew"], min_straggler_share: float = T["min_straggler_share"],
                  min_steps: int = 10, max_rows: int = 1_000_000, **_: object) -> list[Finding]:
     """Fires when the median step skew (max_r / median_r - 1 of step time) is >= `max_skew` and one rank
     is the slowest in >= `min_straggler_share` of the steps (sampled above `max_rows` step rows)."""

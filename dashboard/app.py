@@ -18,6 +18,7 @@ import pandas as pd
 import streamlit as st
 
 from phasescope.agent.read.reader import StoreBusyError, open_reader
+from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.diagnose import diagnose
 
 PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
@@ -136,8 +137,8 @@ def page_phases(reader: Any, run: str, win: dict[str, Any]) -> None:
 
 def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
     cols = st.columns(2)
-    ttft_slo = cols[0].number_input("TTFT SLO (ms)", min_value=1.0, value=500.0, step=50.0) / 1e3
-    tpot_slo = cols[1].number_input("TPOT SLO (ms)", min_value=1.0, value=50.0, step=5.0) / 1e3
+    ttft_slo = cols[0].number_input("TTFT SLO (ms)", min_value=1.0, value=T["ttft_slo_s"] * 1e3, step=50.0) / 1e3
+    tpot_slo = cols[1].number_input("TPOT SLO (ms)", min_value=1.0, value=T["tpot_slo_s"] * 1e3, step=5.0) / 1e3
     slo = q(reader, "slo_attainment", run_id=run, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
     c = st.columns(3)
     c[0].metric("SLO attainment", pct(slo["attainment"]), f"{slo['both_ok']} of {slo['finished']} requests",

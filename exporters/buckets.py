@@ -42,4 +42,4 @@ PHASE_TIME_S = union((0.001, 0.005), REQUEST_DURATION_S)  # queue, prefill and d
 STEP_S = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15,
           0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)  # one forward of the model
 TOKEN_USAGE = tuple(float(b) for b in SEMCONV_TOKEN_USAGE)
-SKEW_RATIO = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)  # TP step skew, max/median - 1
+SKEW_RATIO = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)  # TP step skew, max/median - 1

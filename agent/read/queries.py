@@ -10,6 +10,8 @@ from typing import Any
 
 import duckdb
 
+from .thresholds import T
+
 STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
 
 
@@ -197,7 +199,8 @@ def step_sample(con: duckdb.DuckDBPyConnection, run_id: str | None = None, limit
         SELECT * FROM w USING SAMPLE reservoir({int(limit)} ROWS) REPEATABLE (7) ORDER BY t_s""", params, ("t_s", "phase", "ms", "prefill_tokens", "decode_tokens", "num_seqs"))
 
 
-def interference(con: duckdb.DuckDBPyConnection, run_id: str | None = None, long_prefill_tokens: int = 512,
+def interference(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+                 long_prefill_tokens: int = int(T["long_prefill_tokens"]),
                  since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
     """Steps that carry decode tokens, by what they were packed with: pure decode, a short or a long prefill."""
     t, where, params = _window(run_id, since_s, until_s)
@@ -247,8 +250,8 @@ def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         FROM k, b GROUP BY i, lo, span ORDER BY i""", named, ("lo_s", "hi_s", "count"))
 
 
-def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, ttft_slo_s: float = 0.5,
-                   tpot_slo_s: float = 0.05) -> dict[str, Any]:
+def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, ttft_slo_s: float = T["ttft_slo_s"],
+                   tpot_slo_s: float = T["tpot_slo_s"]) -> dict[str, Any]:
     """Share of finished requests meeting both SLOs, and goodput (such requests and their tokens per second)."""
     where = "" if run_id is None else " AND run_id = ?"
     params = [] if run_id is None else [run_id]

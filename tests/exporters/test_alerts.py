@@ -101,3 +101,41 @@ def test_promtool_test_rules_can_fail(tmp_path):
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     out = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
+
+
+def test_one_table_of_thresholds_feeds_analyzers_queries_and_rules():
+    import inspect
+
+    from phasescope.agent.read import queries
+    from phasescope.agent.read.thresholds import THRESHOLDS, T
+    from phasescope.analyzers.diagnose import thresholds
+
+    defaults = {n: v for params in thresholds().values() for n, v in params.items()}
+    shared = [n for n in THRESHOLDS if not n.endswith("_slo_s")]
+    for name in shared:
+        assert defaults[name] == T[name], name
+    assert inspect.signature(queries.interference).parameters["long_prefill_tokens"].default == \
+        T["long_prefill_tokens"]
+    assert inspect.signature(queries.slo_attainment).parameters["ttft_slo_s"].default == T["ttft_slo_s"]
+    a = alerts()
+    assert a["PhasescopeKVCacheNearCap"]["expr"].strip() == f"phasescope_kv_block_usage_ratio > {T['near_cap']:g}"
+    assert f"> {T['max_external_fragmentation']:g}" in a["PhasescopeKVExternalFragmentationHigh"]["expr"]
+    assert a["PhasescopeTPKVImbalance"]["expr"].strip() == f"phasescope_kv_imbalance_ratio > {T['max_imbalance']:g}"
+    assert f'le="{T["max_skew"]:g}"' in a["PhasescopeTPStraggler"]["expr"]
+    assert f'le="{T["ttft_slo_s"]:g}"' in rules_text() and "<<" not in rules_text()
+
+
+def test_slos_are_options_of_phasescope_rules(capsys):
+    from phasescope.agent.cli import main
+
+    assert main(["rules", "--ttft-slo-s", "1.0", "--tpot-slo-s", "0.05"]) == 0
+    text = capsys.readouterr().out
+    doc = yaml.safe_load(text)
+    exprs = " ".join(r["expr"] for g in doc["groups"] for r in g["rules"])
+    assert 'time_to_first_token_seconds_bucket{le="1"}' in exprs and 'le="2.5"' not in exprs
+    assert 'time_per_output_token_seconds_bucket{le="0.05"}' in exprs
+    rule = {r.get("alert"): r for g in doc["groups"] for r in g["rules"]}["PhasescopeTPOTBudgetBurnFast"]
+    assert "slower than 50 ms per output token" in rule["annotations"]["description"]
+    assert main(["rules", "--ttft-slo-s", "1.3"]) == 2  # not a bucket bound: the alert could never be computed
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "bucket bound" in err

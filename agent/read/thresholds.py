@@ -1,0 +1,41 @@
+"""The one table of thresholds that the analyzers, the dashboard and the alert rules share.
+
+It lives in the read layer so that the named queries' defaults use it too. Each value is the
+default of the analyzer parameter of the same name (`diagnose --set NAME=VALUE`
+overrides it for a run), the line the dashboard draws, and the number `phasescope rules` writes
+into the Prometheus alerts. Units are in the names (`_s`, `_tokens`) or stated.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Threshold(NamedTuple):
+    value: float
+    unit: str
+    doc: str
+
+
+THRESHOLDS: dict[str, Threshold] = {
+    "ttft_slo_s": Threshold(2.5, "s", "TTFT service-level objective: a request's first token within this time"),
+    "tpot_slo_s": Threshold(0.1, "s", "TPOT service-level objective: at most this time per output token"),
+    "long_prefill_tokens": Threshold(128, "tokens", "a prefill of at least this many tokens in one step is long"),
+    "near_cap": Threshold(0.9, "fraction", "KV block usage at which the cache counts as at its cap"),
+    "max_internal_fragmentation": Threshold(0.25, "fraction", "slack inside allocated KV pages worth a finding"),
+    "max_external_fragmentation": Threshold(0.25, "fraction", "scattered free KV pages worth a finding"),
+    "collapse_ratio": Threshold(0.5, "ratio", "prefix hit rate below this share of its usual level has collapsed"),
+    "min_window_hit_rate": Threshold(0.2, "fraction", "a prefix hit rate below this was never worth watching"),
+    "max_imbalance": Threshold(0.1, "ratio", "tensor-parallel KV imbalance, max_r / mean_r - 1"),
+    "max_skew": Threshold(0.15, "ratio", "tensor-parallel step skew, max_r / median_r - 1"),
+    "min_straggler_share": Threshold(0.5, "fraction", "share of steps one rank is the slowest to call it a straggler"),
+    "max_used_share": Threshold(0.95, "fraction", "GPU memory used share worth a finding"),
+}
+
+
+def value(name: str) -> float:
+    """The default of threshold `name` (KeyError for an unknown one)."""
+    return THRESHOLDS[name].value
+
+
+T = {name: t.value for name, t in THRESHOLDS.items()}  # name -> default, for signatures
