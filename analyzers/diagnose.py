@@ -74,6 +74,36 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
         params = inspect.signature(fn).parameters
         kw = {k: v for k, v in {**overrides, **context}.items() if k in params}
         findings.extend(fn(con, run_id, **kw))
+    findings = reconcile(findings)
     if labels.get("runtime") == "vllm":  # name vLLM's flags with this run's values
         findings = [dataclasses.replace(f, suggestion=with_flag_values(f.suggestion, labels)) for f in findings]
     return sort_findings(findings)
+
+
+def reconcile(findings: list[Finding]) -> list[Finding]:
+    """Make one report's advice agree: where two findings pull one knob opposite ways, the one that
+    protects stability wins and the other's suggestion says so instead.
+
+    - decode stalled by long prefills (lower the per-step token budget) vs TTFT queueing (raise it):
+      queueing gets capacity without larger steps;
+    - KV memory at risk (lower the KV budget) vs a KV cache at its cap or a batch too small for the
+      bandwidth roofline (more KV): neither may ask for more KV memory; fp8 KV and admission control do.
+    """
+    by_id = {f.id: f for f in findings}
+    out = []
+    memory_tight = bool({"kv-budget-oom-risk", "gpu-memory-near-full"} & set(by_id))
+    kv_full = bool({"kv-near-cap", "kv-headroom-low"} & set(by_id))
+    for f in findings:
+        if f.id == "ttft-queueing" and "prefill-stalls-decode" in by_id:
+            from .queueing import queueing_suggestion
+
+            old = queueing_suggestion(f.evidence, raise_budget=True)
+            if f.suggestion.startswith(old):
+                f = dataclasses.replace(f, suggestion=queueing_suggestion(f.evidence, raise_budget=False)
+                                        + f.suggestion[len(old):])
+        elif f.id == "decode-below-roofline" and (kv_full or memory_tight) and "Raise the batch" in f.suggestion:
+            f = dataclasses.replace(f, suggestion=f.suggestion.replace(
+                "Raise the batch", "Raise the batch only once KV memory allows it (the KV findings here say it "
+                "does not yet: quantize the KV cache first)", 1))
+        out.append(f)
+    return out

@@ -62,8 +62,12 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
                      f"{g:g}x the tokens in the same memory ({cap_tokens} -> {int(cap_tokens * g)} tokens, "
                      f"{fit_now} -> {int(cap_tokens * g) // seq['seq_tokens_p95']} sequences of "
                      f"{seq['seq_tokens_p95']} tokens); near-lossless for most tasks, measure TPOT after")
-    parts.append(f"cap concurrent sequences at ~{fit_now} (vLLM --max-num-seqs; {e['max_seqs']} ran at once) so "
-                 "admitted requests keep their KV instead of being preempted")
+    if fit_now:
+        parts.append(f"cap concurrent sequences at ~{fit_now} (vLLM --max-num-seqs; {e['max_seqs']} ran at once) so "
+                     "admitted requests keep their KV instead of being preempted")
+    else:  # one p95 sequence does not fit the whole cache: capping concurrency cannot help
+        parts.append(f"cap the context length (vLLM --max-model-len): a p95 sequence of {seq['seq_tokens_p95']} "
+                     f"tokens is longer than the {cap_tokens} tokens the whole cache holds")
     if model is not None:
         per_tok = kv_bytes_per_token_per_rank(model, 1, e["kv_dtype"] if _dtype_bytes(e["kv_dtype"]) else "bf16")
         e["kv_bytes_per_token"] = per_tok

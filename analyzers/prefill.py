@@ -36,9 +36,28 @@ def suggest_chunk(pure_decode_ms: float, ms_per_token: float | None, target_rati
     return max(page, min(chunk, max(page, (max_prefill - 1) // page * page)))
 
 
-def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefill_tokens"]), stall_ratio: float = 3.0,
-                          critical_ratio: float = 10.0, min_steps: int = 5, target_ratio: float = 2.0,
-                          min_chunk_tokens: int = 64,
+def chunked_prefill(labels: dict | None) -> tuple[bool | None, int | None]:
+    """(chunked prefill on?, per-step token budget) from a run's labels; None where the labels do not say.
+
+    vLLM labels `enable_chunked_prefill` and `max_num_batched_tokens`; HF continuous batching (the demo's
+    `runtime` cb) always splits prompts to its `max_batch_tokens` per step."""
+    labels = labels or {}
+    budget = labels.get("max_num_batched_tokens") or labels.get("max_batch_tokens")
+    try:
+        budget_i = int(float(budget)) if budget is not None else None
+    except ValueError:
+        budget_i = None
+    flag = labels.get("enable_chunked_prefill")
+    if flag is not None:
+        return flag.strip().lower() in ("1", "true", "yes", "on"), budget_i
+    if labels.get("runtime") in ("cb", "hf-cb") or "max_batch_tokens" in labels:
+        return True, budget_i
+    return None, budget_i
+
+
+def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefill_tokens"]),
+                          stall_ratio: float = 3.0, critical_ratio: float = 10.0, min_steps: int = 5,
+                          target_ratio: float = 2.0, min_chunk_tokens: int = 64, labels: dict | None = None,
                           **_: object) -> list[Finding]:
     """Fires when decode steps co-scheduled with prefills of >= `long_prefill_tokens` tokens take
     >= `stall_ratio` x the median pure decode step (step times in ms, medians)."""
@@ -67,10 +86,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
         title="Long prefills stall decode steps",
         severity="critical" if ratio >= critical_ratio else "warning",
         evidence=evidence,
-        suggestion=(f"Enable chunked prefill with a chunk of ~{chunk} tokens (vLLM: --enable-chunked-prefill "
-                    f"--max-num-batched-tokens {chunk}; HF continuous batching: max_batch_tokens={chunk}) so long "
-                    "prompts are split between decode steps. Cost: slightly lower prefill efficiency. If TTFT is the "
-                    "tighter SLO, consider prefill/decode disaggregation instead."),
+        suggestion=_suggestion(chunk, *chunked_prefill(labels)),
         expected_effect=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran next to a prefill of "
                          f">= {long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x the "
                          f"{e['pure_decode_p50_ms']:.1f} ms of a pure decode step; at {slope:.3f} ms per prefill "
@@ -83,3 +99,21 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
                     "critical_ratio": critical_ratio, "min_steps": min_steps, "target_ratio": target_ratio,
                     "min_chunk_tokens": min_chunk_tokens},
     )]
+
+
+def _suggestion(chunk: int, chunked: bool | None, budget: int | None) -> str:
+    """What to change, given whether the run already chunks its prefills (its labels) and its budget."""
+    tail = (" Cost: slightly lower prefill efficiency. If TTFT is the tighter SLO, consider prefill/decode "
+            "disaggregation instead.")
+    if chunked and budget is not None and budget <= chunk:
+        return (f"Chunked prefill is already on with a per-step budget of {budget} tokens, at or below the "
+                f"~{chunk}-token chunk that would keep decode steps within target: the stall is not the chunk "
+                "size. Separate prefill and decode (disaggregation), or cap how many prefills share a step.")
+    if chunked:
+        now = f" (now {budget})" if budget is not None else ""
+        return (f"Chunked prefill is on, but its per-step token budget{now} lets long prompt chunks stall decode: "
+                f"lower it to ~{chunk} tokens (vLLM --max-num-batched-tokens {chunk}; HF continuous batching "
+                f"max_batch_tokens={chunk})." + tail)
+    return (f"Enable chunked prefill with a chunk of ~{chunk} tokens (vLLM: --enable-chunked-prefill "
+            f"--max-num-batched-tokens {chunk}; HF continuous batching: max_batch_tokens={chunk}) so long "
+            "prompts are split between decode steps." + tail)

@@ -27,6 +27,19 @@ CAPACITY_SQL = f"""WITH st AS ({RUN_STEPS})
     FROM st WHERE prefill_tokens > 0"""
 
 
+def queueing_suggestion(e: dict, raise_budget: bool) -> str:
+    """The advice; without raising the per-step token budget when a larger step would stall decode."""
+    if raise_budget:
+        first = ("Add prefill capacity: raise the per-step token budget (vLLM --max-num-batched-tokens, HF "
+                 f"max_batch_tokens; the largest step prefilled {e['max_prefill_tokens_per_step']} tokens), add "
+                 "replicas, or disaggregate")
+    else:
+        first = ("Add prefill capacity without larger steps (they already stall decode, see prefill-stalls-decode, "
+                 "so keep the per-step token budget): add replicas, or disaggregate")
+    return (first + " prefill and decode onto separate instances so prefill scales on its own. Reject or redirect "
+            "new requests at the door when the queue grows (overload protection).")
+
+
 def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s: float = 0.05,
                   critical_queue_p50_s: float = 1.0, **_: object) -> list[Finding]:
     """Fires when queueing is >= `queue_share` of the summed TTFT and the median queue time is
@@ -51,11 +64,7 @@ def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s
         title="TTFT is dominated by queueing",
         severity="critical" if e["queue_p50_s"] >= critical_queue_p50_s else "warning",
         evidence=e,
-        suggestion=("Add prefill capacity: raise the per-step token budget (vLLM --max-num-batched-tokens, HF "
-                    f"max_batch_tokens; the largest step prefilled {cap['max_prefill_tokens_per_step']} tokens), add "
-                    "replicas, or disaggregate prefill and decode onto separate instances so prefill scales on its "
-                    "own. Reject or redirect new requests at the door when the queue grows (overload protection)."
-                    + load),
+        suggestion=queueing_suggestion(e, raise_budget=True) + load,
         expected_effect=(f"Queueing is {e['queue_share_of_ttft']:.0%} of TTFT (median queue "
                          f"{e['queue_p50_s'] * 1e3:.0f} ms of a {e['ttft_p50_s'] * 1e3:.0f} ms median TTFT). Removing "
                          f"it brings TTFT toward the prefill time itself: median {e['prefill_p50_s'] * 1e3:.0f} ms, "
