@@ -79,6 +79,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from .deploycli import start_agent_extras
     from .sidecar import Sidecar
     from .sidecar.collectors import NvmlCollector
+    from .sidecar.host import HostCollector
 
     log = logging.getLogger("phasescope.cli")
     try:
@@ -100,6 +101,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
         sinks.append(OtlpExporter(registry=registry, export_interval_s=args.otlp_interval_s))
     nvml = NvmlCollector()
+    host = HostCollector(pids=args.pid or ())  # + the pid of every probe's Hello (it is a sink too)
+    sinks.append(host)
+    if not args.no_metrics:
+        from phasescope.exporters.host_metrics import HostMetricsExporter
+
+        sinks.append(HostMetricsExporter(registry))
     scrapers = []
     if args.scrape:
         from .sidecar.scrape import ScrapeCollector
@@ -118,7 +125,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from phasescope.analyzers.diagnose import diagnose  # the read API serves the analyzers' findings
 
     sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
-                      collectors=[nvml, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose)
+                      collectors=[nvml, host, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 
@@ -297,13 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "OTEL_SERVICE_NAME variables (default endpoint http://localhost:4318)")
     a.add_argument("--otlp-interval-s", type=float, default=10.0,
                    help="OTLP metric export interval, s (default: %(default)s)")
-    a.add_argument("--sample-s", type=float, default=1.0, help="GPU (NVML) sampling interval, s (default: %(default)s)")
+    a.add_argument("--sample-s", type=float, default=1.0, help="GPU (NVML), host and server-process (psutil) sampling interval, s (default: %(default)s)")
     from .agentconfig import add_arguments
 
     add_arguments(a)  # --config, --socket-mode, retention; every option also from PHASESCOPE_* / the file
     a.add_argument("--scrape", action="append", metavar="URL",
                    help="scrape mode: poll an inference server's Prometheus /metrics (vLLM without the plugin, SGLang, "
                         "TGI, TensorRT-LLM) every --sample-s and store what maps onto the tables; repeatable")
+    a.add_argument("--pid", action="append", type=int, metavar="PID",
+                   help="also sample this server process's CPU, threads, memory and files (psutil); the pids of "
+                        "attached probes are sampled without it; repeatable")
     a.set_defaults(func=_cmd_agent)
 
     r = sub.add_parser("rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",

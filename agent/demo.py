@@ -211,6 +211,7 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
 
     from .probe.adapters.hf_cb import HFContinuousBatching
     from .sidecar.collectors import NvmlCollector
+    from .sidecar.host import HostCollector
     from .probe import attach
     from .sidecar import Sidecar
 
@@ -219,8 +220,9 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
     tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
     addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
     # the in-process sidecar samples the GPU like a real one (no GPU: no samples, quietly)
-    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1, collectors=[NvmlCollector()],
-                      sample_interval_s=0.5).start()
+    host = HostCollector()  # the served process and the host, like a real agent (pids from the Hello)
+    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1, collectors=[NvmlCollector(), host],
+                      sinks=[host], sample_interval_s=0.5).start()
     probe = None
     try:
         runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"

@@ -308,3 +308,43 @@ def same_record(a: Record, b: Record) -> bool:
         elif x != y:
             return False
     return True
+
+
+# --- sidecar-local records: produced by the sidecar's own collectors, never sent on the wire ---
+# (no type byte: the probe never makes them; the store maps them to tables by class name)
+
+class ProcessSample(NamedTuple):
+    """One psutil reading of one inference-server process (agent/sidecar/host.py)."""
+
+    ts_ns: int
+    pid: int
+    run_id: str  # the run whose Hello named this pid; "" for a pid given with --pid
+    cpu_user_s_total: float  # CPU time in user mode since the process started, s
+    cpu_system_s_total: float  # CPU time in kernel mode, s
+    threads: int
+    busiest_tid: int  # thread that used the most CPU since the previous sample (0 on the first)
+    busiest_thread_cores: float  # its CPU time / wall time since the previous sample (1.0 = one full core); NaN first
+    busiest_thread_wait_ratio: float  # its run-queue wait / wall time (runnable, no CPU; schedstat); NaN if unreadable
+    rss_bytes: int  # resident set size
+    open_fds: int  # open file descriptors; -1 where unreadable
+    ctx_voluntary_total: int  # context switches, voluntary (the process blocked)
+    ctx_involuntary_total: int  # context switches, involuntary (preempted: something else took the CPU)
+
+
+class HostSample(NamedTuple):
+    """One reading of the host / container the sidecar runs on (psutil, /proc/pressure, cgroup files)."""
+
+    ts_ns: int
+    cpu_count: int  # logical CPUs of the host
+    cpu_util_pct: float  # all CPUs busy since the previous sample, % (100 = every CPU busy); NaN first
+    load1: float  # 1-minute load average (runnable + uninterruptible tasks)
+    mem_total_bytes: int
+    mem_available_bytes: int  # memory available to new work without swapping
+    swap_used_bytes: int
+    swap_in_bytes_total: int  # bytes swapped in since boot
+    swap_out_bytes_total: int  # bytes swapped out since boot
+    cpu_pressure_some_pct: float  # PSI "some" avg10: % of time a runnable task waited for a CPU; NaN if unreadable
+    cgroup_cpu_quota_cores: float  # cgroup CPU limit in cores (quota / period); NaN: no limit or unreadable
+    cgroup_periods_total: int  # CFS enforcement periods elapsed; -1 where unreadable
+    cgroup_throttled_periods_total: int  # periods in which the cgroup was throttled; -1 where unreadable
+    cgroup_throttled_s_total: float  # total time the cgroup's tasks were throttled, s; NaN where unreadable

@@ -19,13 +19,14 @@ turns the folder back into a DuckDB file with the store's schema.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import duckdb
 
@@ -33,7 +34,7 @@ from phasescope.analyzers.runinfo import RUN_INFO_DDL, record_run_info
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
 TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples",
-          "probe_health", "run_info")
+          "probe_health", "process_samples", "host_samples", "run_info")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class Scenario:
     expect: tuple[str, ...]  # finding ids that must fire (none for healthy)
     demo: dict[str, Any] = field(default_factory=dict)  # DemoConfig overrides
     labels: dict[str, Any] = field(default_factory=dict)  # run_info rows
+    contention: dict[str, Any] = field(default_factory=dict)  # `contended()` arguments: CPU taken from the engine
+    nice: int = 0  # run the serving process at this nice value (< 0: ahead of the machine's other work)
+    torch_threads: int = 0  # torch intra-op threads of the serving process (0: torch's default)
 
 
 # --- real runs of the demo runtime ---
@@ -74,6 +78,70 @@ def run_workload(db_path: str, cfg: Any, workload: list[Any]) -> str:
     return record_workload(db_path, cfg, workload)
 
 
+@contextlib.contextmanager
+def contended(busy_processes: int, torch_threads: int = 1) -> Iterator[dict[str, Any]]:
+    """Make this process host-bound on purpose: pin all its threads (and those it starts) to one CPU, run
+    torch on `torch_threads` there, and start `busy_processes` spinning Python processes pinned to it too."""
+    import subprocess
+    import sys
+
+    import torch
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    old = {}
+    for tid in tids:
+        try:
+            old[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, {cpu})
+        except OSError:
+            pass
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(busy_processes)]
+    try:
+        yield {"cpu": cpu, "busy_pids": [p.pid for p in procs]}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        torch.set_num_threads(old_threads)
+        for tid, aff in old.items():
+            try:
+                os.sched_setaffinity(tid, aff)
+            except OSError:
+                pass
+
+
+@contextlib.contextmanager
+def reniced(nice: int, torch_threads: int = 0) -> Iterator[int]:
+    """Run this process's threads (and those they start) at `nice`, torch on `torch_threads` threads
+    (0: unchanged); yields the nice value obtained (unchanged where the process may not raise its priority)."""
+    import torch
+
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    old = {}
+    for tid in tids if nice else ():
+        try:
+            old[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass
+    old_threads = torch.get_num_threads()
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    try:
+        yield os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        torch.set_num_threads(old_threads)
+        for tid, value in old.items():
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, value)
+            except OSError:
+                pass
+
+
 def _demo_labels(cfg: Any) -> dict[str, Any]:
     """Run labels of a demo config: all its knobs, and the KV dtype (the cache follows the fp32 model on CPU).
 
@@ -87,12 +155,14 @@ def _demo_labels(cfg: Any) -> dict[str, Any]:
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("healthy", "demo",
              "Light load, short prompts behind a shared system prompt, ample KV pages of 16 tokens, "
-             "a prefill budget that covers every prompt in one step.",
+             "a prefill budget that covers every prompt in one step; the serving process runs torch on one "
+             "thread at nice -20, ahead of the other work of a shared machine, so the engine gets the CPU "
+             "it asks for.",
              expect=(),
              demo=dict(requests=24, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
                        long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
                        page_size=16, num_pages=512, max_batch_tokens=256),
-             labels=dict(shared_prefix_tokens=65, prefix_position="first")),
+             labels=dict(shared_prefix_tokens=65, prefix_position="first"), nice=-20, torch_threads=1),
     Scenario("prefill-interference", "demo",
              "Long prompts (1-1.5k tokens) prefilled whole (token budget 4096, so never chunked) while "
              "other requests decode long outputs: decode steps share the forward with long prefills.",
@@ -144,6 +214,17 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              expect=("prefill-stalls-decode", "kv-external-fragmentation", "kv-headroom-low"),
              demo={},
              labels=dict(shared_prefix_tokens=97, prefix_position="first")),
+    Scenario("host-bound", "demo",
+             "The healthy workload with the engine made host-bound on purpose: every thread of the serving "
+             "process (engine, torch on one thread, the in-process sidecar) pinned to one CPU that two "
+             "busy-spinning processes also run on, so the engine waits on the run queue for most of the time "
+             "it wants the CPU.",
+             expect=("host-bound",),
+             demo=dict(requests=24, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
+                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
+                       page_size=16, num_pages=512, max_batch_tokens=256),
+             labels=dict(shared_prefix_tokens=65, prefix_position="first"),
+             contention=dict(busy_processes=2, torch_threads=1)),
     Scenario("tp-imbalance", "synthetic",
              "Synthetic TP 4 run of a 32-layer model with 2 KV heads: rank 3 holds 140 MiB of KV vs 100 MiB, "
              "rank 2 takes 26 ms per step vs 20 ms; KV heads replicated 2x.",
@@ -175,13 +256,21 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
     config: dict[str, Any] = {"scenario": name, "kind": sc.kind, "notes": sc.notes, "expect": list(sc.expect)}
     if sc.kind in ("demo", "prefix-last"):
         cfg = _demo_config(sc.demo)
-        if sc.kind == "demo":
-            from phasescope.agent.demo import run_demo
+        with contended(**sc.contention) if sc.contention else contextlib.nullcontext({}) as how, \
+                reniced(sc.nice, sc.torch_threads) as nice:
+            if sc.kind == "demo":
+                from phasescope.agent.demo import run_demo
 
-            run_id = run_demo(db_path, cfg, quiet=True)["run_id"]
-        else:
-            run_id = run_workload(db_path, cfg, prefix_last_workload(cfg))
+                run_id = run_demo(db_path, cfg, quiet=True)["run_id"]
+            else:
+                run_id = run_workload(db_path, cfg, prefix_last_workload(cfg))
         labels = {**_demo_labels(cfg), **sc.labels}
+        if sc.contention:
+            labels.update({f"contention_{k}": v for k, v in sc.contention.items()}, contention_cpu=how["cpu"])
+        if sc.nice:
+            labels["engine_nice"] = nice
+        if sc.torch_threads:
+            labels["engine_torch_threads"] = sc.torch_threads
         config["demo_config"] = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
     else:
         from . import synthetic

@@ -19,6 +19,7 @@ from .decode import decode_roofline
 from .findings import Finding, sort_findings
 from .geometry import ModelGeometry, geometry_from_labels
 from .gpus import GpuSpec, lookup
+from .host import host_bound, process_memory_growth
 from .kvcache import kv_external_fragmentation, kv_headroom_low, kv_internal_fragmentation, kv_near_cap
 from .memory import gpu_memory_near_full, gpu_xid_errors, kv_budget_oom_risk
 from .prefill import prefill_stalls_decode
@@ -35,6 +36,7 @@ ANALYZERS: tuple[Analyzer, ...] = (
     kv_near_cap, kv_headroom_low, kv_budget_oom_risk, kv_internal_fragmentation, kv_external_fragmentation,
     prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
     preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
+    host_bound, process_memory_growth,
 )
 CONTEXT = ("model", "gpu", "labels")
 

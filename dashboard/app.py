@@ -21,7 +21,7 @@ from phasescope.agent.read.reader import StoreBusyError, open_reader
 from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.diagnose import diagnose
 
-PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
+PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments")
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 SEVERITY_ICON = {"critical": "🔴", "warning": "🟠", "info": "🔵"}
 RECOMMENDED_SPLIT = {"weights": 0.30, "activations": 0.20, "kv cache": 0.45, "margin": 0.05}
@@ -247,9 +247,10 @@ def page_ranks(reader: Any, run: str, win: dict[str, Any]) -> None:
         explain("Good: shares near 1/ranks. One rank slowest most of the time is a straggler (step skew = max/median − 1).")
 
 
-def page_gpu(reader: Any, run: str, win: dict[str, Any]) -> None:
+def page_hardware(reader: Any, run: str, win: dict[str, Any]) -> None:
+    """The GPU (NVML) beside the host and the server process (psutil)."""
     mb = q(reader, "memory_budget", run_id=run)
-    st.subheader("Memory budget")
+    st.subheader("GPU memory budget")
     total = mb["gpu_total_bytes"]
     if total:
         weights = mb["weights_bytes"] or 0.0
@@ -275,10 +276,47 @@ def page_gpu(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.altair_chart(alt.Chart(m).mark_line().encode(x="t_s:Q", y="value:Q", color="kind:N",
                                                         strokeDash="gpu_index:N"), width="stretch")
         explain("Good: utilisation high while serving; memory flat (growth means leaks or an unbounded cache).")
-    mbu = [f for f in findings_for(reader.target, run) if "mbu" in str(f.get("evidence", {})).lower()]
+    found = findings_for(reader.target, run)
+    mbu = [f for f in found if "mbu" in str(f.get("evidence", {})).lower()]
     if mbu:
         st.subheader("Decode roofline")
         st.json(mbu[0].get("evidence", {}), expanded=False)
+    host_part(reader, run, win, found)
+
+
+def host_part(reader: Any, run: str, win: dict[str, Any], found: list[dict[str, Any]]) -> None:
+    """Server process and host/container charts, and the host findings."""
+    p = df(q(reader, "process_timeline", run_id=run, bucket_s=win["bucket_s"]))
+    h = df(q(reader, "host_timeline", run_id=run, bucket_s=win["bucket_s"]))
+    if p.empty and h.empty:
+        st.caption("No host or server-process samples for this run (the agent's psutil collector was not running).")
+        return
+    if not p.empty:
+        st.subheader("Server process")
+        m = p.melt(id_vars=["t_s", "pid"], value_vars=["cpu_cores", "busiest_thread_cores", "busiest_thread_wait_ratio"],
+                   var_name="kind")
+        st.altair_chart(alt.Chart(m).mark_line().encode(
+            x="t_s:Q", y=alt.Y("value:Q", title="cores / share of time"), color="kind:N", strokeDash="pid:N",
+            tooltip=["t_s", "pid", "kind", "value"]), width="stretch")
+        explain("Good: the busiest thread well under 1.0 (one full core: a single Python thread is the limit) and "
+                "its run-queue wait near 0 (waiting means other work holds the CPU the engine wants).")
+        st.altair_chart(alt.Chart(p.assign(rss_gib=p["rss_bytes"] / 2**30)).mark_line().encode(
+            x="t_s:Q", y=alt.Y("rss_gib:Q", title="RSS, GiB"), strokeDash="pid:N",
+            tooltip=["t_s", "pid", "rss_gib", "open_fds", "threads"]), width="stretch")
+        explain("Good: resident memory flat under steady load; a steady climb is a leak suspicion.")
+    if not h.empty:
+        st.subheader("Host / container")
+        h = h.assign(cpu_busy=h["cpu_util_pct"] / 100, cpu_pressure=h["cpu_pressure_pct"] / 100)
+        m = h.melt(id_vars=["t_s"], value_vars=["cpu_busy", "load_per_cpu", "cpu_pressure", "throttled_ratio"],
+                   var_name="kind").dropna()
+        st.altair_chart(alt.Chart(m).mark_line().encode(
+            x="t_s:Q", y="value:Q", color="kind:N", tooltip=["t_s", "kind", "value"]), width="stretch")
+        explain("Good: CPU pressure (share of time a task waited for a CPU) and CFS throttling near 0, load per CPU "
+                "below 1; swap in/out none. Memory available: "
+                f"{gib(h['mem_available_bytes'].min())} at least of {gib(h['mem_total_bytes'].max())}.")
+    for f in found:
+        if f.get("id") in ("host-bound", "process-memory-growth"):
+            st.warning(f"{f['title']}: {f['suggestion']}")
 
 
 def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
@@ -307,7 +345,7 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
             "throughput and failures side by side.")
 
 
-RENDER = dict(zip(PAGES, (page_overview, page_phases, page_requests, page_kv, page_prefix, page_ranks, page_gpu,
+RENDER = dict(zip(PAGES, (page_overview, page_phases, page_requests, page_kv, page_prefix, page_ranks, page_hardware,
                           page_experiments)))
 
 

@@ -380,6 +380,72 @@ def gpu_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         ("t_s", "gpu_index", "util_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "xid_errors_total"))
 
 
+def _span_cte(run_id: str | None) -> tuple[str, list[Any]]:
+    """A CTE `span(lo, hi)`: the run's first and last step on wall time, ns."""
+    run = "" if run_id is None else " AND s.run_id = ?"
+    return (f"""span AS (SELECT min(t.ts_ns + s.wall_minus_mono_ns) AS lo, max(t.ts_ns + s.wall_minus_mono_ns) AS hi
+                      FROM steps t JOIN sources s USING (source_id) WHERE true{run})""",
+            [] if run_id is None else [run_id])
+
+
+# a run's server processes: the pids its probes' Hello named (process_samples.run_id), or a --pid
+# process (run_id '') whose pid a source of the run has
+RUN_PROCESS = """(p.run_id = $run OR (p.run_id = '' AND p.pid IN (SELECT pid FROM sources WHERE run_id = $run)))"""
+
+
+def process_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+                     bucket_s: float = 1.0) -> list[dict[str, Any]]:
+    """Per bucket and server process (within the run's span): its CPU in cores (user+system), the busiest
+    thread's cores and run-queue wait ratio, RSS and open fds at most, involuntary context switches per s."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be > 0")
+    span, params = _span_cte(run_id)
+    who = "" if run_id is None else " AND " + RUN_PROCESS.replace("$run", "?")
+    return _rows(con, f"""
+        WITH {span},
+             p AS (SELECT (p.ts_ns + s.wall_minus_mono_ns) AS w, p.* FROM process_samples p JOIN sources s USING (source_id)
+                   WHERE true{who}),
+             d AS (SELECT *, (cpu_user_s_total + cpu_system_s_total
+                              - lag(cpu_user_s_total + cpu_system_s_total) OVER (PARTITION BY pid ORDER BY w))
+                             / ((w - lag(w) OVER (PARTITION BY pid ORDER BY w)) / 1e9) AS cores,
+                             (ctx_involuntary_total - lag(ctx_involuntary_total) OVER (PARTITION BY pid ORDER BY w))
+                             / ((w - lag(w) OVER (PARTITION BY pid ORDER BY w)) / 1e9) AS invol_per_s
+                   FROM p)
+        SELECT floor((w - span.lo) / 1e9 / ?) * ? AS t_s, pid, avg(cores), avg(busiest_thread_cores),
+               avg(busiest_thread_wait_ratio), max(rss_bytes), max(open_fds), avg(invol_per_s), max(threads)
+        FROM d, span WHERE w BETWEEN span.lo - 5e9 AND span.hi + 5e9
+        GROUP BY 1, 2 ORDER BY 1, 2""", params + ([run_id, run_id] if run_id is not None else []) + [bucket_s, bucket_s],
+        ("t_s", "pid", "cpu_cores", "busiest_thread_cores", "busiest_thread_wait_ratio", "rss_bytes", "open_fds",
+         "involuntary_ctx_per_s", "threads"))
+
+
+def host_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+                  bucket_s: float = 1.0) -> list[dict[str, Any]]:
+    """Per bucket (within the run's span): host CPU busy %, load per CPU, memory available (min), swap in/out
+    bytes per s, CPU pressure %, and the share of cgroup CFS periods throttled."""
+    if bucket_s <= 0:
+        raise ValueError("bucket_s must be > 0")
+    span, params = _span_cte(run_id)
+    return _rows(con, f"""
+        WITH {span},
+             h AS (SELECT (h.ts_ns + s.wall_minus_mono_ns) AS w, h.* FROM host_samples h JOIN sources s USING (source_id)),
+             d AS (SELECT *, (w - lag(w) OVER (ORDER BY w)) / 1e9 AS dt,
+                          swap_in_bytes_total - lag(swap_in_bytes_total) OVER (ORDER BY w) AS d_in,
+                          swap_out_bytes_total - lag(swap_out_bytes_total) OVER (ORDER BY w) AS d_out,
+                          cgroup_periods_total - lag(cgroup_periods_total) OVER (ORDER BY w) AS d_periods,
+                          cgroup_throttled_periods_total - lag(cgroup_throttled_periods_total) OVER (ORDER BY w) AS d_thr
+                   FROM h)
+        SELECT floor((w - span.lo) / 1e9 / ?) * ? AS t_s, avg(cpu_util_pct), avg(load1 / nullif(cpu_count, 0)),
+               min(mem_available_bytes), max(mem_total_bytes), sum(d_in) / nullif(sum(dt), 0),
+               sum(d_out) / nullif(sum(dt), 0), avg(cpu_pressure_some_pct),
+               sum(d_thr) FILTER (WHERE cgroup_periods_total >= 0) / nullif(sum(d_periods) FILTER (WHERE cgroup_periods_total >= 0), 0),
+               any_value(cgroup_cpu_quota_cores)
+        FROM d, span WHERE w BETWEEN span.lo - 5e9 AND span.hi + 5e9
+        GROUP BY 1 ORDER BY 1""", params + [bucket_s, bucket_s],
+        ("t_s", "cpu_util_pct", "load_per_cpu", "mem_available_bytes", "mem_total_bytes", "swap_in_bytes_per_s",
+         "swap_out_bytes_per_s", "cpu_pressure_pct", "throttled_ratio", "cpu_quota_cores"))
+
+
 def run_span(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
     """Steps of the run and the seconds between its first and last step (the time-range filter's span)."""
     where, params = _run_filter(run_id)
@@ -442,6 +508,8 @@ QUERIES: dict[str, Any] = {
     "rank_kv": rank_kv,
     "rank_steps": rank_steps,
     "gpu_timeline": gpu_timeline,
+    "process_timeline": process_timeline,
+    "host_timeline": host_timeline,
     "run_compare": run_compare,
     "memory_budget": memory_budget,
     "run_span": run_span,

@@ -41,7 +41,8 @@ DAY_S = 86_400.0
 GIB = 1 << 30
 
 # raw tables (columns as in schema.TABLES) with a per-source monotonic ts_ns
-RAW_TABLES = ("steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples", "probe_health")
+RAW_TABLES = ("steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples", "probe_health",
+              "process_samples", "host_samples")
 
 _WALL = "(t.ts_ns + s.wall_minus_mono_ns)"
 _MINUTE = f"date_trunc('minute', make_timestamp({_WALL} // 1000))"

@@ -105,6 +105,41 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("labels", "VARCHAR", "other labels as k=v,k=v (le=... for histogram buckets)"),
         ("value", "DOUBLE", "sample value (counters are cumulative)"),
     ],
+    # host and server-process telemetry of the sidecar's psutil collector (agent/sidecar/host.py)
+    "process_samples": [
+        ("source_id", "INTEGER", "sources.source_id (0: the sidecar's own sampler)"),
+        ("ts_ns", "BIGINT", "sidecar monotonic time of the reading"),
+        ("pid", "INTEGER", "server process id (from the probes' Hello, or --pid)"),
+        ("run_id", "VARCHAR", "run whose Hello named the pid; empty for a --pid process"),
+        ("cpu_user_s_total", "DOUBLE", "CPU time in user mode since the process started, s"),
+        ("cpu_system_s_total", "DOUBLE", "CPU time in kernel mode since the process started, s"),
+        ("threads", "INTEGER", "threads of the process"),
+        ("busiest_tid", "INTEGER", "thread that used the most CPU since the previous sample"),
+        ("busiest_thread_cores", "DOUBLE", "its CPU time / wall time since the previous sample (1 = one core); NaN first"),
+        ("busiest_thread_wait_ratio", "DOUBLE",
+         "its run-queue wait / wall time since the previous sample (runnable without a CPU); NaN unreadable"),
+        ("rss_bytes", "BIGINT", "resident set size"),
+        ("open_fds", "INTEGER", "open file descriptors; -1 unreadable"),
+        ("ctx_voluntary_total", "BIGINT", "voluntary context switches (the process blocked)"),
+        ("ctx_involuntary_total", "BIGINT", "involuntary context switches (preempted)"),
+    ],
+    "host_samples": [
+        ("source_id", "INTEGER", "sources.source_id (0: the sidecar's own sampler)"),
+        ("ts_ns", "BIGINT", "sidecar monotonic time of the reading"),
+        ("cpu_count", "INTEGER", "logical CPUs of the host"),
+        ("cpu_util_pct", "REAL", "all CPUs busy since the previous sample, %; NaN first"),
+        ("load1", "REAL", "1-minute load average"),
+        ("mem_total_bytes", "BIGINT", "host memory total"),
+        ("mem_available_bytes", "BIGINT", "memory available without swapping"),
+        ("swap_used_bytes", "BIGINT", "swap in use"),
+        ("swap_in_bytes_total", "BIGINT", "bytes swapped in since boot"),
+        ("swap_out_bytes_total", "BIGINT", "bytes swapped out since boot"),
+        ("cpu_pressure_some_pct", "REAL", "PSI cpu some avg10 (% of time a task waited for a CPU); NaN unreadable"),
+        ("cgroup_cpu_quota_cores", "REAL", "container CPU limit in cores (cpu.max quota/period); NaN none/unreadable"),
+        ("cgroup_periods_total", "BIGINT", "CFS periods elapsed (cpu.stat nr_periods); -1 unreadable"),
+        ("cgroup_throttled_periods_total", "BIGINT", "periods throttled (cpu.stat nr_throttled); -1 unreadable"),
+        ("cgroup_throttled_s_total", "DOUBLE", "time throttled (cpu.stat throttled_usec), s; NaN unreadable"),
+    ],
 }
 
 # labels of a run (config key/values, model geometry, GPU): one row per (run_id, key), latest wins.
@@ -124,6 +159,8 @@ TABLE_OF_RECORD = {
     "GpuSample": "gpu_samples",
     "ProbeHealth": "probe_health",
     "ServerMetric": "server_metrics",
+    "ProcessSample": "process_samples",
+    "HostSample": "host_samples",
 }
 
 # Events of one request id that come after a later `arrival` of the same id belong to that

@@ -14,7 +14,7 @@ from phasescope.agent.read.reader import open_reader  # noqa: E402
 from phasescope.analyzers.diagnose import diagnose  # noqa: E402
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
-PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
+PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments")
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_requests_page_recomputes_slo_attainment_for_user_slos(stores, monkeypat
     assert att.value == "100.0%" and f"{finished} of {finished}" in att.delta
 
 
-def test_ranks_and_gpu_pages_on_a_two_rank_run(stores, monkeypatch):
+def test_ranks_and_hardware_pages_on_a_two_rank_run(stores, monkeypatch):
     at = _app(stores["two-rank"], monkeypatch)
     at.sidebar.radio(key="page").set_value("Ranks").run()
     assert not at.exception and not at.info  # two ranks: no "one rank" notice
@@ -98,7 +98,7 @@ def test_ranks_and_gpu_pages_on_a_two_rank_run(stores, monkeypatch):
         reader.close()
     assert [r["slowest_share"] for r in steps] == [0.0, 1.0]  # rank 1 is the straggler, every step
     assert max(r["imbalance"] for r in kv) > 0.1
-    at.sidebar.radio(key="page").set_value("GPU").run()
+    at.sidebar.radio(key="page").set_value("Hardware").run()
     assert not at.exception and not at.info  # NVML samples present: the budget bar, not the notice
     assert budget["gpu_total_bytes"] == int(141e9) and budget["gpu_used_bytes"] == int(120e9)
 

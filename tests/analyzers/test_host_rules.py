@@ -1,0 +1,128 @@
+"""host-bound and process-memory-growth: on the recorded fixtures (a real run made host-bound on purpose,
+and the healthy run) against independent computations over the same rows, and on stated records for the
+cases no CPU machine produces (launch-bound GPU steps, a CFS-throttled container, a leak)."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+
+import duckdb
+import pytest
+
+from phasescope.agent import events as ev
+from phasescope.agent.sidecar.store import Store
+from phasescope.analyzers.diagnose import diagnose
+from phasescope.analyzers.host import host_bound, process_memory_growth
+
+NS = 1_000_000_000
+
+
+def _busy_rows(con, run_id):
+    """(cores, wait) of the busiest thread per process sample within the run's steps, in plain Python."""
+    lo, hi = con.execute("SELECT min(t.ts_ns + s.wall_minus_mono_ns), max(t.ts_ns + s.wall_minus_mono_ns) "
+                         "FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ?", [run_id]).fetchone()
+    rows = con.execute("SELECT p.ts_ns + s.wall_minus_mono_ns, busiest_thread_cores, busiest_thread_wait_ratio "
+                       "FROM process_samples p JOIN sources s USING (source_id) WHERE p.run_id = ?",
+                       [run_id]).fetchall()
+    inside = [(c, w) for t, c, w in rows if lo <= t <= hi + NS]
+    busy = [(c, w) for c, w in inside if not math.isnan(c) and c + (0.0 if math.isnan(w) else w) >= 0.5]
+    return inside, busy
+
+
+def test_host_bound_fixture_fires_with_its_numbers(scenario):
+    con, run_id = scenario("host-bound")
+    (f,) = [f for f in diagnose(con, run_id) if f.id == "host-bound"]
+    inside, busy = _busy_rows(con, run_id)
+    with_wait = [(c, w) for c, w in busy if not math.isnan(w)]
+    wait = sum(w for _, w in with_wait) / sum(c + w for c, w in with_wait)
+    e = f.evidence
+    assert e["process_samples"] == len(inside) and e["busy_samples"] == len(busy)
+    assert e["cpu_wait_ratio"] == pytest.approx(wait)
+    assert e["busiest_thread_cores_p50"] == pytest.approx(statistics.median(c for c, _ in busy))
+    assert e["busy_share"] == pytest.approx(len(busy) / len(inside))
+    assert wait >= 0.5 and f.severity == "critical"  # two busy processes on the engine's one CPU: it waits most
+    assert e["cpu_starved"] and not e["launch_bound"] and e["gpu_timed_steps"] == 0  # a CPU run
+    assert f"{wait:.0%}" in f.suggestion and "more CPU for the pod" in f.suggestion
+    assert "tokenization" in f.suggestion
+    labels = dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ?", [run_id]).fetchall())
+    assert labels["contention_busy_processes"] == "2" and labels["contention_torch_threads"] == "1"
+
+
+def test_healthy_fixture_has_host_data_and_does_not_fire(scenario):
+    con, run_id = scenario("healthy")
+    inside, busy = _busy_rows(con, run_id)
+    assert len(inside) >= 20  # the run was sampled
+    assert con.execute("SELECT count(*) FROM host_samples").fetchone()[0] >= 20
+    assert len(busy) / len(inside) < 0.25  # an engine idle most of the run
+    assert host_bound(con, run_id) == []
+    assert process_memory_growth(con, run_id) == []
+
+
+# --- stated records ---------------------------------------------------------------
+
+def _store(tmp_path, steps=(), procs=(), hosts=()):
+    path = str(tmp_path / "h.duckdb")
+    st = Store(path)
+    wall = st.con.execute("SELECT wall_minus_mono_ns FROM sources WHERE source_id = 0").fetchone()[0]
+    sid = st.register_source(ev.Hello(0, wall, 4242, 0, 1, "run-h", "m", "module"))
+    if steps:
+        st.append([(sid, list(steps))])
+    st.append([(0, list(procs) + list(hosts))])
+    st.close()
+    return duckdb.connect(path, read_only=True)
+
+
+def _proc(i, cores=0.5, wait=0.0, rss=1 << 30, run="run-h"):
+    return ev.ProcessSample(i * NS, 4242, run, float(i), 0.0, 10, 7, cores, wait, rss, 30, 0, 0)
+
+
+def _host(i, periods=-1, throttled=-1):
+    return ev.HostSample(i * NS, 8, 50.0, 2.0, 64 << 30, 32 << 30, 0, 0, 0, 1.0, 2.0, periods, throttled,
+                         math.nan if periods < 0 else throttled * 0.01)
+
+
+def _steps(n, host_ms, gpu_ms):
+    return [ev.Step(i * NS // 2, i, 0, ev.PHASE_DECODE, 4, 0, 4, 100, host_ms, gpu_ms) for i in range(n)]
+
+
+def test_launch_bound_gpu_steps_fire(tmp_path):
+    con = _store(tmp_path, _steps(40, 6.0, 1.5), [_proc(i, cores=0.98) for i in range(21)])
+    (f,) = host_bound(con, "run-h")
+    e = f.evidence
+    assert e["launch_bound"] and not e["cpu_starved"]
+    assert e["host_gpu_ratio_p50"] == pytest.approx(4.0) and e["busiest_thread_cores_p50"] == pytest.approx(0.98)
+    assert "CUDA graphs" in f.suggestion and "--async-scheduling" in f.suggestion
+    assert "4.0x" in f.expected_effect
+    # the same steps with the engine thread at half a core: the GPU is not waiting on one saturated thread
+    os.makedirs(tmp_path / "b")
+    con2 = _store(tmp_path / "b", _steps(40, 6.0, 1.5), [_proc(i, cores=0.5) for i in range(21)])
+    assert host_bound(con2, "run-h") == []
+
+
+def test_throttled_container_fires(tmp_path):
+    hosts = [_host(i, periods=100 * i, throttled=40 * i) for i in range(21)]
+    con = _store(tmp_path, _steps(40, 20.0, math.nan), [_proc(i, cores=0.3) for i in range(21)], hosts)
+    (f,) = host_bound(con, "run-h")
+    assert f.evidence["cpu_throttled"] and f.evidence["throttled_ratio"] == pytest.approx(0.4)
+    assert f.evidence["cpu_quota_cores"] == 2.0
+    assert "CPU limit" in f.suggestion
+
+
+def test_memory_growth_slope(tmp_path):
+    mib = 1 << 20
+    procs = [_proc(i, rss=300 * mib + i * 20 * mib // 60) for i in range(0, 181)]  # +20 MiB/min for 3 min: +20%
+    con = _store(tmp_path, _steps(361, 5.0, math.nan), procs)
+    (f,) = process_memory_growth(con, "run-h")
+    assert f.evidence["slope_mib_per_min"] == pytest.approx(20.0, rel=1e-3)
+    assert f.evidence["r2"] > 0.99 and f.evidence["span_s"] == 180.0
+    assert "20.0 MiB/min" in f.title
+    flat = [_proc(i, rss=1000 * mib + (i % 2) * mib) for i in range(0, 181)]
+    os.makedirs(tmp_path / "flat")
+    assert process_memory_growth(_store(tmp_path / "flat", _steps(361, 5.0, math.nan), flat), "run-h") == []
+
+
+def test_no_host_samples_is_silent(scenario):
+    con, run_id = scenario("prefill-interference")  # recorded before the host collector existed
+    assert host_bound(con, run_id) == [] and process_memory_growth(con, run_id) == []
