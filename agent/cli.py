@@ -101,7 +101,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
         sinks.append(OtlpExporter(registry=registry, export_interval_s=args.otlp_interval_s))
     nvml = NvmlCollector()
-    host = HostCollector(pids=args.pid or ())  # + the pid of every probe's Hello (it is a sink too)
+    host = HostCollector(pids=args.pid or (), batch=5)  # + every probe's Hello pid (it is a sink too)
     sinks.append(host)
     if not args.no_metrics:
         from phasescope.exporters.host_metrics import HostMetricsExporter

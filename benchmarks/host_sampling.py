@@ -9,7 +9,7 @@ machine) watching a server-like process with `--threads` busy threads. Reports
 - sidecar_cpu_pct_of_core: the whole sidecar process's CPU (user + system) / wall time, with and
   without the collector, and the increment (sampling + storing the rows).
 
-    python benchmarks/host_sampling.py --seconds 30 --interval 1 --threads 16 --out benchmarks/results/x.json
+    python benchmarks/host_sampling.py --seconds 60 --interval 1 --threads 16 --batch 5 --out benchmarks/results/x.json
 """
 
 from __future__ import annotations
@@ -77,13 +77,14 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=16, help="threads of the watched server process")
+    p.add_argument("--batch", type=int, default=5, help="HostCollector batch (the agent's: 5)")
     p.add_argument("--out", help="write the JSON result here")
     args = p.parse_args()
     server = subprocess.Popen([sys.executable, "-c", SERVER.format(n=args.threads)])
     try:
         time.sleep(1.0)
         base = run(args.seconds, args.interval, [], [])
-        host = HostCollector(pids=[server.pid])
+        host = HostCollector(pids=[server.pid], batch=args.batch)
         timed = Timed(host)
         with_host = run(args.seconds, args.interval, [timed, NvmlCollector()], [host])
     finally:
@@ -91,7 +92,7 @@ def main() -> int:
         server.wait()
     wall = with_host["wall_s"]
     result = {
-        "interval_s": args.interval, "seconds": args.seconds, "watched_threads": args.threads + 1,
+        "interval_s": args.interval, "batch": args.batch, "seconds": args.seconds, "watched_threads": args.threads + 1,
         "samples": timed.calls, "records": timed.records,
         "collector_cpu_s": timed.cpu_s, "collector_cpu_ms_per_sample": 1e3 * timed.cpu_s / max(timed.calls, 1),
         "collector_cpu_pct_of_core": 100.0 * timed.cpu_s / wall,

@@ -52,10 +52,18 @@ class HostCollector:
 
     def __init__(self, psutil: Any = None, clock_ns: Callable[[], int] = time.monotonic_ns,
                  pids: Iterable[int] = (), proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup",
-                 host: bool = True) -> None:
+                 host: bool = True, batch: int = 1) -> None:
+        """`batch`: hand the samples over (to the store and the sinks) every `batch` samples: each handover
+        costs the store one INSERT per table (~3 ms of CPU), so the agent samples every second and stores
+        every 5 (the samples of the last batch before a stop are not stored)."""
         pids = [int(p) for p in pids]
         if any(p <= 0 for p in pids):
             raise ValueError("pids must be > 0")
+        if batch < 1:
+            raise ValueError("batch must be >= 1")
+        self.batch = batch
+        self._pending: list[Record] = []
+        self._pending_samples = 0
         self._psutil = psutil
         self._clock_ns = clock_ns
         self.proc_root = proc_root
@@ -115,6 +123,13 @@ class HostCollector:
             rec = self._process(pid, run_id)
             if rec is not None:
                 out.append(rec)
+        if self.batch == 1:
+            return out
+        self._pending.extend(out)
+        self._pending_samples += 1
+        if self._pending_samples < self.batch:
+            return []
+        out, self._pending, self._pending_samples = self._pending, [], 0
         return out
 
     def _host(self) -> HostSample:

@@ -279,3 +279,14 @@ def test_sidecar_stores_samples_of_a_probe_pid(tmp_path):
         assert "run-queue" in doc
     finally:
         con.close()
+
+
+def test_batch_hands_samples_over_every_n(fake):
+    c, ps, clock, _, _ = fake
+    c.batch = 3
+    assert c.sample() == [] and c.sample() == []
+    out = c.sample()
+    assert [type(r).__name__ for r in out] == ["HostSample", "ProcessSample"] * 3
+    assert c.sample() == []
+    with pytest.raises(ValueError):
+        HostCollector(psutil=ps, batch=0)
