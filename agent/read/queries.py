@@ -411,8 +411,10 @@ def process_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
                              (ctx_involuntary_total - lag(ctx_involuntary_total) OVER (PARTITION BY pid ORDER BY w))
                              / ((w - lag(w) OVER (PARTITION BY pid ORDER BY w)) / 1e9) AS invol_per_s
                    FROM p)
-        SELECT floor((w - span.lo) / 1e9 / ?) * ? AS t_s, pid, avg(cores), avg(busiest_thread_cores),
-               avg(busiest_thread_wait_ratio), max(rss_bytes), max(open_fds), avg(invol_per_s), max(threads)
+        SELECT floor((w - span.lo) / 1e9 / ?) * ? AS t_s, pid, avg(cores),
+               avg(busiest_thread_cores) FILTER (WHERE NOT isnan(busiest_thread_cores)),
+               avg(busiest_thread_wait_ratio) FILTER (WHERE NOT isnan(busiest_thread_wait_ratio)),
+               max(rss_bytes), max(open_fds), avg(invol_per_s), max(threads)
         FROM d, span WHERE w BETWEEN span.lo - 5e9 AND span.hi + 5e9
         GROUP BY 1, 2 ORDER BY 1, 2""", params + ([run_id, run_id] if run_id is not None else []) + [bucket_s, bucket_s],
         ("t_s", "pid", "cpu_cores", "busiest_thread_cores", "busiest_thread_wait_ratio", "rss_bytes", "open_fds",
@@ -435,11 +437,12 @@ def host_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
                           cgroup_periods_total - lag(cgroup_periods_total) OVER (ORDER BY w) AS d_periods,
                           cgroup_throttled_periods_total - lag(cgroup_throttled_periods_total) OVER (ORDER BY w) AS d_thr
                    FROM h)
-        SELECT floor((w - span.lo) / 1e9 / ?) * ? AS t_s, avg(cpu_util_pct), avg(load1 / nullif(cpu_count, 0)),
+        SELECT floor((w - span.lo) / 1e9 / ?) * ? AS t_s, avg(cpu_util_pct) FILTER (WHERE NOT isnan(cpu_util_pct)),
+               avg(load1 / nullif(cpu_count, 0)),
                min(mem_available_bytes), max(mem_total_bytes), sum(d_in) / nullif(sum(dt), 0),
-               sum(d_out) / nullif(sum(dt), 0), avg(cpu_pressure_some_pct),
+               sum(d_out) / nullif(sum(dt), 0), avg(cpu_pressure_some_pct) FILTER (WHERE NOT isnan(cpu_pressure_some_pct)),
                sum(d_thr) FILTER (WHERE cgroup_periods_total >= 0) / nullif(sum(d_periods) FILTER (WHERE cgroup_periods_total >= 0), 0),
-               any_value(cgroup_cpu_quota_cores)
+               any_value(cgroup_cpu_quota_cores) FILTER (WHERE NOT isnan(cgroup_cpu_quota_cores))
         FROM d, span WHERE w BETWEEN span.lo - 5e9 AND span.hi + 5e9
         GROUP BY 1 ORDER BY 1""", params + [bucket_s, bucket_s],
         ("t_s", "cpu_util_pct", "load_per_cpu", "mem_available_bytes", "mem_total_bytes", "swap_in_bytes_per_s",

@@ -126,3 +126,17 @@ def test_memory_growth_slope(tmp_path):
 def test_no_host_samples_is_silent(scenario):
     con, run_id = scenario("prefill-interference")  # recorded before the host collector existed
     assert host_bound(con, run_id) == [] and process_memory_growth(con, run_id) == []
+
+
+def test_named_queries_over_the_fixture(scenario):
+    from phasescope.agent.read.queries import QUERIES, host_timeline, process_timeline
+
+    con, run_id = scenario("host-bound")
+    assert {"process_timeline", "host_timeline"} <= set(QUERIES)
+    p = process_timeline(con, run_id, bucket_s=1e6)  # one bucket: the whole run
+    (row,) = p
+    inside, busy = _busy_rows(con, run_id)
+    assert row["rss_bytes"] == con.execute("SELECT max(rss_bytes) FROM process_samples").fetchone()[0]
+    assert 0.0 < row["busiest_thread_cores"] < 1.0 and row["busiest_thread_wait_ratio"] > 0.3
+    (h,) = host_timeline(con, run_id, bucket_s=1e6)
+    assert 0.0 <= h["cpu_util_pct"] <= 100.0 and h["mem_total_bytes"] > 0

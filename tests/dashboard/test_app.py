@@ -110,3 +110,15 @@ def test_experiments_page_names_the_setting_that_differs(stores, monkeypatch):
     differ = at.dataframe[1].value
     assert list(differ.index) == ["num_pages"]
     assert sorted(differ.loc["num_pages"].tolist()) == ["48", "96"]
+
+
+def test_hardware_page_shows_the_host_and_the_server_process(stores, monkeypatch):
+    at = _app(stores["scenario:host-bound"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Hardware").run()
+    assert not at.exception
+    heads = [h.value for h in at.subheader]
+    assert "Server process" in heads and "Host / container" in heads
+    assert any("bound by the host CPU" in w.value for w in at.warning)  # the host-bound finding, with its advice
+    at = _app(stores["scenario:healthy"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Hardware").run()
+    assert not at.exception and "Server process" in [h.value for h in at.subheader] and not at.warning
