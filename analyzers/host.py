@@ -157,7 +157,7 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
         evidence=e,
         suggestion=" ".join(advice) + " Evidence: " + "; ".join(why) + ".",
         expected_effect=effect,
-        reference=ref("Two species: prefill and decode" if launch_bound else "System level"),
+        reference=ref("Host"),
         run_id=run_id,
         thresholds={"min_host_gpu_ratio": min_host_gpu_ratio, "min_busy_thread_cores": min_busy_thread_cores,
                     "min_cpu_wait_ratio": min_cpu_wait_ratio, "min_throttled_ratio": min_throttled_ratio,
@@ -199,7 +199,7 @@ def process_memory_growth(con, run_id: str, *, min_rss_growth_mib_per_min: float
                         "until fixed."),
             expected_effect=(f"At this rate the process doubles in ~{_num(hours_to_double)} h; with the leak fixed "
                              "memory stays flat and the pod is not OOM-killed mid-traffic."),
-            reference=ref("Lessons from production"),
+            reference=ref("Host"),
             run_id=run_id,
             thresholds={"min_rss_growth_mib_per_min": min_rss_growth_mib_per_min, "min_rss_growth_ratio": min_rss_growth_ratio,
                         "min_rss_r2": min_rss_r2, "min_rss_span_s": min_rss_span_s}))
