@@ -141,6 +141,9 @@ class ProbeHealth(NamedTuple):
     frames_sent_total: int
     send_failures_total: int
     gpu_unsampled_total: int
+    gpu_timed_total: int = 0  # steps timed with CUDA events (sampled under the probe's budget)
+    gpu_sample_rate: float = 1.0  # timed steps / steps so far (1.0 on CPU: host time only)
+    captured_total: int = 0  # forwards/steps inside a CUDA-graph capture (never recorded as steps)
 
 
 class RunLabel(NamedTuple):
@@ -172,7 +175,7 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     4: (KVSnapshot, struct.Struct("<qHIIIIIIQIQIQQQ12s")),
     5: (PrefixCounters, struct.Struct("<qHQQQQ")),
     6: (GpuSample, struct.Struct("<qHfQQfffQ")),
-    7: (ProbeHealth, struct.Struct("<qHIQQQQQQ")),
+    7: (ProbeHealth, struct.Struct("<qHIQQQQQQQdQ")),
     8: (RunLabel, struct.Struct("<q32s96s")),
     9: (ServerMetric, struct.Struct("<qH64s64sd")),
 }

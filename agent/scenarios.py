@@ -327,7 +327,8 @@ def load(scenario_dir: str, db_path: str) -> str:
         for t in TABLES:
             path = os.path.join(scenario_dir, f"{t}.parquet")
             if os.path.exists(path):
-                con.execute(f"INSERT INTO {t} SELECT * FROM read_parquet(?)", [path])
+                # by name: columns added since the fixture was recorded take their defaults
+                con.execute(f"INSERT INTO {t} BY NAME SELECT * FROM read_parquet(?)", [path])
         con.execute("CHECKPOINT")
     finally:
         con.close()

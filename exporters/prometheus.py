@@ -314,6 +314,15 @@ class _SnapshotCollector(Collector):
              "send_failures_total"),
             (CounterMetricFamily("phasescope_probe_gpu_unsampled_steps", "Steps without a GPU time.",
                                  labels=labels), "gpu_unsampled_total"),
+            (CounterMetricFamily("phasescope_probe_gpu_timed_steps",
+                                 "Steps timed with CUDA events (sampled under the probe's host-cost budget).",
+                                 labels=labels), "gpu_timed_total"),
+            (GaugeMetricFamily("phasescope_probe_gpu_sample_ratio",
+                               "Fraction of steps timed with CUDA events (1 on CPU: host time only).",
+                               labels=labels), "gpu_sample_rate"),
+            (CounterMetricFamily("phasescope_probe_captured_forwards",
+                                 "Forwards inside a CUDA-graph capture (not recorded as steps).",
+                                 labels=labels), "captured_total"),
         ]
         yield from _per_model_rank(fams, rows)
 

@@ -78,3 +78,10 @@ def classify_packed(cu_q: Sequence[int], cu_k: Sequence[int] | None) -> StepShap
     else:
         phase = PHASE_DECODE
     return StepShape(phase, seqs, prefill_tok, decode_tok, context)
+
+
+def phase_of(prefill_tokens: int, decode_tokens: int) -> int:
+    """The phase of a step computing these token counts (a runtime adapter's batch)."""
+    if prefill_tokens > 0:
+        return PHASE_MIXED if decode_tokens > 0 else PHASE_PREFILL
+    return PHASE_DECODE if decode_tokens > 0 else PHASE_IDLE

@@ -92,11 +92,13 @@ def probe_health(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> d
                 SELECT h.*, row_number() OVER (PARTITION BY h.source_id ORDER BY h.ts_ns DESC) AS rn
                 FROM probe_health h JOIN sources s USING (source_id) WHERE true {where})
             SELECT coalesce(sum(records_total), 0), coalesce(sum(dropped_total), 0),
-                   coalesce(sum(errors_total), 0), coalesce(sum(gpu_unsampled_total), 0)
+                   coalesce(sum(errors_total), 0), coalesce(sum(gpu_unsampled_total), 0),
+                   coalesce(sum(gpu_timed_total), 0), min(gpu_sample_rate), coalesce(sum(captured_total), 0)
             FROM last WHERE rn = 1""",
         params,
     ).fetchone()
-    return dict(zip(("records_total", "dropped_total", "errors_total", "gpu_unsampled_total"), row))
+    return dict(zip(("records_total", "dropped_total", "errors_total", "gpu_unsampled_total", "gpu_timed_total",
+                     "gpu_sample_rate_min", "captured_total"), row))
 
 
 def kv_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> list[dict[str, Any]]:

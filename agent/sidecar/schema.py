@@ -96,6 +96,9 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("frames_sent_total", "BIGINT", "frames delivered to the socket"),
         ("send_failures_total", "BIGINT", "failed sends (connection lost)"),
         ("gpu_unsampled_total", "BIGINT", "steps left untimed (event pool empty)"),
+        ("gpu_timed_total", "BIGINT", "steps timed with CUDA events (sampled under the probe's host-cost budget)"),
+        ("gpu_sample_rate", "DOUBLE", "timed steps / steps so far (1.0 on CPU, where only host time exists)"),
+        ("captured_total", "BIGINT", "forwards inside a CUDA-graph capture (not steps; not recorded)"),
     ],
     "server_metrics": [
         ("source_id", "INTEGER", "sources.source_id (the scraper's or the vLLM frontend's)"),

@@ -34,7 +34,7 @@ STRATEGIES = {
                              u64, text(12)),
     ev.PrefixCounters: st.builds(ev.PrefixCounters, i64, u16, u64, u64, u64, u64),
     ev.GpuSample: st.builds(ev.GpuSample, i64, u16, f32, u64, u64, f32, f32, f32, u64),
-    ev.ProbeHealth: st.builds(ev.ProbeHealth, i64, u16, u32, u64, u64, u64, u64, u64, u64),
+    ev.ProbeHealth: st.builds(ev.ProbeHealth, i64, u16, u32, u64, u64, u64, u64, u64, u64, u64, f64, u64),
     ev.RunLabel: st.builds(ev.RunLabel, i64, text(32), text(96)),
     ev.ServerMetric: st.builds(ev.ServerMetric, i64, u16, text(64), text(64), f64),
 }

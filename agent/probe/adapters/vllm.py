@@ -79,13 +79,19 @@ def run_id() -> str:
     return rid[:16]
 
 
-def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str, str]) -> Probe:
-    """This process's probe for `role` ("engine", "worker", "frontend"), made once."""
+def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str, str], device: Any = None) -> Probe:
+    """This process's probe for `role` ("engine", "worker", "frontend"), made once.
+
+    A worker's probe on a CUDA `device` times the steps it is handed (`begin_step`/`end_step`)
+    with sampled CUDA events, capture-safe (see probe.cuda_timing).
+    """
     with _STATE_LOCK:
         p = _CHANNELS.get(role)
         if p is None:
+            cuda = getattr(device, "type", "") == "cuda"
             p = Probe(_NoModule(), rank=rank, world_size=max(world_size, rank + 1), run_id=run_id(),
-                      model_name=model, runtime=f"{RUNTIME}-{role}"[:16], cuda_timing=False, labels=labels)
+                      model_name=model, runtime=f"{RUNTIME}-{role}"[:16], cuda_timing=cuda,
+                      device=device if cuda else None, labels=labels)
             if not _CHANNELS:
                 atexit.register(close_channels)
             _CHANNELS[role] = p
@@ -537,38 +543,42 @@ class FrontendHooks:
 # --- workers: per-rank step time --------------------------------------------------
 
 class WorkerHooks:
-    """Instance wrappers on one vLLM `Worker` (one TP rank): one Step per engine step."""
+    """Instance wrappers on one vLLM `Worker` (one TP rank): one Step per engine step.
+
+    A step is `execute_model` + `sample_tokens`, timed by the worker's probe with
+    `begin_step`/`end_step` around them: host time always, CUDA events (sampled under the
+    probe's budget, recorded outside any graph) on GPU, so steps that replay full CUDA
+    graphs are timed too. Token counts come from the SchedulerOutput, never from padded
+    graph inputs.
+    """
 
     def __init__(self, worker: Any) -> None:
         cfg = worker.vllm_config
         tp, pp, dp_rank = _ranks(cfg)
         self.rank = dp_rank * tp * pp + int(getattr(worker, "rank", 0) or 0) % (tp * pp)
         labels = config_labels(cfg)
-        self.probe = channel("worker", self.rank, tp * pp * max(1, int(labels.get("dp", "1"))),
-                             _model_name(cfg), labels)
-        self.step_id = 0
-        self.prompt_len: dict[str, int] = {}
-        self._open: tuple | None = None  # (mono_ns, t0_ns, exec_ns, shape, slot)
-        self._pool = None
-        self._pending: collections.deque = collections.deque()
-        self._torch = None
+        device = None
         try:
             import torch
 
             dev = getattr(worker, "device", None)
             if getattr(dev, "type", "") == "cuda" and torch.cuda.is_available():
-                from ..cuda_timing import EventPool
-
-                self._torch = torch
-                self._pool = EventPool(dev, 256)
-                threading.Thread(target=self._poll_loop, name="phasescope-vllm-poll", daemon=True).start()
+                device = dev
         except Exception as exc:  # noqa: BLE001 - no CUDA timing, host time only
             _fail("cuda_events", exc)
-            self._pool = None
+        self.probe = channel("worker", self.rank, tp * pp * max(1, int(labels.get("dp", "1"))),
+                             _model_name(cfg), labels, device=device)
+        self.prompt_len: dict[str, int] = {}
+        self._open = False  # a step is open (begin_step called, end_step not yet)
         self._label_weights(worker, tp * pp)
         ref = lambda: self.probe  # noqa: E731
         wrap(worker, "execute_model", self._after_execute, ref, before=self._before_execute)
         wrap(worker, "sample_tokens", self._after_sample, ref)
+
+    @property
+    def step_id(self) -> int:
+        """Steps this worker has recorded (the engine's step ids: identical on every rank)."""
+        return self.probe.steps
 
     def _label_weights(self, worker: Any, ranks: int) -> None:
         """Weight bytes/params (whole model at one rank; per rank otherwise) and the GPU's name."""
@@ -612,57 +622,21 @@ class WorkerHooks:
         self._close_open(None)  # a step whose sample_tokens never came
         if getattr(so, "total_num_scheduled_tokens", 0) <= 0:
             return None
-        shape = self.shape(so)
-        slot = None
-        if self._pool is not None and not self._torch.cuda.is_current_stream_capturing():
-            slot = self._pool.take()
-            if slot is None:
-                self.probe.gpu_unsampled += 1
-            else:
-                slot.start.record()
-        self._open = [time.monotonic_ns(), time.perf_counter_ns(), 0, shape, slot]
+        self.probe.begin_step(*self.shape(so))
+        self._open = True
         return None
 
     def _after_execute(self, result: Any, *a: Any, **k: Any) -> None:
-        if self._open is None:
-            return
-        self._open[2] = time.perf_counter_ns() - self._open[1]
         if result is not None:  # no sample_tokens half for this step
             self._close_open(None)
 
     def _after_sample(self, result: Any, *a: Any, **k: Any) -> None:
-        if self._open is None:
-            return
-        self._open[2] = time.perf_counter_ns() - self._open[1]
         self._close_open(None)
 
     def _close_open(self, _: Any) -> None:
-        opened, self._open = self._open, None
-        if opened is None:
-            return
-        mono, _t0, host_ns, s, slot = opened
-        sid = self.step_id
-        self.step_id += 1
-        if slot is None:
-            self.probe.emit(Step(mono, sid, self.rank, s[0], s[1], s[2], s[3], s[4], host_ns / 1e6, NAN))
-        else:
-            slot.end.record()
-            self._pending.append((mono, sid, host_ns / 1e6, s, slot))
-
-    def _poll_loop(self) -> None:
-        pending, pool = self._pending, self._pool
-        while True:
-            try:
-                while pending and pending[0][4].end.query():
-                    mono, sid, host_ms, s, slot = pending.popleft()
-                    gpu_ms = slot.start.elapsed_time(slot.end)
-                    pool.give(slot)
-                    self.probe.emit(Step(mono, sid, self.rank, s[0], s[1], s[2], s[3], s[4], host_ms, gpu_ms))
-            except Exception as exc:  # noqa: BLE001
-                if pending:
-                    pool.give(pending.popleft()[4])
-                self.probe._error(exc)
-            time.sleep(0.002)
+        if self._open:
+            self._open = False
+            self.probe.end_step()
 
 
 # --- install: catch the first Scheduler and Worker ------------------------------------

@@ -1,0 +1,137 @@
+"""Which steps get CUDA-event timing: a host-cost budget, sampled uniformly within each phase.
+
+Every step keeps its host timestamps. Timing a step on the GPU costs more host time
+(two event records on the host thread, a query and an elapsed-time read on the
+poller thread, which holds the GIL meanwhile). The sampler keeps the probe's
+average host cost per step under `budget` (a fraction, default 0.5%) of the step
+period it measures, per phase:
+
+    rate[p] = clamp((budget * period_us[p] - untimed_cost_us) / extra_cost_us, min_rate, 1)
+
+where `period_us[p]` is the mean time between the starts of consecutive steps of
+phase p, `untimed_cost_us` the probe's measured cost of an untimed step (its hook
+bodies) and `extra_cost_us` what timing adds (hook bodies on timed steps plus the
+poller's work per event). Decisions are Bernoulli draws at `rate[p]` from a private
+PRNG, independent of the step's duration: within a phase every step has the same
+chance, so per-phase means over the timed steps are unbiased estimates of the
+phase's GPU time. `min_rate` keeps a trickle of timed steps when even an untimed
+step costs more than the budget.
+
+Lock-free by construction: the host thread only adds to its own accumulators
+(`account_*`); `update()` (the flush thread) reads them and keeps the previous
+readings to take differences, so nothing is ever reset under the host's feet.
+"""
+
+from __future__ import annotations
+
+import random
+
+N_PHASES = 4  # events.PHASES
+# gaps between steps longer than this are idle time, not a step period
+MAX_PERIOD_NS = 1_000_000_000
+# a first guess of what timing a step adds (us), until measured
+INITIAL_EXTRA_US = 20.0
+
+
+class BudgetSampler:
+    """Per-phase sampling rates for CUDA-event timing under a host-cost budget.
+
+    `budget` is a fraction of the step period (0.005 = 0.5%); `budget=None`
+    times every step (rate 1). `smoothing` weights each new window's estimate.
+    """
+
+    __slots__ = ("budget", "min_rate", "smoothing", "rates", "draw", "period_ns", "period_n",
+                 "untimed_ns", "untimed_n", "timed_ns", "timed_n", "poll_ns", "poll_n",
+                 "_last", "est_period_us", "est_untimed_us", "est_extra_us", "timed_total", "steps_total")
+
+    def __init__(self, budget: float | None = 0.005, min_rate: float = 0.001, seed: int | None = None,
+                 smoothing: float = 0.3) -> None:
+        if budget is not None and not (0 < budget <= 1):
+            raise ValueError("gpu_budget must be within (0, 1] (a fraction of the step time), or None")
+        if not (0 < min_rate <= 1):
+            raise ValueError("min_rate must be within (0, 1]")
+        self.budget = budget
+        self.min_rate = min_rate
+        self.smoothing = smoothing
+        self.rates = [1.0] * N_PHASES  # read by the host thread on every step
+        self.draw = random.Random(seed).random
+        # accumulators: written by the host thread (period, hook costs) and the poller (poll costs)
+        self.period_ns = [0] * N_PHASES
+        self.period_n = [0] * N_PHASES
+        self.untimed_ns = self.untimed_n = 0
+        self.timed_ns = self.timed_n = 0
+        self.poll_ns = self.poll_n = 0
+        self.timed_total = self.steps_total = 0
+        self._last: tuple = ()
+        self.est_period_us: list[float | None] = [None] * N_PHASES
+        self.est_untimed_us: float | None = None
+        self.est_extra_us: float | None = None
+
+    # --- host thread ------------------------------------------------------
+
+    def take(self, phase: int) -> bool:
+        """Whether this step of `phase` gets CUDA-event timing."""
+        return self.draw() < self.rates[phase]
+
+    def account(self, phase: int, period_ns: int, cost_ns: int, timed: bool) -> None:
+        """One finished step: time since the previous step's start (ns), the probe's cost (ns)."""
+        if 0 < period_ns < MAX_PERIOD_NS:
+            self.period_ns[phase] += period_ns
+            self.period_n[phase] += 1
+        self.steps_total += 1
+        if timed:
+            self.timed_ns += cost_ns
+            self.timed_n += 1
+            self.timed_total += 1
+        else:
+            self.untimed_ns += cost_ns
+            self.untimed_n += 1
+
+    # --- poller thread ----------------------------------------------------
+
+    def account_poll(self, cost_ns: int) -> None:
+        """The poller's host time for completing one timed step (ns)."""
+        self.poll_ns += cost_ns
+        self.poll_n += 1
+
+    # --- flush thread -----------------------------------------------------
+
+    def update(self) -> list[float]:
+        """Fold the accumulators since the last call into the estimates and new rates."""
+        now = (tuple(self.period_ns), tuple(self.period_n), self.untimed_ns, self.untimed_n,
+               self.timed_ns, self.timed_n, self.poll_ns, self.poll_n)
+        last = self._last or (
+            (0,) * N_PHASES, (0,) * N_PHASES, 0, 0, 0, 0, 0, 0)
+        self._last = now
+        a = self.smoothing
+
+        def mix(old: float | None, new: float) -> float:
+            return new if old is None else (1 - a) * old + a * new
+
+        for p in range(N_PHASES):
+            dn = now[1][p] - last[1][p]
+            if dn > 0:
+                self.est_period_us[p] = mix(self.est_period_us[p], (now[0][p] - last[0][p]) / dn / 1e3)
+        d_un = now[3] - last[3]
+        if d_un > 0:
+            self.est_untimed_us = mix(self.est_untimed_us, (now[2] - last[2]) / d_un / 1e3)
+        d_tn, d_pn = now[5] - last[5], now[7] - last[7]
+        if d_tn > 0:
+            hook_us = (now[4] - last[4]) / d_tn / 1e3
+            poll_us = (now[6] - last[6]) / d_pn / 1e3 if d_pn > 0 else 0.0
+            untimed = self.est_untimed_us if self.est_untimed_us is not None else 0.0
+            self.est_extra_us = mix(self.est_extra_us, max(hook_us + poll_us - untimed, 0.1))
+        if self.budget is None:
+            return self.rates
+        untimed = self.est_untimed_us or 0.0
+        for p in range(N_PHASES):
+            period = self.est_period_us[p]
+            if period is None:
+                continue
+            rate = (self.budget * period - untimed) / (self.est_extra_us or INITIAL_EXTRA_US)
+            self.rates[p] = min(1.0, max(self.min_rate, rate))
+        return self.rates
+
+    def overall_rate(self) -> float:
+        """Timed steps / steps so far (1.0 before the first step)."""
+        return self.timed_total / self.steps_total if self.steps_total else 1.0
