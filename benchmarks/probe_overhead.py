@@ -85,13 +85,15 @@ def hook_cost_us(model, ids, mask, device, iters: int) -> tuple[float, float]:
     out = {}
     for timing in (True, False):
         probe = attach(model, connect=False, cuda_timing=timing, buffer_records=1 << 16)
+        pre = next(iter(model._forward_pre_hooks.values()))
+        post = next(iter(model._forward_hooks.values()))
         try:
             samples = []
             for _ in range(7):
                 t0 = time.perf_counter_ns()
-                for _ in range(iters):
-                    probe._pre_hook(model, (), kw)
-                    probe._post_hook(model, (), kw, None)
+                for _ in range(iters):  # the registered hooks: compiler-disabled wrappers included
+                    pre(model, (), kw)
+                    post(model, (), kw, None)
                 samples.append((time.perf_counter_ns() - t0) / iters / 1e3)
                 probe.flush(10)
         finally:
@@ -99,6 +101,13 @@ def hook_cost_us(model, ids, mask, device, iters: int) -> tuple[float, float]:
         out[timing] = statistics.median(samples)
     sync(device)
     return out[True], out[False]
+
+
+def _t975(n: int) -> float:
+    """Student t quantile 0.975 for n samples (n-1 degrees of freedom)."""
+    table = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20,
+             13: 2.18, 14: 2.16, 15: 2.14, 16: 2.13, 17: 2.12, 18: 2.11, 19: 2.10, 20: 2.09, 25: 2.06, 30: 2.05}
+    return table.get(n, 1.96 if n > 30 else table[min(k for k in table if k >= n)])
 
 
 def main() -> None:
@@ -148,7 +157,10 @@ def main() -> None:
             [s.prefill_tokens + s.decode_tokens for s in ss]),
             gpu_ms_p50=statistics.median(gpu) if gpu else None, gpu_timed=len(gpu),
             host_ms_p50=statistics.median(s.host_ms for s in ss)))
-    res = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", model=name,
+    pairs = [p / b - 1 for p, b in zip(probed, base)]
+    mean = statistics.fmean(pairs)
+    half = (_t975(len(pairs)) * statistics.stdev(pairs) / math.sqrt(len(pairs))) if len(pairs) > 1 else math.inf
+    res = dict(overhead_pct_mean=100 * mean, overhead_pct_ci95_halfwidth=100 * half, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", model=name,
                params=params, batch=args.batch, new_tokens=args.new_tokens, rounds=args.rounds,
                generate_s_without=statistics.median(base), generate_s_with=statistics.median(probed),
                ratio=statistics.median(probed) / statistics.median(base),
@@ -163,6 +175,7 @@ def main() -> None:
               f"{r['host_ms_p50']:>12.3f}")
     print(f"generate wall, median: without probe {res['generate_s_without'] * 1e3:.1f} ms, with probe "
           f"{res['generate_s_with'] * 1e3:.1f} ms, ratio {res['ratio']:.4f}")
+    print(f"overhead (paired rounds): {100 * mean:+.3f}% +- {100 * half:.3f}% (95% interval, t, {len(pairs)} pairs)")
     print(f"probe cost per step (pre+post hooks, median): {with_t:.1f} us with CUDA events, "
           f"{without_t:.1f} us host-only")
     print(f"tokens with probe == without: {tokens_equal} (baseline run-to-run identical: {baseline_deterministic})")

@@ -327,7 +327,7 @@ class Probe:
             self._sender.failures if self._sender else 0,
             self.gpu_unsampled,
             self.sampler.timed_total,
-            self.sampler.overall_rate(),
+            self.sampler.overall_rate() if self._pool is not None else 1.0,
             self.captured,
         )
 
