@@ -27,7 +27,7 @@ def test_cuda_steps_are_event_timed_with_exact_counts(cuda_llama):
     ids = torch.tensor([[0, 0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [0, 0, 9, 9, 9, 9, 9]], device="cuda")
     mask = (ids != 0).long()
     got: list[Step] = []
-    with attach(cuda_llama, sink=lambda recs: got.extend(r for r in recs if type(r) is Step)) as probe:
+    with attach(cuda_llama, sink=lambda recs: got.extend(r for r in recs if type(r) is Step), gpu_budget=None) as probe:
         cuda_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                             eos_token_id=None)
     assert probe.errors == 0 and probe.gpu_unsampled == 0
@@ -71,7 +71,7 @@ def test_continuous_batching_on_cuda_exact_counts_and_event_timing(cuda_llama):
     from phasescope.agent.events import KVSnapshot, PrefixCounters
 
     got: list = []
-    probe = attach(cuda_llama, sink=got.extend, runtime="hf-cb")
+    probe = attach(cuda_llama, sink=got.extend, runtime="hf-cb", gpu_budget=None)
     adapter = HFContinuousBatching(probe).instrument_model(cuda_llama)
     system = list(range(2, 66))
     prompts = [system + [100 + i] * (5 + 7 * i) for i in range(6)]
@@ -91,3 +91,37 @@ def test_continuous_batching_on_cuda_exact_counts_and_event_timing(cuda_llama):
     assert sum(s.prefill_tokens for s in steps) == sum(map(len, prompts)) - prefix.hit_tokens_total
     assert sum(s.decode_tokens for s in steps) == 6 * 7  # the first token of each comes from its prefill
     assert any(type(r) is KVSnapshot and r.used_pages > 0 for r in got)
+
+
+def test_captures_of_a_probed_module_with_a_busy_poller_all_succeed():
+    """Issue 9's failure: capture_end raised cudaErrorStreamCaptureInvalidated, then the RNG was broken."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+    x = torch.randn(8, 256, device="cuda")
+    model(x)
+    torch.cuda.synchronize()
+    g0 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g0):
+        out0 = model(x)
+    g0.replay()
+    torch.cuda.synchronize()
+    ref = out0.clone()
+    got: list[Step] = []
+    probe = attach(model, sink=lambda recs: got.extend(r for r in recs if type(r) is Step), gpu_budget=None,
+                   poll_interval_s=0.0002)
+    try:
+        for _ in range(10):
+            for _ in range(20):
+                model(x)  # the poller is busy with these when the capture begins
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = model(x)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref)
+        torch.randn(16, device="cuda").sum().item()  # the RNG state survived
+        assert probe.flush(10)
+    finally:
+        probe.close()
+    assert probe.errors == 0 and probe.captured == 10
+    assert len(got) == 200 and all(not math.isnan(s.gpu_ms) for s in got)
