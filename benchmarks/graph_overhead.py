@@ -92,11 +92,18 @@ class GraphRunner(torch.nn.Module):
             with torch.cuda.graph(self.graph):
                 self.static_out = stack(self.static_x)
 
+    ref_events: tuple | None = None  # (start, end): the script's own events around copy + replay
+
     def replay(self, x: torch.Tensor) -> torch.Tensor:
         if self.dry:
             return self.stack(x)
+        ev = self.ref_events
+        if ev is not None:
+            ev[0].record()
         self.static_x.copy_(x)
         self.graph.replay()
+        if ev is not None:
+            ev[1].record()
         return self.static_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,11 +191,19 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
     stack = DecodeStack(batch, 16 if dry else 512, layers, device, dtype)
     x = torch.randn(batch, 1, GEOMETRY["hidden"], device=device, dtype=dtype)
     off = GraphRunner(stack, x, dry)
-    hooked = GraphRunner.__new__(GraphRunner)  # a second module object over the same graph
-    torch.nn.Module.__init__(hooked)
-    hooked.stack, hooked.dry, hooked.static_x, hooked.graph = off.stack, dry, off.static_x, off.graph
-    if not dry:
-        hooked.static_out = off.static_out
+    def twin() -> GraphRunner:  # another module object over the same graph
+        m = GraphRunner.__new__(GraphRunner)
+        torch.nn.Module.__init__(m)
+        m.stack, m.dry, m.static_x, m.graph = off.stack, dry, off.static_x, off.graph
+        if not dry:
+            m.static_out = off.static_out
+        return m
+
+    hooked, noop = twin(), twin()
+    # what any pair of hooks costs (nn.Module's hook dispatch + two compiler-disabled calls), probe or not
+    nothing = torch.compiler.disable(lambda *a: None)
+    noop.register_forward_pre_hook(nothing, with_kwargs=True)
+    noop.register_forward_hook(nothing, with_kwargs=True, always_call=True)
     ctx = 512 * batch
     sink: list[Step] = []
     keep = lambda recs: sink.extend(r for r in recs if type(r) is Step)  # noqa: E731
@@ -206,6 +221,8 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
             t0 = time.perf_counter_ns()
             if cond == "off":
                 tok = off(x)
+            elif cond == "noop-hooks":
+                tok = noop(x)
             elif cond == "module":
                 p_mod.next_shape = StepShape(PHASE_DECODE, batch, 0, batch, ctx)  # the runtime adapter's batch
                 tok = hooked(x)
@@ -216,19 +233,27 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
             times.append((time.perf_counter_ns() - t0) / 1e3)
         return times
 
-    for cond in ("off", "module", "api"):
+    conds = ["off", "noop-hooks", "module", "api"]
+    for cond in conds:
         run(cond, 50)  # warm-up
     p_mod.flush(10)
     p_api.flush(10)
     sink.clear()
     recorded_before = p_mod.steps + p_api.steps
-    blocks = {"off": [], "module": [], "api": []}
-    conds = ["off", "module", "api"]
+    blocks: dict[str, list[float]] = {c: [] for c in conds}
+    every: dict[str, list[float]] = {c: [] for c in conds}
     for r in range(rounds):
         order = conds if r % 2 == 0 else conds[::-1]
         for cond in order:
-            blocks[cond].append(med(run(cond, block)))
+            t = run(cond, block)
+            every[cond] += t
+            blocks[cond].append(med(t))
     steps_run = 2 * rounds * block
+    sm = p_mod.sampler
+    est = dict(untimed_hook_us=sm.untimed_ns / max(sm.untimed_n, 1) / 1e3,
+               timed_hook_us=sm.timed_ns / max(sm.timed_n, 1) / 1e3, poll_us=sm.poll_ns / max(sm.poll_n, 1) / 1e3,
+               period_us=sm.est_period_us[PHASE_DECODE], rates=list(sm.rates), extra_us=sm.est_extra_us)
+    pct = {c: [statistics.quantiles(every[c], n=10)[i] / 1e3 for i in (0, 4, 8)] for c in conds}
     p_mod.flush(10)
     p_api.flush(10)
     rate_mod, rate_api = p_mod.health().gpu_sample_rate, p_api.health().gpu_sample_rate
@@ -244,13 +269,13 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
     ref: list[float] = []
     if device.type == "cuda":
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        hooked.ref_events = (e0, e1)
         for _ in range(300):
-            e0.record()
             p_mod.next_shape = StepShape(PHASE_DECODE, batch, 0, batch, ctx)
             tok = hooked(x)
-            e1.record()
             tok.cpu()
             ref.append(e0.elapsed_time(e1))
+        hooked.ref_events = None
     p_mod.flush(10)
     got = {s.step_id - first: s.gpu_ms for s in sink if s.step_id >= first}
     rel = [abs(got[i] - ref[i]) / ref[i] for i in range(len(ref)) if i in got and not math.isnan(got[i])]
@@ -289,9 +314,10 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
     p_mod.close()
     p_api.close()
     off_ms = med(blocks["off"]) / 1e3
-    res = dict(batch=batch, rounds=rounds, block_steps=block, step_ms_off=off_ms,
+    res = dict(batch=batch, rounds=rounds, block_steps=block, step_ms_off=off_ms, sampler=est,
+               step_ms_p10_p50_p90=pct, step_ms_noop_hooks=med(blocks["noop-hooks"]) / 1e3,
                step_ms_module=med(blocks["module"]) / 1e3, step_ms_api=med(blocks["api"]) / 1e3)
-    for cond in ("module", "api"):
+    for cond in ("noop-hooks", "module", "api"):
         pair = [a / b - 1 for a, b in zip(blocks[cond], blocks["off"])]
         m, hw = ci95(pair)
         res[f"overhead_{cond}_pct"] = 100 * (med(blocks[cond]) / med(blocks["off"]) - 1)
@@ -372,6 +398,10 @@ def main() -> None:
               f"probe errors {r['probe_errors']}; sampler: untimed {r['sampler_untimed_us']} us, extra "
               f"{r['sampler_extra_us']} us, period {r['sampler_period_us']} us; mean overhead module "
               f"{r['overhead_module_pct_mean_ci95'][0]:.3f} +- {r['overhead_module_pct_mean_ci95'][1]:.3f}%")
+        print(f"      no-op hook pair (no probe): {r['overhead_noop-hooks_pct']:.3f}% {r['overhead_noop-hooks_us']:.1f} us;"
+              f" during the rounds: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r['sampler'].items()})}")
+        print(f"      step ms p10/p50/p90: " + ", ".join(f"{c} {'/'.join(f'{v:.4f}' for v in q)}"
+                                                    for c, q in r['step_ms_p10_p50_p90'].items()))
     cc = res["compile"]
     if "calls" in cc:
         print(f"(c) torch.compile(mode='reduce-overhead'): {cc['steps_recorded']}/{cc['calls']} calls recorded, "

@@ -118,7 +118,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="alternating with/without-probe rounds")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--cpus", help="pin this process to these CPUs (e.g. 2,3): less host-clock noise")
     args = ap.parse_args()
+    if args.cpus:
+        import os
+
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     device = torch.device(args.device)
     name = args.model or ("1b" if device.type == "cuda" else "tiny")
     model = build(name, device)
@@ -160,7 +165,8 @@ def main() -> None:
     pairs = [p / b - 1 for p, b in zip(probed, base)]
     mean = statistics.fmean(pairs)
     half = (_t975(len(pairs)) * statistics.stdev(pairs) / math.sqrt(len(pairs))) if len(pairs) > 1 else math.inf
-    res = dict(overhead_pct_mean=100 * mean, overhead_pct_ci95_halfwidth=100 * half, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", model=name,
+    res = dict(overhead_pct_mean=100 * mean, overhead_pct_ci95_halfwidth=100 * half, generate_s_each_without=base,
+               generate_s_each_with=probed, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", model=name,
                params=params, batch=args.batch, new_tokens=args.new_tokens, rounds=args.rounds,
                generate_s_without=statistics.median(base), generate_s_with=statistics.median(probed),
                ratio=statistics.median(probed) / statistics.median(base),

@@ -27,8 +27,10 @@ from __future__ import annotations
 import random
 
 N_PHASES = 4  # events.PHASES
-# gaps between steps longer than this are idle time, not a step period
+# gaps between steps longer than this are idle time, not a step period; so is a gap longer than
+# IDLE_FACTOR times the phase's current period estimate (idle time must not buy timing budget)
 MAX_PERIOD_NS = 1_000_000_000
+IDLE_FACTOR = 4
 # a first guess of what timing a step adds (us), until measured
 INITIAL_EXTRA_US = 20.0
 
@@ -41,7 +43,7 @@ class BudgetSampler:
     """
 
     __slots__ = ("budget", "min_rate", "smoothing", "rates", "draw", "period_ns", "period_n",
-                 "untimed_ns", "untimed_n", "timed_ns", "timed_n", "poll_ns", "poll_n",
+                 "untimed_ns", "untimed_n", "timed_ns", "timed_n", "poll_ns", "poll_n", "period_cap_ns",
                  "_last", "est_period_us", "est_untimed_us", "est_extra_us", "timed_total", "steps_total")
 
     def __init__(self, budget: float | None = 0.005, min_rate: float = 0.001, seed: int | None = None,
@@ -58,6 +60,7 @@ class BudgetSampler:
         # accumulators: written by the host thread (period, hook costs) and the poller (poll costs)
         self.period_ns = [0] * N_PHASES
         self.period_n = [0] * N_PHASES
+        self.period_cap_ns = [MAX_PERIOD_NS] * N_PHASES  # set by update() from the estimates
         self.untimed_ns = self.untimed_n = 0
         self.timed_ns = self.timed_n = 0
         self.poll_ns = self.poll_n = 0
@@ -75,7 +78,7 @@ class BudgetSampler:
 
     def account(self, phase: int, period_ns: int, cost_ns: int, timed: bool) -> None:
         """One finished step: time since the previous step's start (ns), the probe's cost (ns)."""
-        if 0 < period_ns < MAX_PERIOD_NS:
+        if 0 < period_ns < self.period_cap_ns[phase]:
             self.period_ns[phase] += period_ns
             self.period_n[phase] += 1
         self.steps_total += 1
@@ -112,6 +115,7 @@ class BudgetSampler:
             dn = now[1][p] - last[1][p]
             if dn > 0:
                 self.est_period_us[p] = mix(self.est_period_us[p], (now[0][p] - last[0][p]) / dn / 1e3)
+                self.period_cap_ns[p] = int(min(MAX_PERIOD_NS, IDLE_FACTOR * self.est_period_us[p] * 1e3))
         d_un = now[3] - last[3]
         if d_un > 0:
             self.est_untimed_us = mix(self.est_untimed_us, (now[2] - last[2]) / d_un / 1e3)

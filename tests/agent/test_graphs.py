@@ -358,3 +358,15 @@ def test_hooks_are_compiler_disabled_and_compiling_adds_no_phasescope_warning():
     torch._dynamo.reset()
     assert [str(w.message) for w in caught if "time." in str(w.message) or "phasescope" in str(w.message)] == []
     assert len(steps_of(got)) == 6 and probe.errors == 0
+
+
+def test_idle_gaps_do_not_buy_timing_budget():
+    """Bursts of 1 ms steps with 1 s pauses: the period is the steps', not the pauses'."""
+    s = BudgetSampler(budget=0.005, seed=1)
+    for _ in range(20):
+        s.account(PHASE_DECODE, 900_000_000, 2_000, False)  # the pause before the burst
+        for _ in range(100):
+            s.account(PHASE_DECODE, 1_000_000, 2_000, False)
+        s.account_poll(0)
+        s.update()
+    assert s.est_period_us[PHASE_DECODE] == pytest.approx(1000, rel=0.02)  # not ~9,900 us with the pauses
