@@ -103,6 +103,52 @@ def hook_cost_us(model, ids, mask, device, iters: int) -> tuple[float, float]:
     return out[True], out[False]
 
 
+def decode_loop_blocks(model, ids, mask, device, rounds: int, steps: int) -> dict:
+    """Per-step decode times of HF's forward in a plain greedy loop, probe on/off in interleaved blocks.
+
+    Whole-`generate` wall times on a shared VM drift by tens of percent between runs (launch-bound
+    eager decode follows the host's clock); the median step of a block is far steadier. Each block
+    prefills the batch, then times `steps` decode forwards, each ending in a host sync (the argmax
+    a sampler reads), exactly as a serving loop would.
+    """
+    from transformers import DynamicCache
+
+    def block(with_probe: bool) -> list[float]:
+        probe = attach(model, sink=lambda recs: None) if with_probe else None
+        try:
+            with torch.inference_mode():
+                cache = DynamicCache()
+                out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                m = mask
+                times = []
+                for _ in range(steps):
+                    m = torch.cat([m, torch.ones_like(tok)], 1)
+                    t0 = time.perf_counter_ns()
+                    out = model(input_ids=tok, attention_mask=m, past_key_values=out.past_key_values, use_cache=True)
+                    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                    tok.cpu()
+                    times.append((time.perf_counter_ns() - t0) / 1e6)
+        finally:
+            if probe is not None:
+                probe.close()
+        return times
+
+    block(False)
+    block(True)  # warm-up both
+    off, on = [], []
+    for r in range(rounds):
+        for with_probe in ((False, True) if r % 2 == 0 else (True, False)):
+            (on if with_probe else off).append(statistics.median(block(with_probe)))
+    pairs = [a / b - 1 for a, b in zip(on, off)]
+    mean = statistics.fmean(pairs)
+    half = _t975(len(pairs)) * statistics.stdev(pairs) / math.sqrt(len(pairs))
+    return dict(step_ms_off=statistics.median(off), step_ms_on=statistics.median(on),
+                ratio=statistics.median(on) / statistics.median(off), pair_pct_mean=100 * mean,
+                pair_pct_ci95_halfwidth=100 * half, rounds=rounds, steps_per_block=steps,
+                block_medians_off=off, block_medians_on=on)
+
+
 def _t975(n: int) -> float:
     """Student t quantile 0.975 for n samples (n-1 degrees of freedom)."""
     table = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20,
@@ -118,6 +164,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="alternating with/without-probe rounds")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--loop-rounds", type=int, default=0,
+                    help="also time decode steps in a plain loop, probe on/off in this many interleaved rounds")
     ap.add_argument("--cpus", help="pin this process to these CPUs (e.g. 2,3): less host-clock noise")
     args = ap.parse_args()
     if args.cpus:
@@ -185,6 +233,12 @@ def main() -> None:
     print(f"probe cost per step (pre+post hooks, median): {with_t:.1f} us with CUDA events, "
           f"{without_t:.1f} us host-only")
     print(f"tokens with probe == without: {tokens_equal} (baseline run-to-run identical: {baseline_deterministic})")
+    if args.loop_rounds:
+        lp = decode_loop_blocks(model, ids, mask, device, args.loop_rounds, args.new_tokens)
+        res["decode_loop"] = lp
+        print(f"decode loop, median step: without {lp['step_ms_off']:.3f} ms, with {lp['step_ms_on']:.3f} ms, "
+              f"ratio {lp['ratio']:.4f}; paired blocks {lp['pair_pct_mean']:+.3f}% +- "
+              f"{lp['pair_pct_ci95_halfwidth']:.3f}% (95%, {lp['rounds']} pairs of {lp['steps_per_block']} steps)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
