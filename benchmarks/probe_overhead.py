@@ -103,50 +103,64 @@ def hook_cost_us(model, ids, mask, device, iters: int) -> tuple[float, float]:
     return out[True], out[False]
 
 
-def decode_loop_blocks(model, ids, mask, device, rounds: int, steps: int) -> dict:
-    """Per-step decode times of HF's forward in a plain greedy loop, probe on/off in interleaved blocks.
+class _Front(torch.nn.Module):
+    """A thin module in front of the model: two of them let steps alternate probed/unprobed."""
 
-    Whole-`generate` wall times on a shared VM drift by tens of percent between runs (launch-bound
-    eager decode follows the host's clock); the median step of a block is far steadier. Each block
-    prefills the batch, then times `steps` decode forwards, each ending in a host sync (the argmax
-    a sampler reads), exactly as a serving loop would.
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, **kw):
+        return self.model(**kw)
+
+
+def decode_loop_blocks(model, ids, mask, device, rounds: int, steps: int) -> dict:
+    """Decode steps of HF's forward in a plain greedy loop, alternating probed/unprobed step by step.
+
+    On a shared VM the host's speed switches between regimes (step medians of 13 and 26 ms
+    in one run), so whole runs, even interleaved blocks, carry that noise. Here consecutive
+    steps alternate between two identical front modules, one probed, so both see the same
+    regime; each block (a fresh prefill, then `steps` decode steps, each ending in the host
+    sync a sampler needs) gives the ratio of its probed and unprobed step medians. The probed
+    front sees every other step, so its sampler budgets half the real period: a conservative
+    (higher) cost than a probe on every step would have.
     """
     from transformers import DynamicCache
 
-    def block(with_probe: bool) -> list[float]:
-        probe = attach(model, sink=lambda recs: None) if with_probe else None
-        try:
-            with torch.inference_mode():
+    plain, probed = _Front(model), _Front(model)
+    probe = attach(probed, sink=lambda recs: None)
+    rows = []
+    try:
+        with torch.inference_mode():
+            for r in range(rounds + 1):
                 cache = DynamicCache()
                 out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
                 m = mask
-                times = []
-                for _ in range(steps):
+                on, off = [], []
+                for i in range(steps):
+                    front = probed if (i + r) % 2 == 0 else plain
                     m = torch.cat([m, torch.ones_like(tok)], 1)
                     t0 = time.perf_counter_ns()
-                    out = model(input_ids=tok, attention_mask=m, past_key_values=out.past_key_values, use_cache=True)
+                    out = front(input_ids=tok, attention_mask=m, past_key_values=out.past_key_values, use_cache=True)
                     tok = out.logits[:, -1].argmax(-1, keepdim=True)
                     tok.cpu()
-                    times.append((time.perf_counter_ns() - t0) / 1e6)
-        finally:
-            if probe is not None:
-                probe.close()
-        return times
-
-    block(False)
-    block(True)  # warm-up both
-    off, on = [], []
-    for r in range(rounds):
-        for with_probe in ((False, True) if r % 2 == 0 else (True, False)):
-            (on if with_probe else off).append(statistics.median(block(with_probe)))
-    pairs = [a / b - 1 for a, b in zip(on, off)]
+                    (on if front is probed else off).append((time.perf_counter_ns() - t0) / 1e6)
+                if r:  # the first block warms up
+                    rows.append((statistics.median(off), statistics.median(on)))
+    finally:
+        probe.close()
+    pairs = [b / a - 1 for a, b in rows]
     mean = statistics.fmean(pairs)
     half = _t975(len(pairs)) * statistics.stdev(pairs) / math.sqrt(len(pairs))
+    off = [a for a, _ in rows]
+    on = [b for _, b in rows]
     return dict(step_ms_off=statistics.median(off), step_ms_on=statistics.median(on),
                 ratio=statistics.median(on) / statistics.median(off), pair_pct_mean=100 * mean,
                 pair_pct_ci95_halfwidth=100 * half, rounds=rounds, steps_per_block=steps,
-                block_medians_off=off, block_medians_on=on)
+                block_medians_off=off, block_medians_on=on, probe_errors=probe.errors,
+                gpu_sample_rate=probe.health().gpu_sample_rate)
 
 
 def _t975(n: int) -> float:
