@@ -47,8 +47,6 @@ def _check_agent_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
     from pathlib import Path
 
     try:
@@ -69,7 +67,46 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
            "--server.port", str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
            "--", "--target", target]
     print(f"phasescope dashboard: http://{args.host}:{args.port} over {target}", flush=True)
-    return subprocess.call(cmd)
+    return _run_child(cmd)
+
+
+def _run_child(cmd: list[str]) -> int:
+    """Run `cmd` as our child and never leave it behind: SIGTERM/SIGINT/SIGHUP to us stop it, and on Linux
+    the kernel sends it SIGTERM when we die (even by SIGKILL)."""
+    import subprocess
+
+    def die_with_parent() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            try:
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            except OSError:
+                pass
+
+    child = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+
+    def forward(signum: int, _frame: object) -> None:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            forward(signal.SIGINT, None)
+            return child.wait()
+    finally:
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:

@@ -93,7 +93,7 @@ def main() -> None:
         build(args.db, args.steps)
         print(f"built {args.db} ({args.steps:,} steps) in {time.perf_counter() - t0:.1f} s")
     reader = open_reader(args.db, findings=diagnose)
-    n = reader.con.execute("SELECT count(*) FROM steps").fetchone()[0]
+    n = reader._run(lambda con: con.execute("SELECT count(*) FROM steps").fetchone()[0])
     print(f"{n:,} steps · {os.cpu_count()} cores · median of {args.repeat} runs per page\n")
     print(f"{'page':14} {'queries':>7} {'page s':>8}  slowest query")
     worst = 0.0

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from phasescope.agent.read.reader import StoreBusyError, open_reader
+from phasescope.agent.errors import CliError
+from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.diagnose import diagnose
 
@@ -349,19 +349,40 @@ RENDER = dict(zip(PAGES, (page_overview, page_phases, page_requests, page_kv, pa
                           page_experiments)))
 
 
+REFRESH_S = 5.0
+
+
+@st.fragment(run_every=REFRESH_S)
+def live_page(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
+    """The page body, refreshed on its own every REFRESH_S seconds (no full-page rerun, no sleeping script)."""
+    render(page, reader, run, win)
+
+
+def render(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
+    """One page; a store that became unreadable (a writer took the file, the agent stopped) is one line."""
+    try:
+        RENDER[page](reader, run, win)
+    except CliError as exc:
+        st.warning(f"{exc} (the page shows it again once the store can be read)")
+
+
 def main() -> None:
     st.set_page_config(page_title="phasescope", layout="wide")
     target = target_from_argv(sys.argv)
     try:
         reader = reader_for(target)
-    except StoreBusyError as exc:
+    except CliError as exc:  # a missing, foreign, empty or held file; an agent that does not answer: one line
         st.error(str(exc))
         return
     live = target.startswith("http")
     st.sidebar.title("phasescope")
     st.sidebar.caption(("live · " if live else "file · ") + target)
     page = st.sidebar.radio("Page", PAGES, key="page")
-    runs = q(reader, "runs")
+    try:
+        runs = q(reader, "runs")
+    except CliError as exc:
+        st.error(str(exc))
+        return
     if not runs:
         st.header(page)
         st.info("No runs yet. Attach a probe (phasescope.agent.attach) or run `phasescope demo`.")
@@ -374,14 +395,14 @@ def main() -> None:
                                key="window")
     bucket = max((hi - lo) / 60, 0.5)
     win = {"since_s": lo, "until_s": hi if hi < span + 1 else None, "bucket_s": round(bucket, 2)}
-    refresh = st.sidebar.toggle("Auto-refresh (5 s)", value=live, key="refresh")
+    refresh = st.sidebar.toggle(f"Auto-refresh ({REFRESH_S:g} s)", value=live, key="refresh")
     st.header(page)
     if not extent["steps"]:
         st.caption("This run has no steps yet.")
-    RENDER[page](reader, run, win)
     if refresh:
-        time.sleep(5)
-        st.rerun()
+        live_page(page, reader, run, win)  # a fragment: reruns alone every REFRESH_S, the page settles between
+    else:
+        render(page, reader, run, win)
 
 
 main()

@@ -82,24 +82,36 @@ class Reader(Protocol):
 
 
 class FileReader:
-    """Named queries over a DuckDB file that no agent holds."""
+    """Named queries over a DuckDB file that no agent holds.
+
+    The file is opened for each query and closed after it, so a reader never holds it between
+    queries: a writer (`phasescope demo`, an agent) may take it between two page refreshes.
+    """
 
     def __init__(self, path: str, findings: Findings | None = None) -> None:
-        """`findings`: computes findings over the connection (the caller injects the analyzers' diagnose)."""
+        """`findings`: computes findings over the connection (the caller injects the analyzers' diagnose).
+        Raises CliError / StoreBusyError now for a file that cannot be read."""
         self._findings = findings
-        self.con = connect_readonly(path)
         self.target = path
+        connect_readonly(path).close()  # fail loudly at construction
+
+    def _run(self, fn: Callable[[duckdb.DuckDBPyConnection], Any]) -> Any:
+        con = connect_readonly(self.target)
+        try:
+            return fn(con)
+        finally:
+            con.close()
 
     def query(self, name: str, **params: Any) -> Any:
-        return run_named(self.con, name, params)
+        return self._run(lambda con: run_named(con, name, params))
 
     def findings(self, run_id: str | None = None) -> list[dict[str, Any]]:
         if self._findings is None:
             return []
-        return json_safe(self._findings(self.con, run_id))
+        return json_safe(self._run(lambda con: self._findings(con, run_id)))
 
     def close(self) -> None:
-        self.con.close()
+        pass  # nothing is held between queries
 
 
 class AgentReader:
