@@ -82,3 +82,42 @@ def test_agent_refuses_an_explicit_metrics_address_in_use(short_tmp):
         taken.close()
     assert out.returncode != 0
     assert "cannot serve /metrics" in out.stderr
+
+
+@pytest.mark.slow
+def test_agent_samples_a_pid_and_the_host(short_tmp):
+    """`phasescope agent --pid P`: P's CPU, memory and files and the host's appear on /metrics and in the store."""
+    port = _free_port()
+    sock = os.path.join(short_tmp, "h.sock")
+    db = os.path.join(short_tmp, "h.duckdb")
+    server = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: sum(range(10**5)); time.sleep(0.01)"])
+    proc = subprocess.Popen(CLI + ["agent", "--db", db, "--listen", f"unix:{sock}", "--metrics-addr",
+                                   f"127.0.0.1:{port}", "--no-api", "--no-retention", "--sample-s", "0.2",
+                                   "--pid", str(server.pid)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "listening" in proc.stdout.readline()
+        want = f'phasescope_process_resident_memory_bytes{{pid="{server.pid}",run_id=""}}'
+        text = ""
+        deadline = time.monotonic() + 30
+        while want not in text and time.monotonic() < deadline:
+            time.sleep(0.3)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        assert want in text
+        assert f'phasescope_process_cpu_seconds_total{{mode="user",pid="{server.pid}",run_id=""}}' in text
+        assert f"phasescope_host_cpus {float(os.cpu_count())}" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        server.kill()
+        server.wait()
+    assert proc.returncode == 0, out
+    import duckdb
+
+    con = duckdb.connect(db, read_only=True)
+    try:
+        n, pid = con.execute("SELECT count(*), any_value(pid) FROM process_samples").fetchone()
+    finally:
+        con.close()
+    assert n >= 5 and pid == server.pid
