@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 
+from phasescope.agent.read.thresholds import T
+
 from .findings import Finding, ref
 from .queries import one, rows
 
@@ -92,7 +94,8 @@ def _f(v: object) -> float | None:
 
 
 def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_thread_cores: float = 0.9,
-               min_cpu_wait_ratio: float = 0.35, min_throttled_ratio: float = 0.25, min_busy_share: float = 0.25,
+               min_cpu_wait_ratio: float = T["min_cpu_wait_ratio"],
+               min_throttled_ratio: float = T["min_throttled_ratio"], min_busy_share: float = 0.25,
                min_host_samples: int = 5, **_: object) -> list[Finding]:
     """`host-bound`: steps limited by the host CPU (launch-bound with a saturated engine thread, or
     the engine starved of CPU by other work or by the container's CPU quota)."""
@@ -173,7 +176,7 @@ GROWTH_SQL = f"""WITH {_PROCS}
     FROM p GROUP BY pid ORDER BY pid"""
 
 
-def process_memory_growth(con, run_id: str, *, min_rss_growth_mib_per_min: float = 8.0, min_rss_growth_ratio: float = 0.1,
+def process_memory_growth(con, run_id: str, *, min_rss_growth_mib_per_min: float = T["min_rss_growth_mib_per_min"], min_rss_growth_ratio: float = 0.1,
                           min_rss_r2: float = 0.8, min_rss_span_s: float = 60.0, **_: object) -> list[Finding]:
     """`process-memory-growth`: a server process whose resident memory grows steadily (leak suspicion)."""
     out = []

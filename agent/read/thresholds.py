@@ -30,6 +30,10 @@ THRESHOLDS: dict[str, Threshold] = {
     "max_skew": Threshold(0.15, "ratio", "tensor-parallel step skew, max_r / median_r - 1"),
     "min_straggler_share": Threshold(0.5, "fraction", "share of steps one rank is the slowest to call it a straggler"),
     "max_used_share": Threshold(0.95, "fraction", "GPU memory used share worth a finding"),
+    "min_cpu_wait_ratio": Threshold(0.35, "fraction", "share of the time the server's busiest thread wants a CPU "
+                                    "that it waits on the run queue (starved of CPU)"),
+    "min_throttled_ratio": Threshold(0.25, "fraction", "share of CFS periods in which the container is CPU-throttled"),
+    "min_rss_growth_mib_per_min": Threshold(8.0, "MiB/min", "steady server RSS growth worth a leak suspicion"),
 }
 
 

@@ -49,6 +49,11 @@ def test_real_rebuild_fires(name, tmp_path):
             found = {f.id for f in diagnose(con, run_id)}
         finally:
             con.close()
+        if "host-bound" not in expect:
+            # whether the engine is starved of CPU depends on the machine's load during the rebuild (on a
+            # busy shared CI machine it truly is), not on the scenario's configuration; the committed
+            # fixtures pin it (test_host_rules.py)
+            found.discard("host-bound")
         ok = expect <= found if expect else found == set()
         if ok:
             break
