@@ -131,7 +131,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if not args.no_metrics:
         from phasescope.exporters.prometheus import DEFAULT_METRICS_ADDR, MetricsServer, PrometheusExporter
 
+        from phasescope.exporters.telemetry_watch import TelemetryWatch
+
         sinks.append(PrometheusExporter(registry))
+        sinks.append(TelemetryWatch(registry))  # phasescope_telemetry_degraded{model, reason}
         server = MetricsServer(registry, args.metrics_addr or DEFAULT_METRICS_ADDR)
     if args.otlp:
         from phasescope.exporters.otlp import OtlpExporter

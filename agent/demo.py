@@ -58,6 +58,9 @@ class DemoConfig:
     heads: int = 8
     kv_heads: int = 2
     device: str | None = None  # None: cuda if available else cpu
+    # > 0: after this many seconds of serving the adapter stops reporting KV snapshots and prefix
+    # counters (steps and requests go on): an adapter gone silent, for the telemetry-degraded scenario
+    adapter_silent_after_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -229,6 +232,15 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
         probe = attach(model, agent=addr, runtime=runtime, flush_interval_s=0.05,
                        labels={**demo_labels(cfg), **(labels or {})})
         adapter = HFContinuousBatching(probe).instrument_model(model) if cfg.runtime == "cb" else None
+        if adapter is not None and cfg.adapter_silent_after_s > 0:
+            import threading
+
+            def silence() -> None:
+                adapter.emit_kv = adapter.emit_prefix = lambda *a, **k: None
+
+            timer = threading.Timer(cfg.adapter_silent_after_s, silence)
+            timer.daemon = True
+            timer.start()
         with Progress(TextColumn(f"[bold]serving ({runtime})"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False,
                       disable=console is None) as bar:

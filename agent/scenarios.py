@@ -225,6 +225,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                        page_size=16, num_pages=512, max_batch_tokens=256),
              labels=dict(shared_prefix_tokens=65, prefix_position="first"),
              contention=dict(busy_processes=2, torch_threads=1)),
+    Scenario("telemetry-silent", "demo",
+             "The healthy workload (32 requests at 2/s) whose runtime adapter stops reporting KV snapshots and "
+             "prefix counters 4 s into serving while steps and requests go on, as an adapter that lost its "
+             "hooks would: KV and prefix figures go stale for the remaining ~12 s.",
+             expect=("telemetry-kv-snapshots-stopped", "telemetry-prefix-counters-stuck"),
+             demo=dict(requests=32, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
+                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
+                       page_size=16, num_pages=512, max_batch_tokens=256, adapter_silent_after_s=4.0),
+             labels=dict(shared_prefix_tokens=65, prefix_position="first"), nice=-20, torch_threads=1),
     Scenario("tp-imbalance", "synthetic",
              "Synthetic TP 4 run of a 32-layer model with 2 KV heads: rank 3 holds 140 MiB of KV vs 100 MiB, "
              "rank 2 takes 26 ms per step vs 20 ms; KV heads replicated 2x.",

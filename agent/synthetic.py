@@ -6,6 +6,8 @@ monotonic ns from 1 s; one step every 30 ms.
 
 from __future__ import annotations
 
+import time
+
 import math
 from typing import Any, Callable
 
@@ -47,7 +49,9 @@ def _store(db_path: str, run_id: str, world_size: int, per_rank: Callable[[int],
     store = Store(db_path)
     try:
         for rank in range(world_size):
-            sid = store.register_source(Hello(T0, 0, 1000 + rank, rank, world_size, run_id, model, "synthetic"))
+            # the stated records happen "now": wall = T0 + wall_minus_mono agrees with the store's connect clock
+            sid = store.register_source(Hello(T0, time.time_ns() - T0, 1000 + rank, rank, world_size, run_id, model,
+                                              "synthetic"))
             store.append([(sid, per_rank(rank))])
         if sidecar:
             store.append([(0, sidecar)])

@@ -25,6 +25,7 @@ from .memory import gpu_memory_near_full, gpu_xid_errors, kv_budget_oom_risk
 from .prefill import prefill_stalls_decode
 from .prefix import prefix_hit_collapse
 from .queueing import ttft_queueing
+from .telemetry import telemetry_degraded
 from .reliability import preemption_recompute, probe_dropping, survival_rate
 from .runinfo import read_run_info, with_flag_values
 from .tp import tp_kv_head_replication, tp_kv_imbalance, tp_straggler
@@ -36,7 +37,7 @@ ANALYZERS: tuple[Analyzer, ...] = (
     kv_near_cap, kv_headroom_low, kv_budget_oom_risk, kv_internal_fragmentation, kv_external_fragmentation,
     prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
     preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
-    host_bound, process_memory_growth,
+    host_bound, process_memory_growth, telemetry_degraded,
 )
 CONTEXT = ("model", "gpu", "labels")
 

@@ -34,6 +34,9 @@ THRESHOLDS: dict[str, Threshold] = {
                                     "that it waits on the run queue (starved of CPU)"),
     "min_throttled_ratio": Threshold(0.25, "fraction", "share of CFS periods in which the container is CPU-throttled"),
     "min_rss_growth_mib_per_min": Threshold(8.0, "MiB/min", "steady server RSS growth worth a leak suspicion"),
+    "telemetry_stale_s": Threshold(10, "s", "steps flowing this long without KV snapshots / prefix counter "
+                                   "movement / GPU-timed steps: that telemetry has stopped being true"),
+    "max_clock_skew_s": Threshold(1.0, "s", "a probe's wall clock this far from the sidecar's at connect is skewed"),
 }
 
 

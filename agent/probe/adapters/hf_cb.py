@@ -201,6 +201,8 @@ class HFContinuousBatching(RuntimeAdapter):
             log.warning("phasescope: HF continuous batching of transformers %s lacks %s; request lifecycle, KV "
                         "and prefix instrumentation need transformers >= 5.24 (steps are still measured)",
                         transformers.__version__, ", ".join(missing))
+            # a run label, so the store and diagnose say these figures are absent, not zero
+            self.probe.label(adapter_missing=",".join(missing)[:96])
             return
         from transformers.generation.continuous_batching.requests import RequestStatus
 

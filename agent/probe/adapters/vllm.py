@@ -95,6 +95,8 @@ def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str,
             if not _CHANNELS:
                 atexit.register(close_channels)
             _CHANNELS[role] = p
+            if _FAILURES:
+                p.label(adapter_missing=",".join(sorted(_FAILURES))[:96])
         return p
 
 
@@ -123,10 +125,17 @@ def failures() -> dict[str, int]:
 
 
 def _fail(what: str, exc: BaseException) -> None:
+    first = what not in _FAILURES
     if not _FAILURES:
         log.warning("phasescope: vLLM internals differ from what this adapter knows (%s: %r); "
                     "those figures are missing, vLLM runs on (further failures are only counted)", what, exc)
     _FAILURES[what] += 1
+    if first:  # a run label: the store and diagnose say these figures are absent, not zero
+        for p in list(_CHANNELS.values()):
+            try:
+                p.label(adapter_missing=",".join(sorted(_FAILURES))[:96])
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def wrap(obj: Any, name: str, after: Callable[..., Any], probe_ref: Callable[[], Probe | None],

@@ -1,0 +1,151 @@
+"""Silent degradation: telemetry that stops being true while the server keeps serving.
+
+Each reason is one finding (id `telemetry-<reason>`) and one series of the live gauge
+`phasescope_telemetry_degraded{reason}` (exporters/telemetry_watch.py), so an alert fires
+before someone trusts a dashboard built on missing data:
+
+- `kv-snapshots-stopped`: the run had KV snapshots, then steps went on for
+  `telemetry_stale_s` seconds (and at least `min_stale_steps` steps) without one;
+- `prefix-counters-stuck`: prefix counters kept arriving (or had arrived) but their queried
+  tokens stopped growing while prefill steps went on for `telemetry_stale_s` seconds;
+- `gpu-timing-stopped`: a source that had CUDA-event-timed steps had none for `telemetry_stale_s`
+  seconds of steps (the sampler's rate fell to zero, or the poller is stuck);
+- `clock-skew`: a probe's wall clock at connect differs from the sidecar's by more than
+  `max_clock_skew_s` (every timestamp it sent is that far off);
+- `adapter-partial`: the runtime adapter reported parts of the runtime it does not understand
+  (run label `adapter_missing`): those figures are absent, not zero.
+
+Dropped records are `probe-dropping` (reliability.py). All times are wall-clock seconds:
+monotonic `ts_ns` of each source plus its `wall_minus_mono_ns`, so sources of different
+processes compare.
+"""
+
+from __future__ import annotations
+
+from phasescope.agent.read.thresholds import T
+
+from .findings import Finding, ref
+from .queries import one
+
+_WALL = "(x.ts_ns + s.wall_minus_mono_ns) / 1e9"
+
+KV_STOPPED_SQL = f"""WITH kv AS (SELECT max({_WALL}) AS last_kv_s, count(*) AS snapshots
+                        FROM kv_snapshots x JOIN sources s USING (source_id) WHERE s.run_id = $run),
+        st AS (SELECT {_WALL} AS t FROM steps x JOIN sources s USING (source_id) WHERE s.run_id = $run)
+    SELECT kv.snapshots, kv.last_kv_s, (SELECT max(t) FROM st) AS last_step_s,
+           (SELECT count(*) FROM st WHERE t > kv.last_kv_s) AS steps_after
+    FROM kv"""
+
+PREFIX_STUCK_SQL = f"""WITH p AS (SELECT {_WALL} AS t, x.queried_tokens_total AS q
+                        FROM prefix_counters x JOIN sources s USING (source_id) WHERE s.run_id = $run),
+        moved AS (SELECT max(t) AS last_move_s FROM
+                    (SELECT t, q, lag(q) OVER (ORDER BY t) AS prev FROM p) WHERE prev IS NULL OR q > prev),
+        pre AS (SELECT {_WALL} AS t, x.prefill_tokens FROM steps x JOIN sources s USING (source_id)
+                WHERE s.run_id = $run AND x.prefill_tokens > 0)
+    SELECT (SELECT count(*) FROM p) AS counter_records, (SELECT max(q) FROM p) AS queried_tokens_total,
+           moved.last_move_s, (SELECT max(t) FROM pre) AS last_prefill_s,
+           (SELECT count(*) FROM pre WHERE t > moved.last_move_s) AS prefill_steps_after,
+           (SELECT coalesce(sum(prefill_tokens), 0) FROM pre WHERE t > moved.last_move_s) AS prefill_tokens_after
+    FROM moved"""
+
+GPU_STOPPED_SQL = f"""WITH st AS (SELECT x.source_id, {_WALL} AS t, NOT isnan(x.gpu_ms) AS timed
+                        FROM steps x JOIN sources s USING (source_id) WHERE s.run_id = $run),
+        per AS (SELECT source_id, max(t) FILTER (WHERE timed) AS last_timed_s, max(t) AS last_step_s,
+                       count(*) FILTER (WHERE timed) AS timed_steps
+                FROM st GROUP BY source_id HAVING count(*) FILTER (WHERE timed) > 0)
+    SELECT per.source_id, per.timed_steps, per.last_timed_s, per.last_step_s,
+           (SELECT count(*) FROM st WHERE st.source_id = per.source_id AND st.t > per.last_timed_s) AS steps_after
+    FROM per ORDER BY per.last_step_s - per.last_timed_s DESC LIMIT 1"""
+
+SKEW_SQL = """SELECT source_id, pid, rank,
+           ((ts_ns + wall_minus_mono_ns) - connected_ns) / 1e9 AS skew_s
+    FROM sources WHERE run_id = $run AND connected_ns IS NOT NULL AND connected_ns > 0
+    ORDER BY abs((ts_ns + wall_minus_mono_ns) - connected_ns) DESC LIMIT 1"""
+
+ADAPTER_SQL = "SELECT value FROM run_info WHERE run_id = $run AND key = 'adapter_missing'"
+
+SUGGEST_ADAPTER = ("Check the probe's log for the adapter's warning and the runtime's version against the versions "
+                   "the adapter supports; until then, read the affected figures from the server's own metrics "
+                   "(scrape mode) and do not alert on their absence as if it were zero.")
+
+
+def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["telemetry_stale_s"],
+                       max_clock_skew_s: float = T["max_clock_skew_s"], min_stale_steps: int = 20,
+                       **_: object) -> list[Finding]:
+    """One finding per reason the run's telemetry stopped being true (see the module doc)."""
+    out: list[Finding] = []
+    th = {"telemetry_stale_s": telemetry_stale_s, "min_stale_steps": min_stale_steps}
+
+    kv = one(con, KV_STOPPED_SQL, run_id)
+    if kv["snapshots"] and kv["last_step_s"] is not None:
+        silent = kv["last_step_s"] - kv["last_kv_s"]
+        if silent >= telemetry_stale_s and kv["steps_after"] >= min_stale_steps:
+            out.append(Finding(
+                id="telemetry-kv-snapshots-stopped",
+                title="KV snapshots stopped while steps went on: KV figures are stale",
+                severity="warning",
+                evidence={**kv, "silent_s": silent, "query": KV_STOPPED_SQL},
+                suggestion=("The runtime adapter stopped reporting the KV cache: check the probe's log (adapter "
+                            "errors, a runtime upgrade), restart the adapter or the server; until then KV usage, "
+                            "fragmentation and headroom on the dashboard describe the past."),
+                expected_effect=(f"{kv['steps_after']} steps over {silent:.1f} s ran after the last of "
+                                 f"{kv['snapshots']} KV snapshots; every KV figure since is missing."),
+                reference=ref("Probe health"), run_id=run_id, thresholds=th))
+
+    px = one(con, PREFIX_STUCK_SQL, run_id)
+    if px["counter_records"] and px["last_move_s"] is not None and px["last_prefill_s"] is not None:
+        stuck = px["last_prefill_s"] - px["last_move_s"]
+        if stuck >= telemetry_stale_s and px["prefill_steps_after"] >= min_stale_steps // 4:
+            out.append(Finding(
+                id="telemetry-prefix-counters-stuck",
+                title="Prefix-cache counters stopped moving while prompts were prefilled",
+                severity="warning",
+                evidence={**px, "stuck_s": stuck, "query": PREFIX_STUCK_SQL},
+                suggestion=("The prefix-cache counters are no longer wired (adapter lost its hook, cache disabled "
+                            "at runtime): hit rates shown are those of the past. Check the adapter's log and the "
+                            "server's prefix-caching setting."),
+                expected_effect=(f"{px['prefill_tokens_after']} prompt tokens in {px['prefill_steps_after']} prefill "
+                                 f"steps over {stuck:.1f} s went uncounted by the prefix cache."),
+                reference=ref("Probe health"), run_id=run_id, thresholds=th))
+
+    gpu = one(con, GPU_STOPPED_SQL, run_id)
+    if gpu and gpu.get("last_timed_s") is not None:
+        silent = gpu["last_step_s"] - gpu["last_timed_s"]
+        if silent >= telemetry_stale_s and gpu["steps_after"] >= min_stale_steps:
+            out.append(Finding(
+                id="telemetry-gpu-timing-stopped",
+                title="GPU step times stopped: CUDA-event sampling fell to zero",
+                severity="warning",
+                evidence={**gpu, "silent_s": silent, "query": GPU_STOPPED_SQL},
+                suggestion=("Look at the probe's health: its GPU sample rate (phasescope_probe_gpu_sample_ratio), "
+                            "unsampled steps (event pool exhausted: the poller is stuck or the GPU never completes) "
+                            "and errors; raise gpu_budget if the rate is at its floor."),
+                expected_effect=(f"{gpu['steps_after']} steps over {silent:.1f} s after the last of "
+                                 f"{gpu['timed_steps']} GPU-timed steps carry host time only."),
+                reference=ref("Probe health"), run_id=run_id, thresholds=th))
+
+    skew = one(con, SKEW_SQL, run_id)
+    if skew and skew.get("skew_s") is not None and abs(skew["skew_s"]) > max_clock_skew_s:
+        out.append(Finding(
+            id="telemetry-clock-skew",
+            title="A probe's clock disagrees with the sidecar's",
+            severity="warning",
+            evidence={**skew, "query": SKEW_SQL},
+            suggestion=("Synchronize the clocks of the probe's and the sidecar's hosts (NTP/chrony); timestamps of "
+                        "this source are shifted by the skew when compared with other sources or the server."),
+            expected_effect=f"source {skew['source_id']} (pid {skew['pid']}) is {skew['skew_s']:+.3f} s off.",
+            reference=ref("Probe health"), run_id=run_id,
+            thresholds={"max_clock_skew_s": max_clock_skew_s}))
+
+    rows = con.execute(ADAPTER_SQL, {"run": run_id}).fetchall()
+    missing = rows[0][0] if rows else ""
+    if missing:
+        out.append(Finding(
+            id="telemetry-adapter-partial",
+            title="The runtime adapter understands this runtime only in part",
+            severity="warning",
+            evidence={"adapter_missing": missing, "query": ADAPTER_SQL},
+            suggestion=SUGGEST_ADAPTER,
+            expected_effect=f"missing: {missing}; the figures those hooks produce are absent, not zero.",
+            reference=ref("Probe health"), run_id=run_id, thresholds={}))
+    return out

@@ -1,0 +1,141 @@
+"""Silent degradation (issue 13, item 4): each reason from stated records with hand-checked numbers,
+the live gauge with a fake clock, and the real fixture `telemetry-silent`."""
+
+from __future__ import annotations
+
+import time
+
+import duckdb
+import pytest
+from prometheus_client import CollectorRegistry
+
+from phasescope.agent.events import (PHASE_DECODE, PHASE_PREFILL, Hello, KVSnapshot, PrefixCounters, ProbeHealth,
+                                     RunLabel, Step)
+from phasescope.agent.sidecar.store import Store
+from phasescope.analyzers.diagnose import diagnose
+from phasescope.analyzers.telemetry import telemetry_degraded
+from phasescope.exporters.telemetry_watch import REASONS, TelemetryWatch
+
+S = 1_000_000_000
+NAN = float("nan")
+
+
+def kv(t: int) -> KVSnapshot:
+    return KVSnapshot(t, 0, 16, 100, 10, 90, 0, 0, 0, 1, 150, 90, 10, 0, 1000, "float32")
+
+
+def step(i: int, t: int, prefill: int = 0, gpu: float = NAN) -> Step:
+    return Step(t, i, 0, PHASE_PREFILL if prefill else PHASE_DECODE, 1, prefill, 0 if prefill else 1, 50, 1.0, gpu)
+
+
+def build(path: str, records: list, behind_s: float = 0.0) -> str:
+    store = Store(path)
+    try:
+        offset = time.time_ns() - int(behind_s * S)  # the probe's wall clock at connect, vs the store's
+        sid = store.register_source(Hello(0, offset, 4242, 0, 1, "run-t", "m", "hf-cb"))
+        store.append([(sid, records)])
+    finally:
+        store.close()
+    return "run-t"
+
+
+def findings(path: str, **kw) -> dict:
+    con = duckdb.connect(path, read_only=True)
+    try:
+        return {f.id: f for f in telemetry_degraded(con, "run-t", **kw)}
+    finally:
+        con.close()
+
+
+def test_kv_snapshots_stopping_while_steps_go_on(tmp_path):
+    # steps every 0.1 s for 30 s; KV snapshots only for the first 5 s; prefix counters move throughout
+    recs = []
+    for i in range(300):
+        t = i * S // 10
+        recs.append(step(i, t, prefill=8 if i % 10 == 0 else 0))
+        if t < 5 * S:
+            recs.append(kv(t))
+        recs.append(PrefixCounters(t, 0, 8 * (i // 10 + 1), 0, 0, 0))
+    path = str(tmp_path / "a.duckdb")
+    build(path, recs)
+    f = findings(path)
+    assert set(f) == {"telemetry-kv-snapshots-stopped"}
+    e = f["telemetry-kv-snapshots-stopped"].evidence
+    assert e["snapshots"] == 50 and e["steps_after"] == 250  # 5.0 s .. 29.9 s
+    assert e["silent_s"] == pytest.approx(29.9 - 4.9)
+    assert findings(path, telemetry_stale_s=26.0) == {}  # silent for 25 s only
+
+
+def test_prefix_counters_stuck_and_gpu_timing_stopped(tmp_path):
+    recs = []
+    for i in range(300):
+        t = i * S // 10
+        recs.append(step(i, t, prefill=8 if i % 10 == 0 else 0, gpu=0.5 if t < 10 * S else NAN))
+        recs.append(kv(t))
+        recs.append(PrefixCounters(t, 0, 8 * (min(i, 99) // 10 + 1), 0, 0, 0))  # stops moving at 9.0 s
+    path = str(tmp_path / "b.duckdb")
+    build(path, recs)
+    f = findings(path)
+    assert set(f) == {"telemetry-prefix-counters-stuck", "telemetry-gpu-timing-stopped"}
+    p = f["telemetry-prefix-counters-stuck"].evidence
+    assert p["last_move_s"] - p["last_prefill_s"] == pytest.approx(9.0 - 29.0)
+    assert p["prefill_steps_after"] == 20 and p["prefill_tokens_after"] == 160  # prefills at 10.0 .. 29.0 s
+    g = f["telemetry-gpu-timing-stopped"].evidence
+    assert g["timed_steps"] == 100 and g["steps_after"] == 200
+
+
+def test_clock_skew_and_adapter_partial(tmp_path):
+    path = str(tmp_path / "c.duckdb")
+    build(path, [step(i, i * S // 10) for i in range(10)] + [RunLabel(0, "adapter_missing", "cache.pool")],
+          behind_s=5.0)  # the probe's wall clock is 5 s behind
+    f = findings(path)
+    assert set(f) == {"telemetry-clock-skew", "telemetry-adapter-partial"}
+    assert f["telemetry-clock-skew"].evidence["skew_s"] == pytest.approx(-5.0, abs=0.5)
+    assert f["telemetry-adapter-partial"].evidence["adapter_missing"] == "cache.pool"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def gauge(reg: CollectorRegistry) -> dict:
+    return {s.labels["reason"]: s.value for m in reg.collect() if m.name == "phasescope_telemetry_degraded"
+            for s in m.samples}
+
+
+def test_live_gauge_follows_the_records():
+    reg, clock = CollectorRegistry(), Clock()
+    w = TelemetryWatch(reg, stale_s=10, clock=clock, wall_ns=lambda: 0)
+    w.on_records([(1, [Hello(0, 0, 1, 0, 1, "r", "m", "hf-cb")])])
+    w.on_records([(1, [step(0, 0, prefill=8, gpu=1.0), kv(0), PrefixCounters(0, 0, 8, 0, 0, 0),
+                       ProbeHealth(0, 0, 1, 10, 0, 0, 1, 0, 0)])])
+    assert set(gauge(reg)) == set(REASONS) and not any(gauge(reg).values())
+    for k in range(1, 13):  # 12 s of steps and moving prefix counters, but no KV snapshot, no GPU time
+        clock.t += 1
+        w.on_records([(1, [step(k, k, prefill=8), PrefixCounters(0, 0, 8 + 8 * k, 0, 0, 0)])])
+    g = gauge(reg)
+    assert g["kv-snapshots-stopped"] == 1 and g["gpu-timing-stopped"] == 1 and g["prefix-counters-stuck"] == 0
+    w.on_records([(1, [kv(0), ProbeHealth(0, 0, 1, 20, 5, 0, 2, 0, 0), RunLabel(0, "adapter_missing", "x")])])
+    g = gauge(reg)
+    assert g["kv-snapshots-stopped"] == 0 and g["records-dropped"] == 1 and g["adapter-partial"] == 1
+    clock.t += 60  # the server went idle: no steps, nothing is "stopped while serving"
+    g = gauge(reg)
+    assert g["gpu-timing-stopped"] == 0 and g["records-dropped"] == 0
+
+
+def test_real_fixture_fires_kv_and_prefix_reasons_with_its_numbers(scenario_db):
+    path, run_id = scenario_db("telemetry-silent")
+    con = duckdb.connect(path, read_only=True)
+    try:
+        found = {f.id: f for f in diagnose(con, run_id)}
+        steps_after_kv = con.execute(
+            "SELECT count(*) FROM steps WHERE ts_ns > (SELECT max(ts_ns) FROM kv_snapshots)").fetchone()[0]
+    finally:
+        con.close()
+    kvf = found["telemetry-kv-snapshots-stopped"].evidence
+    assert kvf["steps_after"] == steps_after_kv > 20 and kvf["silent_s"] >= 10
+    assert "telemetry-prefix-counters-stuck" in found
