@@ -25,8 +25,8 @@ from phasescope.agent.probe.sampling import BudgetSampler  # noqa: E402
 # --- fakes with the surface the probe uses -------------------------------------------
 
 class FakeEvent:
-    def __init__(self, log: list) -> None:
-        self.log, self.t = log, None
+    def __init__(self, log: list, done=lambda: True) -> None:
+        self.log, self.t, self.done = log, None, done
 
     def record(self) -> None:
         self.log.append("record")
@@ -34,21 +34,21 @@ class FakeEvent:
 
     def query(self) -> bool:
         self.log.append("query")
-        return True
+        return self.done()
 
     def elapsed_time(self, end: "FakeEvent") -> float:
         return (end.t - self.t) / 1e6
 
 
 class FakeSlot:
-    def __init__(self, log: list) -> None:
-        self.start, self.end = FakeEvent(log), FakeEvent(log)
+    def __init__(self, log: list, done=lambda: True) -> None:
+        self.start, self.end = FakeEvent(log), FakeEvent(log, done)
         self.readback, self.n_read = None, 0
 
 
 class FakePool:
-    def __init__(self, log: list, size: int = 64) -> None:
-        self.free = [FakeSlot(log) for _ in range(size)]
+    def __init__(self, log: list, size: int = 64, done=lambda: True) -> None:
+        self.free = [FakeSlot(log, done) for _ in range(size)]
 
     def take(self):
         return self.free.pop() if self.free else None
@@ -71,9 +71,10 @@ class FakeGraph:
         pass
 
 
-def fake_cuda(probe, guard: CaptureGuard, log: list, stream_capturing=lambda: False, pool: int = 64) -> None:
-    """Give a CPU probe the CUDA timing path with fakes (pool, guard, stream capture state)."""
-    probe._pool = FakePool(log, pool)
+def fake_cuda(probe, guard: CaptureGuard, log: list, stream_capturing=lambda: False, pool: int = 64,
+              done=lambda: True) -> None:
+    """Give a CPU probe the CUDA timing path with fakes (pool, guard, stream capture state, GPU progress)."""
+    probe._pool = FakePool(log, pool, done)
     probe._guard = guard
     probe._capturing = lambda: bool(guard.depth) or stream_capturing()
     t = threading.Thread(target=probe._poll_loop, daemon=True)
@@ -192,14 +193,20 @@ def test_poller_does_not_query_while_a_capture_is_open():
     guard = CaptureGuard(FakeGraph)
     guard.acquire()
     probe = attach(model, sink=got.extend, gpu_budget=None, flush_interval_s=0.01, poll_interval_s=0.001)
-    fake_cuda(probe, guard, log)
+    gpu_done = threading.Event()  # the step's end event completes only when the test says so
+    fake_cuda(probe, guard, log, done=gpu_done.is_set)
     try:
         g = FakeGraph()
-        model(torch.zeros(1, 4))  # a pending timed step from before the capture...
-        g.capture_begin()  # ...may only be completed after it
+        model(torch.zeros(1, 4))  # a timed step still running on the "GPU": the poller keeps asking
+        deadline = time.monotonic() + 5
+        while log.count("query") < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert log.count("query") >= 3  # the poller is busy when the capture begins
+        g.capture_begin()
         queries = log.count("query")
+        gpu_done.set()
         time.sleep(0.05)
-        assert log.count("query") == queries
+        assert log.count("query") == queries  # not one query while the capture is open
         g.capture_end()
         assert probe.flush(5)
         assert log.count("query") > queries
