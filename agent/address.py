@@ -5,6 +5,7 @@ a 0600 socket), or "tcp:127.0.0.1:7701". Shared by the probe and the sidecar; st
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from typing import NamedTuple
 
@@ -44,3 +45,38 @@ def parse_address(text: str | None) -> Address:
     if not text:
         raise ValueError("empty socket path")
     return Address("unix", text, 0)
+
+
+ENV_TOKEN = "PHASESCOPE_AGENT_TOKEN"  # shared secret a TCP sidecar may require (see events.Session)
+
+
+def check_private_folder(folder: str, uid: int | None = None) -> str | None:
+    """Why `folder` must not hold our socket, or None when it is safe.
+
+    Safe: a real folder (not a symlink) owned by `uid` (default: ours) or by root, and
+    writable by nobody else (no group/other write bit). Anything else lets another local
+    user squat the socket path and read what the probe sends.
+    """
+    uid = os.getuid() if uid is None else uid
+    try:
+        st = os.lstat(folder)
+    except OSError as exc:
+        return f"cannot stat {folder}: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder (a symlink or a file)"
+    if st.st_uid not in (uid, 0):
+        return f"{folder} is owned by uid {st.st_uid}, not by uid {uid}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{folder} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); it must be 0700"
+    return None
+
+
+def make_private_folder(folder: str, uid: int | None = None) -> None:
+    """Create `folder` (mode 0700) if missing; raise PermissionError if it is not private."""
+    try:
+        os.makedirs(folder, mode=0o700)
+    except FileExistsError:
+        pass
+    reason = check_private_folder(folder, uid)
+    if reason is not None:
+        raise PermissionError(f"refusing the socket folder: {reason}")

@@ -13,6 +13,20 @@ Wire format (little-endian), one frame:
 Each record type has a fixed size, so a frame is validated exactly: unknown
 versions, unknown types, short or long payloads and oversized frames raise
 `FrameError` with a message that says which.
+
+Version 2 (acknowledged delivery) keeps the header and adds, per frame, a
+sequence number in front of the records, and a message back from the sidecar:
+
+    v2 payload : seq u64 | record_count x (type u8 | struct)
+    ack        : magic b"PA" | version u8 | kind u8 | last_seq u64 | stored u64 | rejected u64
+
+The first frame of a v2 connection is seq 0 and holds `Session` (a random
+nonce naming the sender for its lifetime, and the optional shared token), then
+`Hello`, then run labels. The sidecar answers it with a "welcome" ack and, after
+every commit, an ack; the counters are cumulative per nonce and are committed
+in the same transaction as the rows, so after any crash the next welcome says
+exactly what was stored. `stored + rejected` accounts for every record of the
+data frames up to `last_seq`. A v1 sender gets no acks (and is still accepted).
 """
 
 from __future__ import annotations
@@ -22,9 +36,15 @@ import math
 import struct
 from typing import Iterable, NamedTuple, Union
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # the newest version this build speaks
+SUPPORTED_VERSIONS = (1, 2)
 MAGIC = b"PS"
 HEADER = struct.Struct("<2sBBII")
+SEQ = struct.Struct("<Q")  # v2: frame sequence number, first in the payload
+ACK_MAGIC = b"PA"
+ACK = struct.Struct("<2sBBQQQ")
+ACK_WELCOME, ACK_COMMIT = 0, 1
+TOKEN_BYTES = 64
 MAX_FRAME_BYTES = 1 << 20  # payload limit; a probe flush never builds more
 REQUEST_ID_BYTES = 32
 
@@ -154,6 +174,23 @@ class RunLabel(NamedTuple):
     value: str  # <= 96 bytes
 
 
+class Session(NamedTuple):
+    """v2: first record of a connection. `nonce` names the sender for its whole life (across
+    reconnects); `token` is the shared secret a sidecar may require (empty when none)."""
+
+    nonce: int  # random u64, fixed for the life of the sender
+    token: str  # <= 64 bytes
+
+
+class Ack(NamedTuple):
+    """Sidecar -> probe (v2): cumulative per nonce, committed with the rows."""
+
+    kind: int  # ACK_WELCOME (answer to the first frame) or ACK_COMMIT
+    last_seq: int  # every data frame up to this seq is accounted for
+    stored: int  # records of those frames committed to the store
+    rejected: int  # records of those frames refused (bad values), never stored
+
+
 class ServerMetric(NamedTuple):
     """One sample of an inference server's own metric (scraped /metrics, or vLLM's stat logger)."""
 
@@ -165,7 +202,7 @@ class ServerMetric(NamedTuple):
 
 
 Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth, RunLabel,
-               ServerMetric]
+               ServerMetric, Session]
 
 # type byte -> (class, struct); the order of fields equals the NamedTuple's
 _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
@@ -178,7 +215,9 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     7: (ProbeHealth, struct.Struct("<qHIQQQQQQQdQ")),
     8: (RunLabel, struct.Struct("<q32s96s")),
     9: (ServerMetric, struct.Struct("<qH64s64sd")),
+    10: (Session, struct.Struct("<Q64s")),
 }
+LAYOUTS = _LAYOUT  # read-only use by columnar decoders (agent/sidecar/columnar.py)
 _TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}
 RECORD_TYPES: tuple[type, ...] = tuple(cls for cls, _ in _LAYOUT.values())
 
@@ -233,8 +272,8 @@ def encode_records(records: Iterable[Record]) -> tuple[bytes, int]:
     return b"".join(parts), len(parts)
 
 
-def encode_frame(records: Iterable[Record], version: int = WIRE_VERSION) -> bytes:
-    """One frame holding `records`. Raises FrameError if it would be oversized."""
+def encode_frame(records: Iterable[Record], version: int = 1) -> bytes:
+    """One v1 frame holding `records` (`frame_v2` makes a v2 frame of it). Raises FrameError if oversized."""
     payload, count = encode_records(records)
     if len(payload) > MAX_FRAME_BYTES:
         raise FrameError(f"frame payload of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
@@ -243,18 +282,54 @@ def encode_frame(records: Iterable[Record], version: int = WIRE_VERSION) -> byte
 
 def decode_header(header: bytes) -> tuple[int, int]:
     """Validate a frame header; returns (record_count, payload_len)."""
+    _, count, length = read_header(header)
+    return count, length
+
+
+def read_header(header: bytes) -> tuple[int, int, int]:
+    """Validate a frame header; returns (version, record_count, payload_len)."""
     if len(header) != HEADER.size:
         raise FrameError(f"truncated header: {len(header)} of {HEADER.size} bytes")
     magic, version, _flags, count, length = HEADER.unpack(header)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != WIRE_VERSION:
-        raise FrameError(f"unsupported wire version {version} (this build speaks {WIRE_VERSION})")
-    if length > MAX_FRAME_BYTES:
+    if version not in SUPPORTED_VERSIONS:
+        raise FrameError(f"unsupported wire version {version} (this build speaks {SUPPORTED_VERSIONS})")
+    seq_len = SEQ.size if version >= 2 else 0
+    if length > MAX_FRAME_BYTES + seq_len:
         raise FrameError(f"oversized frame: payload of {length} bytes exceeds {MAX_FRAME_BYTES}")
-    if count > length:
+    if length < seq_len:
+        raise FrameError(f"v{version} payload of {length} bytes has no sequence number")
+    if count > length - seq_len:
         raise FrameError(f"record count {count} cannot fit in {length} payload bytes")
-    return count, length
+    return version, count, length
+
+
+def frame_v2(frame: bytes, seq: int, prefix: Iterable[Record] = ()) -> bytes:
+    """Re-wrap a v1 frame (what `encode_frame` builds) as v2 with sequence number `seq`,
+    putting `prefix` records (a Session) in front of its records."""
+    count, length = decode_header(frame[: HEADER.size])
+    head, n = encode_records(prefix)
+    body = SEQ.pack(seq) + head + frame[HEADER.size :]
+    if len(body) > MAX_FRAME_BYTES + SEQ.size:
+        raise FrameError(f"frame payload of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(MAGIC, 2, 0, count + n, len(body)) + body
+
+
+def encode_ack(ack: Ack) -> bytes:
+    return ACK.pack(ACK_MAGIC, WIRE_VERSION, ack.kind, ack.last_seq, ack.stored, ack.rejected)
+
+
+def decode_acks(buf: bytearray) -> list[Ack]:
+    """Take every whole ack message off the front of `buf` (in place). Raises FrameError on garbage."""
+    out, n = [], ACK.size
+    while len(buf) >= n:
+        magic, _version, kind, last_seq, stored, rejected = ACK.unpack_from(buf, 0)
+        if magic != ACK_MAGIC:
+            raise FrameError(f"bad ack magic {magic!r}")
+        out.append(Ack(kind, last_seq, stored, rejected))
+        del buf[:n]
+    return out
 
 
 def _text(raw: bytes) -> str:
@@ -290,12 +365,12 @@ def decode_payload(payload: bytes, count: int) -> list[Record]:
 
 
 def decode_frame(frame: bytes) -> list[Record]:
-    """Decode one whole frame (header and payload)."""
-    count, length = decode_header(frame[: HEADER.size])
+    """Decode one whole frame (header and payload); a v2 frame's sequence number is dropped."""
+    version, count, length = read_header(frame[: HEADER.size])
     payload = frame[HEADER.size :]
     if len(payload) != length:
         raise FrameError(f"payload is {len(payload)} bytes, header says {length}")
-    return decode_payload(payload, count)
+    return decode_payload(payload[SEQ.size :] if version >= 2 else payload, count)
 
 
 def same_record(a: Record, b: Record) -> bool:

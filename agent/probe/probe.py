@@ -321,7 +321,7 @@ class Probe:
             self.rank,
             os.getpid(),
             self.records,
-            self.dropped,
+            self.dropped + (self._sender.lost + self._sender.rejected if self._sender else 0),
             self.errors,
             self.frames_sent,
             self._sender.failures if self._sender else 0,

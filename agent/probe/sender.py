@@ -1,23 +1,43 @@
-"""Probe -> sidecar transport: a sender that reconnects with backoff.
+"""Probe -> sidecar transport: a sender that reconnects with backoff and counts only acknowledged records.
 
 The sender runs on the probe's flush thread only; the host's threads never touch a socket.
+
+Delivery (wire v2, see `agent/events.py`): every data frame carries a sequence
+number; the sidecar acknowledges what it has committed, cumulatively per sender
+nonce. Records count as `delivered` only when acknowledged as stored, as
+`rejected` when the sidecar refused them (bad values), and as `lost` when a
+connection died before their ack and the next connection's welcome says they
+were not committed (or no next connection came before `close`). So at any time
+`sent = delivered + rejected + lost + in_flight + unresolved`, and after a close
+`delivered` equals what the store holds from this sender. Unacknowledged bytes
+are capped (`window_bytes`): when the sidecar is slow or full, `ready()` says
+no, records stay in the probe's ring, and the ring drops (and counts) the oldest.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import random
+import select
 import socket
 import time
 from typing import Callable
 
-from ..address import Address
+from ..address import ENV_TOKEN, Address, check_private_folder
+from ..events import ACK_WELCOME, HEADER, TOKEN_BYTES, Ack, FrameError, Session, decode_acks, decode_header, frame_v2
 
 log = logging.getLogger("phasescope.transport")
 
 
-def connect(addr: Address, timeout_s: float) -> socket.socket:
-    """Open a blocking client socket with a send timeout. Raises OSError."""
+def connect(addr: Address, timeout_s: float, folder_uid: int | None = None) -> socket.socket:
+    """Open a blocking client socket with a send timeout. Raises OSError (PermissionError for an
+    unsafe socket folder: one owned by another user or writable by others)."""
     if addr.kind == "unix":
+        reason = check_private_folder(os.path.dirname(addr.path) or ".", folder_uid)
+        if reason is not None:
+            raise PermissionError(f"refusing {addr}: {reason}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         target: object = addr.path
     else:
@@ -36,9 +56,10 @@ def connect(addr: Address, timeout_s: float) -> socket.socket:
 class Sender:
     """A connection to the sidecar that reconnects with exponential backoff.
 
-    `send(frame)` returns False when the frame could not be delivered (no
-    sidecar, broken pipe, timeout); the caller counts what was lost.
-    `on_connect` returns the frame to send first on each new connection (Hello).
+    `send(frame)` returns False when the frame could not be handed to the socket
+    (no sidecar, broken pipe, timeout); the caller counts those records as dropped.
+    `on_connect` returns the (v1-encoded) frame to send first on each new connection (Hello).
+    `token`: the shared secret of a TCP sidecar started with one (default $PHASESCOPE_AGENT_TOKEN).
     """
 
     def __init__(
@@ -49,39 +70,78 @@ class Sender:
         backoff_min_s: float = 0.05,
         backoff_max_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        token: str | None = None,
+        window_bytes: int = 8 << 20,
+        drain_s: float = 5.0,
+        folder_uid: int | None = None,
     ) -> None:
+        token = os.environ.get(ENV_TOKEN, "") if token is None else token
+        if len(token.encode()) > TOKEN_BYTES:
+            raise ValueError(f"token longer than {TOKEN_BYTES} bytes")
+        if window_bytes < 1 << 16:
+            raise ValueError("window_bytes must be >= 64 KiB")
         self.addr = addr
         self._on_connect = on_connect
         self._timeout_s = timeout_s
         self._backoff_min_s = backoff_min_s
         self._backoff_max_s = backoff_max_s
         self._clock = clock
+        self._token = token
+        self._window = window_bytes
+        self._drain_s = drain_s
+        self._folder_uid = folder_uid
         self._sock: socket.socket | None = None
         self._backoff_s = backoff_min_s
         self._next_try = 0.0
+        self._warned = False
+        self._v1 = False  # the sidecar is an old build without acks
+        self._no_welcome = 0  # handshakes in a row closed without a welcome
+        self.nonce = random.SystemRandom().getrandbits(63) + 1
+        self._seq = 0  # last data frame sequence number used
+        self._inflight: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, records, bytes)
+        self._inflight_bytes = 0
+        self._unresolved: list[tuple[int, int]] = []  # (seq, records) sent on a connection that died
+        self._acked = (0, 0, 0)  # the sidecar's cumulative (last_seq, stored, rejected) for our nonce
+        self._rx = bytearray()
+        # counters (monotonic), in records unless named otherwise
         self.connects = 0
         self.failures = 0
-        self._warned = False
+        self.sent = 0  # records in data frames handed to the socket
+        self.delivered = 0  # acknowledged as stored
+        self.rejected = 0  # acknowledged as refused by the sidecar (bad values)
+        self.lost = 0  # sent, but the connection died and they were not committed
+        self.unacked_v1 = 0  # sent to an old (v1) sidecar, which cannot acknowledge
 
     @property
     def connected(self) -> bool:
         return self._sock is not None
 
+    @property
+    def in_flight(self) -> int:
+        """Records sent and not yet accounted for (acknowledged or known lost)."""
+        return sum(n for _, n, _ in self._inflight) + sum(n for _, n in self._unresolved)
+
     def ready(self) -> bool:
-        """Connected, or connected now if the backoff allows a try."""
+        """Connected with room in the window, or connected now if the backoff allows a try."""
         if self._sock is not None:
-            return True
+            self.poll()
+            return self._sock is not None and self._inflight_bytes < self._window
         now = self._clock()
         if now < self._next_try:
             return False
         try:
-            sock = connect(self.addr, self._timeout_s)
-            sock.sendall(self._on_connect())
-        except OSError as exc:
+            sock = connect(self.addr, self._timeout_s, self._folder_uid)
+            try:
+                self._handshake(sock)
+            except BaseException:
+                sock.close()
+                raise
+        except (OSError, FrameError) as exc:
             self._next_try = now + self._backoff_s
             self._backoff_s = min(self._backoff_s * 2, self._backoff_max_s)
             if not self._warned:
-                log.info("phasescope: no sidecar at %s (%s); retrying with backoff", self.addr, exc)
+                level = logging.WARNING if isinstance(exc, PermissionError) else logging.INFO
+                log.log(level, "phasescope: no sidecar at %s (%s); retrying with backoff", self.addr, exc)
                 self._warned = True
             return False
         self._sock = sock
@@ -90,25 +150,153 @@ class Sender:
         self._warned = False
         return True
 
+    def _handshake(self, sock: socket.socket) -> None:
+        hello = self._on_connect()
+        if self._v1:
+            sock.sendall(hello)
+            return
+        sock.sendall(frame_v2(hello, 0, [Session(self.nonce, self._token)]))
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            acks = decode_acks(self._rx)
+            if acks:
+                self._no_welcome = 0
+                for a in acks:
+                    self._apply(a)
+                return
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = sock.recv(4096)
+            except socket.timeout:
+                raise OSError("no welcome from the sidecar") from None
+            if not chunk:
+                # closed without a welcome: a v1 sidecar (it rejects v2 frames), a refused token, or a
+                # sidecar going down; after 3 in a row, assume v1
+                self._no_welcome += 1
+                if self._no_welcome >= 3 and not self._token:
+                    log.info("phasescope: sidecar at %s speaks wire v1 only; sending without acknowledgements",
+                             self.addr)
+                    self._v1 = True
+                raise OSError("the sidecar closed the connection during the handshake")
+            self._rx += chunk
+            sock.settimeout(self._timeout_s)
+
     def send(self, frame: bytes) -> bool:
-        """Send one frame; False if it was not delivered."""
+        """Send one (v1-encoded) data frame; False if it was not handed to the socket."""
         if not self.ready():
             return False
         assert self._sock is not None
+        count, _ = decode_header(frame[: HEADER.size])
+        if self._v1:
+            data, seq = frame, 0
+        else:
+            seq = self._seq + 1
+            data = frame_v2(frame, seq)
         try:
-            self._sock.sendall(frame)
-            return True
+            self._sock.sendall(data)
         except OSError as exc:
-            self.failures += 1
-            log.info("phasescope: lost sidecar connection (%s)", exc)
-            self.close()
-            self._next_try = self._clock() + self._backoff_s
+            self._lost_connection(exc)
             return False
+        self.sent += count
+        if self._v1:
+            self.unacked_v1 += count
+        else:
+            self._seq = seq
+            self._inflight.append((seq, count, len(data)))
+            self._inflight_bytes += len(data)
+        self.poll()
+        return True
 
-    def close(self) -> None:
+    def poll(self) -> None:
+        """Read whatever acks arrived (never blocks)."""
+        sock = self._sock
+        if sock is None or self._v1:
+            return
+        while True:
+            try:
+                if not select.select([sock], [], [], 0)[0]:
+                    break
+                chunk = sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except (OSError, ValueError) as exc:
+                self._lost_connection(exc)
+                return
+            if not chunk:
+                self._lost_connection(EOFError("closed by the sidecar"))
+                return
+            self._rx += chunk
+        try:
+            for a in decode_acks(self._rx):
+                self._apply(a)
+        except FrameError as exc:
+            self._lost_connection(exc)
+
+    def _apply(self, ack: Ack) -> None:
+        last_seq, stored, rejected = self._acked
+        if ack.kind == ACK_WELCOME:
+            if ack.last_seq < last_seq or ack.stored < stored or ack.rejected < rejected:
+                last_seq, stored, rejected = 0, 0, 0  # the sidecar's store does not know us (a new file)
+            self.delivered += ack.stored - stored
+            self.rejected += ack.rejected - rejected
+            self._acked = (ack.last_seq, ack.stored, ack.rejected)
+            # frames of the dead connection that the store did not commit are lost
+            self.lost += sum(n for seq, n in self._unresolved if seq > ack.last_seq)
+            self._unresolved.clear()
+            return
+        if ack.last_seq < last_seq:
+            return
+        self.delivered += ack.stored - stored
+        self.rejected += ack.rejected - rejected
+        self._acked = (ack.last_seq, ack.stored, ack.rejected)
+        while self._inflight and self._inflight[0][0] <= ack.last_seq:
+            _, _, nbytes = self._inflight.popleft()
+            self._inflight_bytes -= nbytes
+
+    def _lost_connection(self, exc: BaseException) -> None:
+        self.failures += 1
+        log.info("phasescope: lost sidecar connection (%s)", exc)
+        self._drop_socket()
+        self._next_try = self._clock() + self._backoff_s
+
+    def _drop_socket(self) -> None:
         if self._sock is not None:
             try:
                 self._sock.close()
             except OSError:
                 pass
             self._sock = None
+        self._rx.clear()
+        # what the dead connection did not acknowledge: resolved by the next welcome
+        self._unresolved.extend((seq, n) for seq, n, _ in self._inflight)
+        self._inflight.clear()
+        self._inflight_bytes = 0
+
+    def close(self) -> None:
+        """Wait (up to `drain_s`) for the acks of what was sent, then close; the rest counts as lost."""
+        sock = self._sock
+        if sock is not None and not self._v1 and self._inflight:
+            deadline = time.monotonic() + self._drain_s
+            try:
+                sock.shutdown(socket.SHUT_WR)  # the sidecar commits what it has, acks, and closes
+            except OSError:
+                pass
+            while self._sock is not None and self._inflight and time.monotonic() < deadline:
+                try:
+                    sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    chunk = sock.recv(65536)
+                except socket.timeout:
+                    break
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                self._rx += chunk
+                try:
+                    for a in decode_acks(self._rx):
+                        self._apply(a)
+                except FrameError:
+                    break
+        self._drop_socket()
+        self.lost += sum(n for _, n in self._unresolved)
+        self._unresolved.clear()

@@ -152,6 +152,14 @@ RUN_INFO_DDL = ("CREATE TABLE IF NOT EXISTS run_info "
 RUN_INFO_DOC = {"run_id": "sources.run_id", "key": "label name, e.g. model_layers, page_size, gpu_name",
                 "value": "label value as text"}
 
+# acknowledged delivery (wire v2): per sender nonce, what its data frames up to last_seq became.
+# Updated in the same transaction as the rows, so after a crash it says exactly what was committed.
+PROGRESS_DDL = ("CREATE TABLE IF NOT EXISTS ingest_progress "
+                "(nonce BIGINT PRIMARY KEY, last_seq BIGINT, stored BIGINT, rejected BIGINT)")
+PROGRESS_DOC = {"nonce": "random id of a sender for its life (events.Session)",
+                "last_seq": "every data frame up to this sequence number is accounted for",
+                "stored": "records of those frames committed", "rejected": "records of those frames refused"}
+
 # record class name -> table (columns after source_id map 1:1 to record fields,
 # except that enum ints become text)
 TABLE_OF_RECORD = {
@@ -248,6 +256,9 @@ def ddl() -> list[str]:
         for name, _, doc in cols:
             out.append(f"COMMENT ON COLUMN {table}.{name} IS '{doc.replace(chr(39), chr(39) * 2)}'")
     out.append(RUN_INFO_DDL)
+    out.append(PROGRESS_DDL)
+    for name, doc in PROGRESS_DOC.items():
+        out.append(f"COMMENT ON COLUMN ingest_progress.{name} IS '{doc}'")
     for name, doc in RUN_INFO_DOC.items():
         out.append(f"COMMENT ON COLUMN run_info.{name} IS '{doc}'")
     for view, sql in VIEWS.items():

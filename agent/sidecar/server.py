@@ -1,14 +1,29 @@
-"""The sidecar: accepts probe connections, validates frames, writes DuckDB in batches.
+"""The sidecar: accepts probe connections, validates frames, writes DuckDB in batches, acknowledges.
 
-One asyncio loop serves every connection (one per probe process/rank); a writer
-thread owns the store and appends what the loop decoded every `batch_interval_s`,
-checkpointing every `checkpoint_interval_s` and on stop. A bad frame closes only
-the connection that sent it and is counted; the sidecar keeps running.
+One asyncio loop serves every connection (one per probe process/rank): it reads
+frames under deadlines, decodes them into numpy columns (agent/sidecar/columnar.py:
+a record with bad values is rejected and counted by reason, the rest of its frame
+kept) and queues them. A writer thread appends what was queued in one transaction
+per batch (one insert per table), then acknowledges each v2 sender with what is now
+committed, and hands the batch to the sinks (exporters) on a thread of their own.
+
+Nothing is lost uncounted:
+- memory for received-but-unwritten records is a fixed budget (`memory_budget_bytes`);
+  when it is full the loop stops reading, the probes' windows fill, and their rings
+  drop and count (backpressure);
+- a batch that fails on its data is retried in halves until the poison is isolated
+  (that record is rejected as `write_error`); a batch that fails on the store (disk
+  full, I/O error, invalidated connection) is kept, the store is reopened with
+  backoff, and writing resumes when it can (health and /metrics say so meanwhile);
+- connections have a cap, an idle deadline, a per-frame deadline and a cap on the
+  bytes of partial frames held in total; a bad frame closes only its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import hmac
 import logging
 import os
 import queue
@@ -16,11 +31,13 @@ import socket
 import stat
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from ..events import HEADER, FrameError, Hello, Record, decode_header, decode_payload
-from .store import Store
-from ..address import Address, parse_address
+from ..address import Address, make_private_folder, parse_address
+from ..events import (ACK_COMMIT, ACK_WELCOME, HEADER, SEQ, Ack, FrameError, Hello, Record, RunLabel, Session,
+                      encode_ack, read_header)
+from . import columnar
+from .store import Part, Store, is_store_failure
 
 log = logging.getLogger("phasescope.sidecar")
 
@@ -29,7 +46,7 @@ Batch = list[tuple[int, list[Record]]]  # (source_id, records) in arrival order;
 
 
 class RecordSink(Protocol):
-    """A consumer of everything the sidecar ingests (exporters): called on the writer thread."""
+    """A consumer of everything the sidecar stores (exporters): called on the sinks' thread."""
 
     def on_records(self, batch: Batch) -> None: ...
 
@@ -46,20 +63,101 @@ SIDECAR_SOURCE_ID = 0  # source of the records the sidecar's own collectors prod
 
 
 class SidecarStats:
-    """Counters of the sidecar itself (monotonic, except open_connections)."""
+    """Counters of the sidecar itself (monotonic, except the gauges marked so)."""
 
     def __init__(self) -> None:
         self.connections_total = 0
-        self.open_connections = 0
+        self.open_connections = 0  # gauge
+        self.connections_refused_total = 0  # over max_connections
+        self.auth_failures_total = 0  # wrong or missing token
+        self.timeouts_total = 0  # idle or per-frame read deadline passed
         self.frames_total = 0
         self.records_total = 0
         self.bad_frames_total = 0
-        self.records_dropped_total = 0  # ingest queue full
+        self.records_rejected_total: dict[str, int] = {}  # by reason (columnar.REASONS, write_error)
+        self.records_dropped_total = 0  # records the sidecar let go without storing (always 0: backpressure)
         self.rows_written_total = 0
         self.batches_written_total = 0
+        self.write_retries_total = 0  # batches retried in halves
+        self.store_errors_total = 0  # writes or checkpoints that failed on the file/connection
+        self.store_reopens_total = 0
+        self.store_ok = 1  # gauge: 0 while the store is broken (disk full, I/O error)
+        self.store_error = ""  # the last store failure, "" when fine
+        self.unwritten_bytes = 0  # gauge: budget in use by received-but-unwritten frames
+        self.memory_budget_bytes = 0  # gauge: the budget
         self.checkpoints_total = 0
         self.sink_errors_total = 0
+        self.sink_dropped_records_total = 0  # records the exporters did not see (they lagged)
         self.collector_errors_total = 0
+
+    def reject(self, reason: str, n: int) -> None:
+        self.records_rejected_total[reason] = self.records_rejected_total.get(reason, 0) + n
+
+
+class _Budget:
+    """Bytes that may be held at once; the loop waits (stops reading) while it is spent."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._event = loop, asyncio.Event()
+
+    def try_take(self, n: int) -> bool:
+        with self._lock:
+            if self.used and self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    async def take(self, n: int) -> None:
+        assert self._event is not None
+        while not self.try_take(n):
+            self._event.clear()
+            if self.try_take(n):
+                return
+            await self._event.wait()
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+        if self._loop is not None and self._event is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # loop closed at shutdown
+                pass
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Conn:
+    """One probe connection as the loop and the writer see it."""
+
+    __slots__ = ("writer", "version", "nonce", "source_id", "pending", "last_seq", "drained", "closed")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.version = 1
+        self.nonce: int | None = None
+        self.source_id: int | None = None
+        self.pending = 0  # frames queued, not yet committed
+        self.last_seq = 0
+        self.drained = asyncio.Event()
+        self.closed = False
+
+
+class _Item:
+    __slots__ = ("conn", "part", "nbytes", "hello", "nonce")
+
+    def __init__(self, conn: _Conn | None, part: Part, nbytes: int, hello: Hello | None = None) -> None:
+        self.conn, self.part, self.nbytes, self.hello = conn, part, nbytes, hello
+        self.nonce = conn.nonce if conn is not None else None
 
 
 class Sidecar:
@@ -77,21 +175,55 @@ class Sidecar:
         sample_interval_s: float = 1.0,
         read_api: str | None = None,
         findings: Callable | None = None,
+        memory_budget_bytes: int = 256 << 20,
+        partial_budget_bytes: int = 64 << 20,
+        max_connections: int = 256,
+        idle_timeout_s: float = 120.0,
+        frame_timeout_s: float = 10.0,
+        token: str | None = None,
+        write_threshold_bytes: int = 8 << 20,
+        sink_queue_batches: int = 64,
     ) -> None:
         """`read_api`: "HOST:PORT" (loopback; port 0 picks one) to serve named queries to live readers;
-        `findings`: (connection, run_id) -> findings served at /api/v1/findings (the CLI injects diagnose)."""
+        `findings`: (connection, run_id) -> findings served at /api/v1/findings (the CLI injects diagnose).
+        `memory_budget_bytes`: received-but-unwritten frames held at most (then backpressure);
+        `partial_budget_bytes`: bytes of frames still arriving held at most, over all connections;
+        `idle_timeout_s`: a connection that sends nothing this long is closed (probes send health every 1 s);
+        `frame_timeout_s`: a frame must arrive whole within this once it starts;
+        `token`: shared secret every v2 sender must present (TCP has no other authentication);
+        `write_threshold_bytes`: write at once (before `batch_interval_s`) when this much is queued."""
         if batch_interval_s <= 0 or checkpoint_interval_s <= 0:
             raise ValueError("intervals must be > 0")
+        if memory_budget_bytes < (2 << 20) or partial_budget_bytes < (1 << 20) or max_connections < 1:
+            raise ValueError("memory_budget_bytes >= 2 MiB, partial_budget_bytes >= 1 MiB, max_connections >= 1")
+        if idle_timeout_s <= 0 or frame_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
         self.db_path = db_path
         self.addresses = [a if isinstance(a, Address) else parse_address(a) for a in (listen or [None])]
         for a in self.addresses:
             if a.kind == "tcp" and a.path not in ("127.0.0.1", "localhost", "::1"):
-                log.warning("sidecar listening on non-loopback %s: anyone who reaches it can write", a)
+                log.warning("sidecar listening on non-loopback %s: anyone who reaches it can write%s", a,
+                            "" if token else " (no --token: TCP probes are not authenticated)")
         self.batch_interval_s = batch_interval_s
         self.checkpoint_interval_s = checkpoint_interval_s
         self.stats = SidecarStats()
+        self.stats.memory_budget_bytes = memory_budget_bytes
         self.store: Store | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue_batches)
+        self._budget = _Budget(memory_budget_bytes)
+        self._partial = _Budget(partial_budget_bytes)
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.frame_timeout_s = frame_timeout_s
+        self._token = token
+        self._write_threshold = write_threshold_bytes
+        self._items: collections.deque[_Item] = collections.deque()
+        self._queued_bytes = 0
+        self._wake = threading.Event()
+        self._pending_by_nonce: dict[int, int] = {}
+        self._nonce_idle: dict[int, asyncio.Event] = {}
+        self._live_by_nonce: dict[int, set[_Conn]] = {}
+        self._sink_queue: queue.Queue = queue.Queue(maxsize=sink_queue_batches)
+        self._sink_thread: threading.Thread | None = None
         self.read_api_addr = read_api
         self.read_api = None
         self._findings = findings
@@ -121,9 +253,10 @@ class Sidecar:
 
             host, _, port = self.read_api_addr.rpartition(":")
             self.read_api = ReadAPI(lambda: self.store.cursor(), host or "127.0.0.1", int(port),
-                                    health=lambda: dict(vars(self.stats)), findings=self._findings,
+                                    health=lambda: _jsonable(vars(self.stats)), findings=self._findings,
                                     live=lambda: liveness(self), ready=lambda: readiness(self, self.checks))
         self.store = Store(self.db_path)
+        self.store.defer_sources = True
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="phasescope-sidecar", daemon=True)
         self._loop_thread.start()
@@ -134,6 +267,9 @@ class Sidecar:
             raise self._start_error
         self._writer_thread = threading.Thread(target=self._write_loop, name="phasescope-writer", daemon=True)
         self._writer_thread.start()
+        if self.sinks:
+            self._sink_thread = threading.Thread(target=self._sink_loop, name="phasescope-sinks", daemon=True)
+            self._sink_thread.start()
         if self.read_api is not None:
             self.read_api.start()
         if self.collectors:
@@ -151,7 +287,7 @@ class Sidecar:
         if self._loop is not None:
             fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
             try:
-                fut.result(10)
+                fut.result(15)
             except Exception as exc:  # noqa: BLE001 - best effort on the way out
                 log.warning("sidecar shutdown: %r", exc)
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -160,8 +296,12 @@ class Sidecar:
         if self._sampler_thread is not None:
             self._sampler_thread.join(5)
         self._writer_stop.set()
+        self._wake.set()
         if self._writer_thread is not None:
             self._writer_thread.join(30)
+        if self._sink_thread is not None:
+            self._sink_queue.put(None)
+            self._sink_thread.join(10)
         for a in self.bound:
             if a.kind == "unix":
                 try:
@@ -177,7 +317,7 @@ class Sidecar:
 
     def drained(self) -> bool:
         """No probe connected and nothing left to write."""
-        return self.stats.open_connections == 0 and self._queue.empty()
+        return self.stats.open_connections == 0 and not self._items and self.stats.unwritten_bytes == 0
 
     def wait_rows(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
         """Poll `predicate` until true (tests and the demo use this)."""
@@ -193,6 +333,8 @@ class Sidecar:
     def _run_loop(self) -> None:
         assert self._loop is not None
         asyncio.set_event_loop(self._loop)
+        self._budget.bind(self._loop)
+        self._partial.bind(self._loop)
         try:
             self._loop.run_until_complete(self._bind_all())
         except BaseException as exc:  # noqa: BLE001 - reported to start()
@@ -233,95 +375,353 @@ class Sidecar:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    async def _read(self, reader: asyncio.StreamReader, n: int, deadline: float) -> bytes:
+        assert self._loop is not None
+        left = deadline - self._loop.time()
+        if left <= 0:
+            raise _Timeout()
+        try:
+            return await asyncio.wait_for(reader.readexactly(n), left)
+        except asyncio.TimeoutError:
+            raise _Timeout() from None
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        st = self.stats
+        if st.open_connections >= self.max_connections:
+            st.connections_refused_total += 1
+            writer.close()
+            return
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
-        st = self.stats
         st.connections_total += 1
         st.open_connections += 1
-        source_id: int | None = None
+        conn = _Conn(writer)
+        loop = self._loop
+        assert loop is not None
         try:
             while True:
                 try:
-                    header = await reader.readexactly(HEADER.size)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        raise FrameError(f"connection closed inside a header ({len(exc.partial)} bytes)")
-                    return  # clean end of stream
-                count, length = decode_header(header)
+                    first = await asyncio.wait_for(reader.readexactly(1), self.idle_timeout_s)
+                except asyncio.IncompleteReadError:
+                    break  # clean end of stream
+                except asyncio.TimeoutError:
+                    raise _Timeout() from None
+                deadline = loop.time() + self.frame_timeout_s
                 try:
-                    payload = await reader.readexactly(length)
+                    header = first + await self._read(reader, HEADER.size - 1, deadline)
                 except asyncio.IncompleteReadError as exc:
-                    raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
-                records = decode_payload(payload, count)
-                st.frames_total += 1
-                if source_id is None:
-                    if not records or type(records[0]) is not Hello:
-                        raise FrameError("the first record on a connection must be Hello")
-                    assert self.store is not None
-                    source_id = self.store.register_source(records[0])
-                else:
-                    records = [r for r in records if type(r) is not Hello]  # only the first counts
-                if records:
-                    st.records_total += len(records)
+                    raise FrameError(f"connection closed inside a header ({1 + len(exc.partial)} bytes)")
+                version, count, length = read_header(header)
+                await self._budget.take(length)
+                try:
+                    await self._partial.take(length)
                     try:
-                        self._queue.put_nowait((source_id, records))
-                    except queue.Full:
-                        st.records_dropped_total += len(records)
+                        payload = await self._read(reader, length, loop.time() + self.frame_timeout_s)
+                    except asyncio.IncompleteReadError as exc:
+                        raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
+                    finally:
+                        self._partial.give(length)
+                    st.frames_total += 1
+                    queued = await self._frame(conn, version, count, payload)
+                except BaseException:
+                    self._budget.give(length)
+                    raise
+                if not queued:
+                    self._budget.give(length)
+            if conn.pending:  # the probe closed its side: let the writer commit and acknowledge the rest
+                try:
+                    await asyncio.wait_for(conn.drained.wait(), 10.0)
+                except asyncio.TimeoutError:
+                    pass
         except FrameError as exc:
             st.bad_frames_total += 1
             log.warning("rejected frame from a probe connection (closing it): %s", exc)
+        except _Timeout:
+            st.timeouts_total += 1
+            log.info("closing a probe connection: read deadline passed")
+        except PermissionError as exc:
+            st.auth_failures_total += 1
+            log.warning("refused a probe connection: %s", exc)
         except (ConnectionError, OSError) as exc:
             log.info("probe connection lost: %r", exc)
+        except asyncio.CancelledError:
+            pass  # shutting down
+        except Exception as exc:  # noqa: BLE001 - a bug must cost one connection, never the sidecar
+            st.bad_frames_total += 1
+            log.error("closing a probe connection after an unexpected error: %r", exc, exc_info=True)
         finally:
+            conn.closed = True
+            if conn.nonce is not None:
+                self._live_by_nonce.get(conn.nonce, set()).discard(conn)
+                ev = self._nonce_idle.get(conn.nonce)
+                if ev is not None:
+                    ev.set()
             st.open_connections -= 1
             writer.close()
             self._tasks.discard(task)
 
+    async def _frame(self, conn: _Conn, version: int, count: int, payload: bytes) -> bool:
+        """Handle one frame; True if it was queued (its bytes stay in the budget until written)."""
+        st = self.stats
+        seq, start = 0, 0
+        if version >= 2:
+            (seq,) = SEQ.unpack_from(payload, 0)
+            start = SEQ.size
+        if conn.source_id is None:
+            return await self._first_frame(conn, version, count, payload, seq, start)
+        if version != conn.version:
+            raise FrameError(f"wire version changed from {conn.version} to {version} on one connection")
+        if version >= 2 and seq <= conn.last_seq:
+            raise FrameError(f"frame sequence {seq} after {conn.last_seq}: not increasing")
+        dec = columnar.decode(payload, count, start)
+        st.records_total += count
+        rejected = 0
+        for reason, n in dec.rejected.items():
+            st.reject(reason, n)
+            rejected += n
+        conn.last_seq = seq
+        labels = [r for r in dec.control if type(r) is RunLabel]  # a later Hello or Session is ignored
+        part = Part(conn.source_id, dec.arrays, labels, conn.nonce, seq if conn.nonce is not None else None,
+                    accepted=count - rejected, rejected=rejected)
+        self._enqueue(_Item(conn, part, len(payload)))
+        return True
+
+    async def _first_frame(self, conn: _Conn, version: int, count: int, payload: bytes, seq: int,
+                           start: int) -> bool:
+        # the first record must be Session (v2) then Hello; check the type bytes before decoding anything
+        session_size = columnar.TYPES[10].size
+        if version >= 2 and (count < 2 or len(payload) <= start + session_size or payload[start] != 10
+                             or payload[start + session_size] != 1):
+            raise FrameError("the first records of a v2 connection must be Session, Hello")
+        if version < 2 and (count < 1 or len(payload) <= start or payload[start] != 1):
+            raise FrameError("the first record on a connection must be Hello")
+        dec = columnar.decode(payload, count, start)
+        if dec.rejected:
+            raise FrameError(f"bad values in the first frame: {dict(dec.rejected)}")
+        session = next((r for r in dec.control if type(r) is Session), None)
+        hello = next(r for r in dec.control if type(r) is Hello)
+        if session is not None and session.nonce == 0:
+            raise FrameError("a Session nonce must not be 0")
+        if self._token is not None and (session is None or not hmac.compare_digest(
+                session.token.encode(), self._token.encode())):
+            raise PermissionError("wrong or missing token" if session is not None
+                                  else "this sidecar requires a token (wire v2); the sender speaks v1")
+        assert self.store is not None
+        conn.version = version
+        conn.source_id = self.store.register_source(hello)
+        self.stats.records_total += count
+        labels = [r for r in dec.control if type(r) is RunLabel]
+        self._enqueue(_Item(conn, Part(conn.source_id, dec.arrays, labels), len(payload), hello))
+        if session is not None:
+            await self._settle(session.nonce)
+            conn.nonce = session.nonce
+            self._live_by_nonce.setdefault(conn.nonce, set()).add(conn)
+            q, s_, r_ = self.store.progress.get(conn.nonce, (0, 0, 0))
+            conn.last_seq = max(q, seq)
+            conn.writer.write(encode_ack(Ack(ACK_WELCOME, q, s_, r_)))
+        return True
+
+    async def _settle(self, nonce: int) -> None:
+        """Before welcoming a sender back: its earlier connections must have ended (what they had sent
+        read to the end) and their frames be committed, so the welcome says exactly what was stored."""
+        assert self._loop is not None
+        live = self._live_by_nonce.setdefault(nonce, set())
+        ev = self._nonce_idle.setdefault(nonce, asyncio.Event())
+        give_up = self._loop.time() + self.frame_timeout_s
+        while live or self._pending_by_nonce.get(nonce, 0) > 0:
+            ev.clear()
+            left = give_up - self._loop.time()
+            if left <= 0 and live:  # an old connection that never ends: cut it; what it did not deliver is lost
+                for c in list(live):
+                    c.writer.transport.abort()
+                give_up = self._loop.time() + self.frame_timeout_s
+            try:
+                await asyncio.wait_for(ev.wait(), max(left, 0.05))
+            except asyncio.TimeoutError:
+                pass
+
+    def _enqueue(self, item: _Item) -> None:
+        conn = item.conn
+        if conn is not None:
+            conn.pending += 1
+            conn.drained.clear()
+            if item.nonce is not None:
+                self._pending_by_nonce[item.nonce] = self._pending_by_nonce.get(item.nonce, 0) + 1
+        self._items.append(item)
+        self._queued_bytes += item.nbytes
+        self.stats.unwritten_bytes = self._budget.used
+        if self._queued_bytes >= self._write_threshold:
+            self._wake.set()
+
+    def _committed(self, items: list[_Item]) -> None:
+        """On the loop: acknowledge what the writer committed."""
+        acked: dict[int, _Conn] = {}
+        for it in items:
+            conn = it.conn
+            if conn is None:
+                continue
+            conn.pending -= 1
+            if it.nonce is not None:
+                n = self._pending_by_nonce.get(it.nonce, 0) - 1
+                if n <= 0:
+                    self._pending_by_nonce.pop(it.nonce, None)
+                else:
+                    self._pending_by_nonce[it.nonce] = n
+                ev = self._nonce_idle.get(it.nonce)
+                if ev is not None:
+                    ev.set()
+            if conn.nonce is not None:
+                if not conn.closed:
+                    acked[id(conn)] = conn
+            if conn.pending == 0:
+                conn.drained.set()
+        assert self.store is not None
+        for conn in acked.values():
+            q, s_, r_ = self.store.progress.get(conn.nonce, (0, 0, 0))  # type: ignore[arg-type]
+            transport = conn.writer.transport
+            if transport.get_write_buffer_size() > (1 << 20):  # the probe reads no acks: drop it
+                transport.abort()
+                continue
+            conn.writer.write(encode_ack(Ack(ACK_COMMIT, q, s_, r_)))
+
     # --- storage side --------------------------------------------------------
 
     def _write_loop(self) -> None:
-        assert self.store is not None
+        store = self.store
+        assert store is not None
         next_checkpoint = time.monotonic() + self.checkpoint_interval_s
+        held: list[_Item] = []
+        held_parts: list[Part] | None = None  # what of `held` is still unwritten (after a partial isolation)
+        backoff = 0.1
         while True:
-            stopping = self._writer_stop.wait(self.batch_interval_s)
-            batch: list[tuple[int, list]] = []
-            try:
-                while True:
-                    batch.append(self._queue.get_nowait())
-            except queue.Empty:
-                pass
-            if batch:
-                try:
-                    self.stats.rows_written_total += self.store.append(batch)
-                    self.stats.batches_written_total += 1
-                except Exception as exc:  # noqa: BLE001 - a bad batch must not stop the writer
-                    log.error("failed to write a batch of %d: %r", len(batch), exc)
-                for sink in self.sinks:
-                    try:
-                        sink.on_records(batch)
-                    except Exception as exc:  # noqa: BLE001 - an exporter must not stop ingestion
-                        self.stats.sink_errors_total += 1
-                        log.warning("sink %s failed: %r", type(sink).__name__, exc)
+            stopping = self._writer_stop.is_set()
+            if not stopping:
+                self._wake.wait(self.batch_interval_s if not held else backoff)
+                self._wake.clear()
+            items = held
+            if not held:  # new frames wait while a held batch cannot be written: order per sender is kept
+                while self._items:
+                    it = self._items.popleft()
+                    self._queued_bytes -= it.nbytes
+                    items.append(it)
+            held = []
+            if items or store._pending_sources:
+                remaining = self._write(items, held_parts)
+                if remaining is None:
+                    backoff, held_parts = 0.1, None
+                else:
+                    held, held_parts = items, remaining
+                    backoff = min(backoff * 2, 5.0)
+                    if stopping:
+                        log.error("stopping with %d frames unwritten: the store is broken (%s)", len(held),
+                                  self.stats.store_error)
             now = time.monotonic()
-            if stopping or now >= next_checkpoint:
+            if (stopping or now >= next_checkpoint) and not store.broken:
                 try:
                     if stopping:
-                        self.store.close()
+                        store.close()
                     else:
-                        self.store.checkpoint()
+                        store.checkpoint()
                     self.stats.checkpoints_total += 1
                 except Exception as exc:  # noqa: BLE001
-                    log.error("checkpoint failed: %r", exc)
+                    self._store_failed(exc)
                 next_checkpoint = now + self.checkpoint_interval_s
             if stopping:
-                for sink in self.sinks:
-                    try:
-                        sink.close()
-                    except Exception as exc:  # noqa: BLE001
-                        log.warning("sink %s close failed: %r", type(sink).__name__, exc)
                 return
+
+    def _store_failed(self, exc: BaseException) -> None:
+        st = self.stats
+        st.store_errors_total += 1
+        st.store_ok = 0
+        st.store_error = f"{type(exc).__name__}: {exc}"[:300]
+        log.error("store failure (%s); the batch is kept and retried", st.store_error)
+
+    def _write(self, items: list[_Item], parts: list[Part] | None = None) -> list[Part] | None:
+        """Write `items` (or, on a retry, the `parts` of them still unwritten). None when every record is
+        accounted for (committed or rejected); else the parts still to write (the store is broken)."""
+        store, st = self.store, self.stats
+        assert store is not None
+        if parts is None:
+            parts = [it.part for it in items]
+        if store.broken:
+            try:
+                store.reopen()
+                st.store_reopens_total += 1
+                log.warning("store reopened after: %s", st.store_error)
+            except Exception as exc:  # noqa: BLE001 - still broken: try again later
+                self._store_failed(exc)
+                return parts
+        rows = 0
+        todo: list[list[Part]] = [parts]
+        while todo:
+            ps = todo.pop(0)
+            try:
+                rows += store.write(ps)
+                continue
+            except Exception as exc:  # noqa: BLE001
+                if is_store_failure(exc) or store.broken:
+                    store.broken = store.broken or f"{type(exc).__name__}: {exc}"
+                    self._store_failed(exc)
+                    st.rows_written_total += rows
+                    return [p for group in [ps] + todo for p in group]
+                if ps is parts:
+                    st.write_retries_total += 1
+                    log.warning("a batch failed on its data (%r); retrying in halves", exc)
+            # a data error: write in halves until what fails is one record, and reject that one
+            if len(ps) > 1:
+                todo[:0] = [ps[: len(ps) // 2], ps[len(ps) // 2:]]
+                continue
+            halves = _split(ps[0])
+            if halves is not None:
+                todo[:0] = [[halves[0]], [halves[1]]]
+                continue
+            p = ps[0]
+            bad = p.rows()
+            st.reject("write_error", bad)
+            log.warning("rejected %d record(s) the store refused (source %d)", bad, p.source_id)
+            todo.insert(0, [Part(p.source_id, {}, [], p.nonce, p.seq, p.accepted - bad, p.rejected + bad)])
+        st.store_ok, st.store_error = 1, ""
+        st.rows_written_total += rows
+        st.batches_written_total += 1
+        nbytes = sum(it.nbytes for it in items)
+        self._budget.give(nbytes)
+        st.unwritten_bytes = self._budget.used
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._committed, items)
+            except RuntimeError:
+                pass
+        if self.sinks:
+            try:
+                self._sink_queue.put_nowait(items)
+            except queue.Full:
+                st.sink_dropped_records_total += sum(it.part.rows() for it in items)
+        return None
+
+    def _sink_loop(self) -> None:
+        while True:
+            items = self._sink_queue.get()
+            if items is None:
+                break
+            batch: Batch = []
+            for it in items:
+                recs: list[Record] = [it.hello] if it.hello is not None else []
+                recs.extend(columnar.records_of(it.part.arrays))
+                recs.extend(it.part.labels)
+                if recs:
+                    batch.append((it.part.source_id, recs))
+            for sink in self.sinks:
+                try:
+                    sink.on_records(batch)
+                except Exception as exc:  # noqa: BLE001 - an exporter must not stop ingestion
+                    self.stats.sink_errors_total += 1
+                    log.warning("sink %s failed: %r", type(sink).__name__, exc)
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("sink %s close failed: %r", type(sink).__name__, exc)
 
     def _sample_loop(self) -> None:
         # a collector with a `hello()` (the /metrics scraper) gets a source of its own; the rest share source 0
@@ -339,18 +739,53 @@ class Sidecar:
                     log.info("collector %s failed: %r", type(c).__name__, exc)
                     continue
                 if records:
-                    try:
-                        self._queue.put_nowait((sources[id(c)], records))
-                    except queue.Full:
-                        self.stats.records_dropped_total += len(records)
+                    arrays, control = columnar.split_records(records)
+                    part = Part(sources[id(c)], arrays, [r for r in control if type(r) is RunLabel])
+                    self._items.append(_Item(None, part, 0))
+
+
+def _split(p: Part) -> tuple[Part, Part] | None:
+    """Two halves of a part (by record type, then by rows); None when it holds one record."""
+    chunks = [(code, a) for code, arrs in p.arrays.items() for a in arrs if len(a)]
+    if len(chunks) > 1:
+        mid = len(chunks) // 2
+        left, right = chunks[:mid], chunks[mid:]
+    elif chunks and len(chunks[0][1]) > 1:
+        code, a = chunks[0]
+        mid = len(a) // 2
+        left, right = [(code, a[:mid])], [(code, a[mid:])]
+    elif chunks and p.labels:
+        left, right = chunks, []
+    elif len(p.labels) > 1:
+        left, right = [], []
+    else:
+        return None
+
+    def arrays(ch: list) -> dict:
+        out: dict = collections.defaultdict(list)
+        for code, a in ch:
+            out[code].append(a)
+        return out
+
+    labels_left, labels_right = (p.labels[: len(p.labels) // 2], p.labels[len(p.labels) // 2:]) if not chunks \
+        else (p.labels, [])
+    a = Part(p.source_id, arrays(left), labels_left, p.nonce, None, 0, 0)
+    a.accepted = a.rows()
+    b = Part(p.source_id, arrays(right), labels_right, p.nonce, p.seq, p.accepted - a.accepted, p.rejected)
+    return a, b
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
 
 
 def _prepare_unix_path(path: str) -> None:
-    """Create the socket's folder (0700) and remove a stale socket; refuse a live one."""
+    """Create the socket's folder (0700, ours), refuse a folder another user owns or can write,
+    remove a stale socket, and refuse a live one."""
     folder = os.path.dirname(path) or "."
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
+    make_private_folder(folder)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise FileExistsError(f"{path} exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -2,11 +2,15 @@
 
 DuckDB lets one process hold a file read-write, and then no other process can
 open it at all. So: the sidecar owns the file (`Store(path)`), appends in
-columnar batches and checkpoints; offline readers use `Store.open_readonly`.
+columnar batches (numpy arrays, one insert per table per batch) and checkpoints;
+offline readers use `Store.open_readonly`. The file and its WAL are private (0600).
+A write that fails because the file system is full or the connection was
+invalidated leaves the store `broken`; `reopen()` opens the file again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -14,21 +18,49 @@ from collections import defaultdict
 from typing import Iterable, Sequence
 
 import duckdb
+import numpy as np
 
-from ..events import PHASES, REQUEST_EVENTS, Hello, Record, RunLabel
-from .schema import SCHEMA_VERSION, TABLE_OF_RECORD, TABLES, ddl
+from ..events import Hello, Record, RunLabel
+from . import columnar
+from .schema import SCHEMA_VERSION, ddl
 
 
 class SchemaError(RuntimeError):
     """The file was written by an incompatible schema version."""
 
 
-def _rows_for(table: str, source_id: int, records: Sequence[Record]) -> list[tuple]:
-    if table == "steps":
-        return [(source_id, *r[:3], PHASES[r[3]], *r[4:]) for r in records]
-    if table == "request_events":
-        return [(source_id, r[0], r[1], REQUEST_EVENTS[r[2]], *r[3:]) for r in records]
-    return [(source_id, *r) for r in records]
+@dataclasses.dataclass
+class Part:
+    """Rows of one source to write, and (on the last part of a frame) its delivery accounting."""
+
+    source_id: int
+    arrays: dict[int, list[np.ndarray]]  # record type code -> structured arrays (agent/sidecar/columnar.py)
+    labels: list[RunLabel] = dataclasses.field(default_factory=list)
+    nonce: int | None = None  # v2 sender; None for v1 senders and the sidecar's own collectors
+    seq: int | None = None  # set on the last part of a frame: the frame is then fully accounted for
+    accepted: int = 0  # records of the frame counted as stored when this part commits
+    rejected: int = 0  # records of the frame refused (at decode, or alone in a failed write)
+
+    def rows(self) -> int:
+        return sum(len(a) for parts in self.arrays.values() for a in parts) + len(self.labels)
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """A failure of the file or the connection (disk full, I/O error, invalidated database), not of the data."""
+    if isinstance(exc, (duckdb.IOException, duckdb.FatalException, duckdb.InternalException, OSError,
+                        duckdb.ConnectionException, duckdb.TransactionException)):
+        return True
+    text = str(exc).lower()
+    return any(w in text for w in ("invalidated", "no space left", "i/o error", "io error", "connection already closed"))
+
+
+def _private(path: str) -> None:
+    for p in (path, path + ".wal"):
+        try:
+            if os.stat(p).st_mode & 0o077:
+                os.chmod(p, 0o600)
+        except OSError:
+            pass
 
 
 class Store:
@@ -36,7 +68,28 @@ class Store:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.con = duckdb.connect(path)
+        self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
+        self.rows_written = 0
+        self.broken: str | None = None  # why the last write failed on the file/connection; None when fine
+        self._pending_sources: list[list] = []
+        self.defer_sources = False  # the sidecar sets this: sources rows go with the next batch
+        self._open()
+
+    def _open(self) -> None:
+        path = self.path
+        old = os.umask(0o077)  # the file and its WAL: 0600
+        try:
+            self.con = duckdb.connect(path)
+            self._init_schema()
+        finally:
+            os.umask(old)
+        _private(path)
+        if _pa is not None:  # the first Arrow scan of a process takes ~0.7 s: pay it before any probe waits
+            warm = _pa.table({"x": _pa.array([], _pa.int64())})  # noqa: F841 - found by name
+            self.con.execute("SELECT count(*) FROM warm").fetchone()
+
+    def _init_schema(self) -> None:
+        path = self.path
         for stmt in ddl():
             self.con.execute(stmt)
         version = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
@@ -49,10 +102,12 @@ class Store:
             "WHERE NOT EXISTS (SELECT 1 FROM sources WHERE source_id = 0)",
             [time.time_ns(), time.time_ns() - time.monotonic_ns(), os.getpid()],
         )
-        self._next_source = (self.con.execute("SELECT coalesce(max(source_id), 0) FROM sources").fetchone()[0]) + 1
-        self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
-        self._run_of: dict[int, str] = dict(self.con.execute("SELECT source_id, run_id FROM sources").fetchall())
-        self.rows_written = 0
+        self._next_source = max(getattr(self, "_next_source", 1),
+                                self.con.execute("SELECT coalesce(max(source_id), 0) FROM sources").fetchone()[0] + 1)
+        run_of = dict(self.con.execute("SELECT source_id, run_id FROM sources").fetchall())
+        self._run_of: dict[int, str] = {**getattr(self, "_run_of", {}), **run_of}
+        self.progress: dict[int, tuple[int, int, int]] = {
+            n: (q, s, r) for n, q, s, r in self.con.execute("SELECT * FROM ingest_progress").fetchall()}
 
     @staticmethod
     def open_readonly(path: str) -> duckdb.DuckDBPyConnection:
@@ -60,57 +115,89 @@ class Store:
         return duckdb.connect(path, read_only=True)
 
     def register_source(self, hello: Hello) -> int:
-        """Insert a sources row for a new connection; returns its source_id."""
+        """A source_id for a new connection; its sources row is written with the next batch."""
         with self._lock:
             sid = self._next_source
             self._next_source += 1
             self._run_of[sid] = hello.run_id
-            self.con.execute(
-                "INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            self._pending_sources.append(
                 [sid, time.time_ns(), hello.ts_ns, hello.wall_minus_mono_ns, hello.pid, hello.rank,
-                 hello.world_size, hello.run_id, hello.model, hello.runtime],
-            )
+                 hello.world_size, hello.run_id, hello.model, hello.runtime])
+        if not self.defer_sources:
+            self.write([])  # used directly (offline builders, tests): write it now
         return sid
 
     def append(self, batches: Iterable[tuple[int, Sequence[Record]]]) -> int:
         """Append records of many sources in one transaction; returns rows written."""
-        by_table: dict[str, list[tuple]] = defaultdict(list)
-        labels: dict[tuple[str, str], str] = {}
+        parts = []
         for source_id, records in batches:
-            by_type: dict[str, list[Record]] = defaultdict(list)
-            for r in records:
-                if type(r) is RunLabel:
-                    labels[(self._run_of.get(source_id, ""), r.key)] = r.value
-                    continue
-                table = TABLE_OF_RECORD.get(type(r).__name__)
-                if table is not None:
-                    by_type[table].append(r)
-            for table, recs in by_type.items():
-                by_table[table].extend(_rows_for(table, source_id, recs))
+            arrays, control = columnar.split_records(list(records))
+            parts.append(Part(source_id, arrays, [r for r in control if type(r) is RunLabel]))
+        return self.write(parts)
+
+    def write(self, parts: Sequence[Part]) -> int:
+        """Write `parts` (and sources rows registered since the last write) in one transaction; returns
+        the rows written. On a store failure (see `is_store_failure`) sets `broken` and re-raises."""
+        by_code: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+        labels: dict[tuple[str, str], str] = {}
+        progress: dict[int, list[int]] = {}
+        for p in parts:
+            for code, arrs in p.arrays.items():
+                for a in arrs:
+                    if len(a):
+                        by_code[code][0].append(a)
+                        by_code[code][1].append(np.full(len(a), p.source_id, dtype=np.int32))
+            for r in p.labels:
+                labels[(self._run_of.get(p.source_id, ""), r.key)] = r.value
+            if p.nonce is not None:
+                q, s_, r_ = progress.get(p.nonce) or self.progress.get(p.nonce, (0, 0, 0))
+                progress[p.nonce] = [max(q, p.seq or 0), s_ + p.accepted, r_ + p.rejected]
         n = 0
         with self._lock:
-            self.con.execute("BEGIN")
             try:
-                for table, rows in by_table.items():
-                    self._insert_columns(table, rows)
-                    n += len(rows)
-                for (run_id, key), value in labels.items():
-                    self.con.execute("INSERT OR REPLACE INTO run_info VALUES (?, ?, ?)", [run_id, key, value])
-                    n += 1
-                self.con.execute("COMMIT")
-            except Exception:
-                self.con.execute("ROLLBACK")
+                self.con.execute("BEGIN")
+                try:
+                    if self._pending_sources:
+                        self.con.executemany("INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                             self._pending_sources)
+                    for code, (arrs, sids) in by_code.items():
+                        arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
+                        sid = sids[0] if len(sids) == 1 else np.concatenate(sids)
+                        table, cols, select = columnar.columns(code, sid, arr)
+                        _insert(self.con, table, cols, select)
+                        n += len(arr)
+                    for (run_id, key), value in labels.items():
+                        self.con.execute("INSERT OR REPLACE INTO run_info VALUES (?, ?, ?)", [run_id, key, value])
+                        n += 1
+                    for nonce, (q, s_, r_) in progress.items():
+                        self.con.execute("INSERT OR REPLACE INTO ingest_progress VALUES (?, ?, ?, ?)",
+                                         [nonce, q, s_, r_])
+                    self.con.execute("COMMIT")
+                except BaseException:
+                    try:
+                        self.con.execute("ROLLBACK")
+                    except Exception:  # noqa: BLE001 - an invalidated connection cannot roll back
+                        pass
+                    raise
+            except Exception as exc:
+                if is_store_failure(exc):
+                    self.broken = f"{type(exc).__name__}: {exc}"
                 raise
+            self._pending_sources.clear()
+            for nonce, v in progress.items():
+                self.progress[nonce] = tuple(v)  # type: ignore[assignment]
         self.rows_written += n
         return n
 
-    def _insert_columns(self, table: str, rows: list[tuple]) -> None:
-        # Columnar insert through unnest(list) parameters: ~300x faster than
-        # executemany, and needs neither pandas nor pyarrow in the sidecar.
-        cols = TABLES[table]
-        columns = [list(c) for c in zip(*rows)]
-        select = ", ".join(f"unnest(${i + 1})::{typ}" for i, (_, typ, _) in enumerate(cols))
-        self.con.execute(f"INSERT INTO {table} SELECT {select}", columns)
+    def reopen(self) -> None:
+        """Close the (invalidated) connection and open the file again. Raises if it cannot."""
+        with self._lock:
+            try:
+                self.con.close()
+            except Exception:  # noqa: BLE001 - it is broken already
+                pass
+            self._open()
+            self.broken = None
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         """A connection of this process to the same database, for readers on other threads."""
@@ -119,7 +206,13 @@ class Store:
 
     def checkpoint(self) -> None:
         with self._lock:
-            self.con.execute("CHECKPOINT")
+            try:
+                self.con.execute("CHECKPOINT")
+            except Exception as exc:
+                if is_store_failure(exc):
+                    self.broken = f"{type(exc).__name__}: {exc}"
+                raise
+        _private(self.path)
 
     def close(self) -> None:
         with self._lock:
@@ -127,3 +220,15 @@ class Store:
                 self.con.execute("CHECKPOINT")
             finally:
                 self.con.close()
+
+
+try:  # Arrow is DuckDB's fastest way in; a dict of numpy arrays works without it
+    import pyarrow as _pa
+except ImportError:  # pragma: no cover - pyarrow comes with the dashboard and test extras
+    _pa = None
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, cols: dict[str, np.ndarray], select: str) -> None:
+    """One INSERT of whole columns (DuckDB scans the Arrow table / numpy dict in place)."""
+    batch = _pa.table(cols) if _pa is not None else cols  # noqa: F841 - DuckDB finds it by name
+    con.execute(f"INSERT INTO {table} SELECT {select} FROM batch")

@@ -37,6 +37,7 @@ STRATEGIES = {
     ev.ProbeHealth: st.builds(ev.ProbeHealth, i64, u16, u32, u64, u64, u64, u64, u64, u64, u64, f64, u64),
     ev.RunLabel: st.builds(ev.RunLabel, i64, text(32), text(96)),
     ev.ServerMetric: st.builds(ev.ServerMetric, i64, u16, text(64), text(64), f64),
+    ev.Session: st.builds(ev.Session, u64, text(64)),
 }
 
 
@@ -93,7 +94,10 @@ def test_unknown_record_type_and_bad_magic():
 
 
 def test_oversized_frames_are_rejected_before_reading_the_payload():
-    header = ev.HEADER.pack(ev.MAGIC, ev.WIRE_VERSION, 0, 1, ev.MAX_FRAME_BYTES + 1)
+    header = ev.HEADER.pack(ev.MAGIC, 1, 0, 1, ev.MAX_FRAME_BYTES + 1)
+    with pytest.raises(ev.FrameError, match="oversized"):
+        ev.decode_header(header)
+    header = ev.HEADER.pack(ev.MAGIC, 2, 0, 1, ev.MAX_FRAME_BYTES + ev.SEQ.size + 1)  # v2: records + seq
     with pytest.raises(ev.FrameError, match="oversized"):
         ev.decode_header(header)
     with pytest.raises(ev.FrameError, match="exceeds"):
@@ -119,3 +123,23 @@ def test_long_request_ids_are_shortened_stably():
 
 def test_record_sizes_are_fixed():
     assert ev.record_size(ev.Step) == 1 + struct.calcsize("<qQHBIIIQdd")
+
+
+def test_v2_frames_carry_a_sequence_number_and_decode_like_v1():
+    recs = [ev.Step(1, 2, 0, ev.PHASE_DECODE, 4, 0, 4, 100, 1.25, 0.5)]
+    v1 = ev.encode_frame(recs)
+    v2 = ev.frame_v2(v1, 41, [ev.Session(7, "tok")])
+    version, count, length = ev.read_header(v2[: ev.HEADER.size])
+    assert (version, count) == (2, 2) and ev.SEQ.unpack_from(v2, ev.HEADER.size) == (41,)
+    assert ev.decode_frame(v2) == [ev.Session(7, "tok")] + recs
+    with pytest.raises(ev.FrameError, match="no sequence number"):
+        ev.read_header(ev.HEADER.pack(ev.MAGIC, 2, 0, 0, 4))
+
+
+def test_acks_round_trip_and_garbage_is_refused():
+    buf = bytearray(ev.encode_ack(ev.Ack(ev.ACK_WELCOME, 3, 100, 2)) + ev.encode_ack(ev.Ack(ev.ACK_COMMIT, 5, 180, 2)))
+    buf += b"PA"  # a partial third ack stays in the buffer
+    assert ev.decode_acks(buf) == [ev.Ack(ev.ACK_WELCOME, 3, 100, 2), ev.Ack(ev.ACK_COMMIT, 5, 180, 2)]
+    assert buf == b"PA"
+    with pytest.raises(ev.FrameError):
+        ev.decode_acks(bytearray(b"XX" + bytes(ev.ACK.size)))

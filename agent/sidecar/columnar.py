@@ -1,0 +1,258 @@
+"""Columnar decode of frame payloads with per-record validation (numpy), and the columns for DuckDB.
+
+A payload is cut into records of fixed size (a short Python scan finds where each
+type starts when types are interleaved; a payload of one type is viewed in one go),
+each type is viewed as a numpy structured array, and every record is checked
+against what its columns can hold. A record that fails is rejected and counted by
+reason; the rest of the frame is kept. Structural garbage (unknown type, truncated
+or trailing bytes) raises `FrameError`: its connection is closed.
+
+Rejection reasons (`REASONS`):
+- `bad_enum`: a phase / request event index with no name;
+- `out_of_range`: an unsigned value too large for its column (SMALLINT/INTEGER/BIGINT),
+  or a negative timestamp;
+- `not_finite`: an infinite float, or a NaN where NaN means nothing (host_ms);
+- `negative`: a negative duration, power, temperature or utilization;
+- `bad_utf8`: a text field that is not UTF-8.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+
+from ..events import LAYOUTS, PHASES, REQUEST_EVENTS, FrameError, Hello, Record, RunLabel, Session
+from .schema import TABLE_OF_RECORD, TABLES
+
+REASONS = ("bad_enum", "out_of_range", "not_finite", "negative", "bad_utf8")
+
+_NP = {"q": "<i8", "Q": "<u8", "H": "<u2", "B": "u1", "I": "<u4", "d": "<f8", "f": "<f4"}
+_MAX_OF_SQL = {"SMALLINT": 2**15 - 1, "INTEGER": 2**31 - 1, "BIGINT": 2**63 - 1}
+NAN_ALLOWED = {("Step", "gpu_ms"), ("GpuSample", "util_pct"), ("GpuSample", "power_w"),
+               ("GpuSample", "temp_c"), ("GpuSample", "sm_clock_mhz"), ("ServerMetric", "value")}
+ANY_FLOAT = {("ServerMetric", "value")}  # Prometheus values may be NaN or +-Inf
+ENUMS = {("Step", "phase"): len(PHASES), ("RequestEvent", "event"): len(REQUEST_EVENTS)}
+
+
+def _fields(fmt: str) -> list[str]:
+    out, num = [], ""
+    for ch in fmt.lstrip("<"):
+        if ch.isdigit():
+            num += ch
+            continue
+        out.append(f"S{num}" if ch == "s" else _NP[ch])
+        num = ""
+    return out
+
+
+class _Type:
+    """How to view and check one record type."""
+
+    def __init__(self, code: int, cls: type, fmt: str) -> None:
+        self.code, self.cls, self.name = code, cls, cls.__name__
+        fmts = _fields(fmt)
+        self.dtype = np.dtype([("_type", "u1")] + list(zip(cls._fields, fmts)))
+        self.size = self.dtype.itemsize
+        self.table = TABLE_OF_RECORD.get(self.name)
+        sql = {}
+        if self.table is not None:
+            sql = {name: typ for name, typ, _ in TABLES[self.table]}
+        self.checks: list[tuple[str, str, Any]] = []  # (field, reason, test on the column -> bad mask)
+        for field, f in zip(cls._fields, fmts):
+            key = (self.name, field)
+            if key in ENUMS:
+                self.checks.append((field, "bad_enum", ENUMS[key]))
+            elif f.startswith("S"):
+                self.checks.append((field, "bad_utf8", None))
+            elif f in ("<u8", "<u4", "<u2") and sql.get(field) in _MAX_OF_SQL:
+                limit = _MAX_OF_SQL[sql[field]]
+                if np.iinfo(np.dtype(f)).max > limit:
+                    self.checks.append((field, "out_of_range", limit))
+            elif f == "<i8" and field == "ts_ns":
+                self.checks.append((field, "out_of_range", -1))
+            elif f in ("<f8", "<f4") and key not in ANY_FLOAT:
+                self.checks.append((field, "not_finite", key in NAN_ALLOWED))
+                self.checks.append((field, "negative", None))
+
+    def validate(self, arr: np.ndarray, rejected: collections.Counter) -> np.ndarray:
+        """`arr` without the records that fail a check; counts each rejection once, by its first reason."""
+        bad = np.zeros(len(arr), dtype=bool)
+        for field, reason, arg in self.checks:
+            col = arr[field]
+            if reason == "bad_enum":
+                m = col >= arg
+            elif reason == "out_of_range":
+                m = col < 0 if arg == -1 else col > arg
+            elif reason == "not_finite":
+                m = np.isinf(col) if arg else ~np.isfinite(col)
+            elif reason == "negative":
+                m = col < 0  # NaN compares False
+            else:  # bad_utf8: ASCII is the fast path
+                m = np.zeros(len(arr), dtype=bool)
+                raw = np.ascontiguousarray(col).view(np.uint8).reshape(len(arr), -1) if len(arr) else None
+                if raw is not None and (raw >= 0x80).any():
+                    for i in np.nonzero((raw >= 0x80).any(axis=1))[0]:
+                        try:
+                            bytes(col[i]).decode("utf-8")
+                        except UnicodeDecodeError:
+                            m[i] = True
+            m &= ~bad
+            n = int(m.sum())
+            if n:
+                rejected[reason] += n
+                bad |= m
+        return arr[~bad] if bad.any() else arr
+
+
+TYPES: dict[int, _Type] = {code: _Type(code, cls, s.format) for code, (cls, s) in LAYOUTS.items()}
+_SIZES = {code: t.size for code, t in TYPES.items()}
+_BY_CLASS = {t.cls: t for t in TYPES.values()}
+
+
+class Decoded:
+    """One frame's records: structured arrays per record type, the few control records, rejections."""
+
+    __slots__ = ("arrays", "control", "rejected", "records")
+
+    def __init__(self) -> None:
+        self.arrays: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+        self.control: list[Record] = []  # Hello, Session, RunLabel (as records)
+        self.rejected: collections.Counter = collections.Counter()
+        self.records = 0  # records in the frame (kept + rejected)
+
+    def kept(self) -> int:
+        return self.records - sum(self.rejected.values())
+
+
+def decode(payload: bytes, count: int, start: int = 0) -> Decoded:
+    """Decode and validate `count` records of `payload[start:]`. Raises FrameError on structural garbage."""
+    out = Decoded()
+    end = len(payload)
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    runs: list[tuple[int, int, int]] = []  # (code, pos, n)
+    pos, n = start, 0
+    if count and start < end:
+        code = payload[start]
+        size = _SIZES.get(code)
+        if size is not None and end - start == size * count and (buf[start:end:size] == code).all():
+            runs.append((code, start, count))  # one type: no scan
+            pos, n = end, count
+    sizes = _SIZES
+    while n < count:  # interleaved types: find the runs
+        if pos >= end:
+            raise FrameError(f"payload ends after {n} of {count} records")
+        code = payload[pos]
+        size = sizes.get(code)
+        if size is None:
+            raise FrameError(f"unknown record type {code} at byte {pos}")
+        if pos + size > end:
+            raise FrameError(f"truncated {TYPES[code].name} record at byte {pos}")
+        if runs and runs[-1][0] == code and runs[-1][1] + runs[-1][2] * size == pos:
+            c, p, k = runs[-1]
+            runs[-1] = (c, p, k + 1)
+        else:
+            runs.append((code, pos, 1))
+        pos += size
+        n += 1
+    if pos != end:
+        raise FrameError(f"{end - pos} trailing bytes after {count} records")
+    out.records = count
+    by_code: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+    for code, p, k in runs:
+        by_code[code].append(np.frombuffer(payload, dtype=TYPES[code].dtype, count=k, offset=p))
+    for code, parts in by_code.items():
+        t = TYPES[code]
+        arr = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if t.table is None:  # control records: few, kept as NamedTuples
+            arr = t.validate(arr, out.rejected)
+            out.control.extend(to_records(t, arr))
+            continue
+        arr = t.validate(arr, out.rejected)
+        if len(arr):
+            out.arrays[code].append(arr)
+    return out
+
+
+def _text(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def to_records(t: _Type, arr: np.ndarray) -> list[Record]:
+    """Structured rows back to NamedTuples (sinks and control records)."""
+    strs = [i for i, name in enumerate(arr.dtype.names[1:]) if arr.dtype[name].kind == "S"]
+    make = t.cls._make
+    rows = arr[list(arr.dtype.names[1:])].tolist()
+    if not strs:
+        return [make(r) for r in rows]
+    out = []
+    for r in rows:
+        r = list(r)
+        for i in strs:
+            r[i] = _text(r[i])
+        out.append(make(r))
+    return out
+
+
+def records_of(arrays: dict[int, list[np.ndarray]]) -> list[Record]:
+    """Every record of a batch's arrays, as NamedTuples (grouped by type)."""
+    out: list[Record] = []
+    for code, parts in arrays.items():
+        for arr in parts:
+            out.extend(to_records(TYPES[code], arr))
+    return out
+
+
+_PHASE_SQL = "[" + ", ".join(f"'{p}'" for p in PHASES) + "]"
+_EVENT_SQL = "[" + ", ".join(f"'{e}'" for e in REQUEST_EVENTS) + "]"
+
+
+def columns(code: int, source_ids: np.ndarray, arr: np.ndarray) -> tuple[str, dict[str, np.ndarray], str]:
+    """(table, {column: numpy array}, SELECT list) to insert the rows of `arr` into their table."""
+    t = TYPES[code]
+    assert t.table is not None
+    cols: dict[str, np.ndarray] = {"source_id": source_ids.astype(np.int32, copy=False)}
+    select = []
+    for name, typ, _ in TABLES[t.table]:
+        if name == "source_id":
+            select.append("source_id")
+            continue
+        col = arr[name]
+        if col.dtype.kind == "S":
+            try:
+                col = np.char.rstrip(col, b"\0").astype(str)
+            except UnicodeDecodeError:  # validated UTF-8 but not ASCII: the slow path
+                col = np.array([_text(bytes(x)) for x in col], dtype=object)
+        cols[name] = np.ascontiguousarray(col)
+        if (t.name, name) == ("Step", "phase"):
+            select.append(f"{_PHASE_SQL}[phase + 1] AS phase")
+        elif (t.name, name) == ("RequestEvent", "event"):
+            select.append(f"{_EVENT_SQL}[event + 1] AS event")
+        else:
+            select.append(f"{name}::{typ} AS {name}")
+    return t.table, cols, ", ".join(select)
+
+
+def split_records(records: list[Record]) -> tuple[dict[int, list[np.ndarray]], list[Record]]:
+    """Records made in this process (the sidecar's collectors) as arrays + control records."""
+    arrays: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+    control: list[Record] = []
+    by: dict[_Type, list[tuple]] = collections.defaultdict(list)
+    for r in records:
+        t = _BY_CLASS[type(r)]
+        if t.table is None:
+            control.append(r)
+            continue
+        vals = list(r)
+        for i, name in enumerate(t.cls._fields):
+            if t.dtype[name].kind == "S":
+                vals[i] = vals[i].encode("utf-8")
+        by[t].append((t.code, *vals))
+    for t, rows in by.items():
+        arrays[t.code].append(np.array(rows, dtype=t.dtype))
+    return arrays, control
+
+
+__all__ = ["REASONS", "Decoded", "decode", "columns", "records_of", "split_records", "TYPES", "Hello", "RunLabel",
+           "Session"]
