@@ -72,10 +72,18 @@ def check_private_folder(folder: str, uid: int | None = None) -> str | None:
 
 
 def make_private_folder(folder: str, uid: int | None = None) -> None:
-    """Create `folder` (mode 0700) if missing; raise PermissionError if it is not private."""
+    """Create `folder` (mode 0700) if missing; take the group/other write bits off one we own (a
+    Kubernetes emptyDir is 0777); raise PermissionError if it is still not private."""
+    uid = os.getuid() if uid is None else uid
     try:
         os.makedirs(folder, mode=0o700)
     except FileExistsError:
+        pass
+    try:
+        st = os.lstat(folder)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            os.chmod(folder, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH | stat.S_ISVTX))
+    except OSError:
         pass
     reason = check_private_folder(folder, uid)
     if reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -164,8 +165,15 @@ def _cmd_agent(args: argparse.Namespace) -> int:
             api = None
     from phasescope.analyzers.diagnose import diagnose  # the read API serves the analyzers' findings
 
+    if api is not None and _host_port(api)[0] not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("read API on non-loopback %s: anyone who reaches it can read every stored row", api)
+    token = args.token if args.token is not None else (os.environ.get("PHASESCOPE_AGENT_TOKEN") or None)
+    if token is None and any(str(a).startswith("tcp:") for a in listen if a):
+        log.warning("TCP listener without --token: any local process can send records (Unix sockets are 0600)")
+    os.umask(0o077)  # the DuckDB file, its WAL and exports: private to this user
     sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
-                      collectors=[nvml, host, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose)
+                      collectors=[nvml, host, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose,
+                      token=token)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 
@@ -336,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"serve named queries to live readers (dashboard, diagnose) on loopback "
                         f"(default {DEFAULT_API_ADDR}; a taken default only warns)")
     a.add_argument("--no-api", action="store_true", help="no read API")
+    a.add_argument("--token", default=None,
+                   help="shared secret every probe must present (default: $PHASESCOPE_AGENT_TOKEN); TCP listeners "
+                        "are otherwise unauthenticated, so set one whenever you --listen tcp:")
     a.add_argument("--metrics-addr", metavar="HOST:PORT", default=None,
                    help="serve Prometheus /metrics here (default: 127.0.0.1:9464; skipped with a warning if taken)")
     a.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")

@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,7 +35,7 @@ from phasescope.agent.sidecar import Batch, SidecarStats
 
 from . import buckets
 from .requests import RequestTiming, RequestTracker
-from .sources import Source, SourceTable
+from .sources import LabelCap, Source, SourceTable
 
 log = logging.getLogger("phasescope.exporters.prometheus")
 
@@ -53,13 +53,18 @@ class PrometheusExporter:
         max_pending_steps: int = 4096,
         stale_after_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        max_models: int = 16,
+        max_ranks: int = 64,
     ) -> None:
+        """`max_models`, `max_ranks`: distinct `model` / `rank` label values kept; later ones become `other`."""
         if registry is None:
             raise ValueError("pass a CollectorRegistry (the global one is never used implicitly)")
         if max_pending_steps <= 0 or stale_after_s <= 0:
             raise ValueError("max_pending_steps and stale_after_s must be > 0")
         self.registry = registry
-        self.sources = SourceTable()
+        self.sources = SourceTable(LabelCap(max_models))
+        self.rank_cap = LabelCap(max_ranks)
+        self.record_errors_total = 0  # records the exporter could not turn into samples (skipped)
         self.tracker = RequestTracker(self, max_requests=max_requests, max_age_s=request_max_age_s)
         self._clock = clock
         self.stale_after_s = stale_after_s
@@ -120,25 +125,34 @@ class PrometheusExporter:
 
     def on_records(self, batch: Batch) -> None:
         now = self._clock()
-        sources = self.sources
         for source_id, records in batch:
-            src = sources.get(source_id)
+            src = self.sources.get(source_id)
             for rec in records:
-                t = type(rec)
-                if t is Step:
-                    self._step(src, rec)
-                elif t is RequestEvent:
-                    self.tracker.on_event(source_id, src, rec)
-                elif t is KVSnapshot:
-                    self.kv[(src.model, rec.rank)] = (now, rec)
-                elif t is PrefixCounters:
-                    self.prefix[(src.model, rec.rank)] = (now, rec)
-                elif t is ProbeHealth:
-                    self.probe[(src.model, rec.rank)] = (now, rec)
-                elif t is GpuSample:
-                    self.gpu[rec.gpu_index] = (now, rec)
-                elif t is Hello:
-                    src = sources.hello(source_id, rec)
+                try:
+                    src = self._record(now, source_id, src, rec)
+                except Exception as exc:  # noqa: BLE001 - one record never stops the rest
+                    self.record_errors_total += 1
+                    if self.record_errors_total == 1:
+                        log.warning("skipping a record the exporter cannot use: %r (%r)", rec, exc)
+
+    def _record(self, now: float, source_id: int, src: Source, rec: Any) -> Source:
+        """Take one record in; returns the source (a Hello changes it)."""
+        t = type(rec)
+        if t is Step:
+            self._step(src, rec)
+        elif t is RequestEvent:
+            self.tracker.on_event(source_id, src, rec)
+        elif t is KVSnapshot:
+            self.kv[(src.model, self.rank_cap(str(rec.rank)))] = (now, rec)
+        elif t is PrefixCounters:
+            self.prefix[(src.model, self.rank_cap(str(rec.rank)))] = (now, rec)
+        elif t is ProbeHealth:
+            self.probe[(src.model, self.rank_cap(str(rec.rank)))] = (now, rec)
+        elif t is GpuSample:
+            self.gpu[rec.gpu_index] = (now, rec)
+        elif t is Hello:
+            src = self.sources.hello(source_id, rec)
+        return src
 
     def close(self) -> None:
         """Nothing to release: the registry and the HTTP server belong to the caller."""
@@ -170,8 +184,8 @@ class PrometheusExporter:
     # --- steps ----------------------------------------------------------------
 
     def _step(self, src: Source, s: Step) -> None:
-        phase = PHASES[s.phase] if s.phase < len(PHASES) else str(s.phase)
-        rank = str(s.rank)
+        phase = PHASES[s.phase] if s.phase < len(PHASES) else "other"
+        rank = self.rank_cap(str(s.rank))
         self.step_host.labels(src.model, rank, phase).observe(s.host_ms * 1e-3)
         if not math.isnan(s.gpu_ms):
             self.step_gpu.labels(src.model, rank, phase).observe(s.gpu_ms * 1e-3)
@@ -204,7 +218,7 @@ class PrometheusExporter:
         skew = times[slowest] / median - 1.0
         self.tp_skew.labels(src.model).observe(skew)
         if skew > 0:  # all equal: nobody is slowest
-            self.tp_slowest.labels(src.model, str(slowest)).inc()
+            self.tp_slowest.labels(src.model, self.rank_cap(str(slowest))).inc()
 
 
 class _SnapshotCollector(Collector):
@@ -212,6 +226,19 @@ class _SnapshotCollector(Collector):
 
     def __init__(self, exp: PrometheusExporter) -> None:
         self.exp = exp
+        self.row_errors_total = 0
+
+    def _safe(self, rows: list, check: Callable[[Any], None]) -> list:
+        """Rows whose values can be exported (`check` raises for the others, which are skipped and counted)."""
+        out = []
+        for row in rows:
+            try:
+                check(row[1])
+            except Exception:  # noqa: BLE001 - one bad snapshot never fails a scrape
+                self.row_errors_total += 1
+                continue
+            out.append(row)
+        return out
 
     def _fresh(self, table: dict) -> list:
         horizon = self.exp._clock() - self.exp.stale_after_s
@@ -219,7 +246,7 @@ class _SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         exp = self.exp
-        yield from self._kv(self._fresh(exp.kv))
+        yield from self._kv(self._safe(self._fresh(exp.kv), _check_kv))
         yield from self._prefix(self._fresh(exp.prefix))
         yield from self._probe(self._fresh(exp.probe))
         yield from self._gpu(self._fresh(exp.gpu))
@@ -234,9 +261,18 @@ class _SnapshotCollector(Collector):
                                  "Tensor-parallel step groups dropped before every rank reported.")
         se.add_metric([], exp.step_groups_evicted_total)
         yield se
+        re_ = CounterMetricFamily("phasescope_exporter_record_errors",
+                                  "Records or snapshots the exporter skipped because it could not use their values.")
+        re_.add_metric([], exp.record_errors_total + self.row_errors_total)
+        yield re_
+        fo = CounterMetricFamily("phasescope_exporter_label_values_folded",
+                                 "Label values past the cap, exported as `other`, by label (kind).", labels=["kind"])
+        fo.add_metric(["model"], exp.sources.model_cap.folded_total)
+        fo.add_metric(["rank"], exp.rank_cap.folded_total)
+        yield fo
 
     @staticmethod
-    def _kv(rows: list) -> Iterator[Metric]:
+    def _kv(rows: list) -> Iterator[Metric]:  # rows passed _check_kv
         labels = ["model", "rank"]
         g = {name: GaugeMetricFamily(name, doc, labels=labels) for name, doc in (
             ("phasescope_kv_block_usage_ratio", "Used pages / total pages (what vLLM reports as KV cache usage)."),
@@ -259,7 +295,7 @@ class _SnapshotCollector(Collector):
         by_model: dict[str, list[int]] = {}
         for (model, rank), s in rows:
             lv = [model, str(rank)]
-            P = s.page_size_tokens
+            P = s.page_size_tokens or 1
             g["phasescope_kv_block_usage_ratio"].add_metric(lv, kvmath.block_usage(s.used_pages, s.total_pages))
             g["phasescope_kv_token_usage_ratio"].add_metric(lv, kvmath.token_usage(s.live_tokens, s.total_pages, P))
             g["phasescope_kv_internal_fragmentation_ratio"].add_metric(
@@ -362,18 +398,57 @@ class SidecarStatsCollector(Collector):
             ("phasescope_sidecar_frames", "Frames received.", st.frames_total),
             ("phasescope_sidecar_records", "Records received.", st.records_total),
             ("phasescope_sidecar_bad_frames", "Frames rejected (their connection closed).", st.bad_frames_total),
-            ("phasescope_sidecar_dropped_records", "Records dropped because the ingest queue was full.",
+            ("phasescope_sidecar_dropped_records", "Records the sidecar let go unstored (0: it applies backpressure).",
              st.records_dropped_total),
             ("phasescope_sidecar_rows_written", "Rows written to the store.", st.rows_written_total),
             ("phasescope_sidecar_sink_errors", "Exporter (sink) failures.", st.sink_errors_total),
+            ("phasescope_sidecar_sink_dropped_records", "Records the exporters did not see because they lagged.",
+             st.sink_dropped_records_total),
             ("phasescope_sidecar_collector_errors", "Collector (NVML, ...) failures.", st.collector_errors_total),
+            ("phasescope_sidecar_connections_refused", "Connections refused over the connection cap.",
+             st.connections_refused_total),
+            ("phasescope_sidecar_auth_failures", "Connections refused for a wrong or missing token.",
+             st.auth_failures_total),
+            ("phasescope_sidecar_timeouts", "Connections closed because a read deadline passed.", st.timeouts_total),
+            ("phasescope_sidecar_write_retries", "Batches that failed on their data and were retried in halves.",
+             st.write_retries_total),
+            ("phasescope_sidecar_store_errors", "Writes or checkpoints that failed on the file (disk full, I/O).",
+             st.store_errors_total),
+            ("phasescope_sidecar_store_reopens", "Times the store connection was reopened after a failure.",
+             st.store_reopens_total),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        rej = CounterMetricFamily("phasescope_sidecar_rejected_records",
+                                  "Records refused for their values (the rest of their frame kept), by reason.",
+                                  labels=["reason"])
+        for reason, n in sorted(dict(st.records_rejected_total).items()):
+            rej.add_metric([reason], n)
+        yield rej
+        for name, doc, value in (
+            ("phasescope_sidecar_store_up", "1 when the last write succeeded, 0 while the store fails (disk full).",
+             st.store_ok),
+            ("phasescope_sidecar_unwritten_bytes", "Bytes received and not yet written (the memory budget in use).",
+             st.unwritten_bytes),
+            ("phasescope_sidecar_memory_budget_bytes", "Bytes of received-but-unwritten frames held at most.",
+             st.memory_budget_bytes),
+        ):
+            gg = GaugeMetricFamily(name, doc)
+            gg.add_metric([], value)
+            yield gg
         g = GaugeMetricFamily("phasescope_sidecar_open_connections", "Probe connections open now.")
         g.add_metric([], st.open_connections)
         yield g
+
+
+def _check_kv(s: KVSnapshot) -> None:
+    """Raise for a snapshot whose ratios cannot be computed."""
+    P = s.page_size_tokens or 1
+    kvmath.block_usage(s.used_pages, s.total_pages)
+    kvmath.token_usage(s.live_tokens, s.total_pages, P)
+    kvmath.internal_fragmentation(s.live_tokens, s.used_pages, P)
+    kvmath.external_fragmentation(s.largest_free_run, s.free_pages)
 
 
 def parse_host_port(addr: str) -> tuple[str, int]:

@@ -6,6 +6,7 @@ Step time is the CUDA-event time when the step was timed, else the host time.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import duckdb
@@ -538,9 +539,39 @@ def run_named(con: duckdb.DuckDBPyConnection, name: str, params: dict[str, str |
             raise ValueError(f"query {name!r} takes no parameter {key!r}")
         ann = str(p.annotation)
         if isinstance(raw, str) and raw != "":
-            if ann.startswith("float"):
-                raw = float(raw)
-            elif ann.startswith("int"):
-                raw = int(raw)
-        kwargs[key] = None if raw == "" else raw
+            try:
+                if ann.startswith("float"):
+                    raw = float(raw)
+                elif ann.startswith("int"):
+                    raw = int(raw)
+            except ValueError:
+                raise ValueError(f"{key} must be {'a number' if ann.startswith('float') else 'an integer'}, "
+                                 f"not {raw[:40]!r}") from None
+        value = None if raw == "" else raw
+        _check_param(key, value)
+        kwargs[key] = value
     return fn(con, **kwargs)
+
+
+# bounds of every numeric parameter (inclusive); strings are bounded in length
+PARAM_BOUNDS: dict[str, tuple[float, float]] = {
+    "bins": (1, 1000), "bucket_s": (1e-3, 86400.0 * 366), "limit": (1, 1_000_000),
+    "long_prefill_tokens": (0, 10_000_000), "max_rows": (1, 100_000_000),
+    "since_s": (-1e12, 1e12), "until_s": (-1e12, 1e12), "tpot_slo_s": (1e-6, 3600.0), "ttft_slo_s": (1e-6, 3600.0),
+}
+MAX_PARAM_CHARS = 200
+
+
+def _check_param(key: str, value: Any) -> None:
+    """Raise ValueError (one line) for a value no query should get."""
+    if value is None:
+        return
+    if isinstance(value, str):
+        if len(value) > MAX_PARAM_CHARS:
+            raise ValueError(f"{key} is longer than {MAX_PARAM_CHARS} characters")
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key} must be finite")
+    lo, hi = PARAM_BOUNDS.get(key, (-math.inf, math.inf))
+    if not lo <= value <= hi:
+        raise ValueError(f"{key} must be within [{lo:g}, {hi:g}], not {value}")

@@ -3,7 +3,7 @@
 `liveness`: the network loop and the writer thread are running (a failed check
 means restart the process). `readiness`: alive, the store answers a query, every
 Unix socket the probes connect to still exists as a socket, the ingest queue has
-room, plus any checks the caller adds (retention). Each check says what it saw.
+room (the memory budget), writes succeed (not disk full), plus any checks the caller adds (retention). Each check says what it saw.
 The read API serves both (`/healthz`, `/readyz`: 200 or 503) and `phasescope
 health [--ready]` asks it, for container and Kubernetes probes.
 """
@@ -43,9 +43,10 @@ def readiness(sidecar: Any, extra: dict[str, Check] | None = None) -> dict[str, 
             checks[f"tcp {addr.path}:{addr.port}"] = (True, "bound")
     if not sidecar.bound:
         checks["listeners"] = (False, "no address bound")
-    q = sidecar._queue
-    full = q.maxsize > 0 and q.qsize() >= 0.9 * q.maxsize
-    checks["ingest_queue"] = (not full, f"{q.qsize()} of {q.maxsize} batches queued")
+    b = sidecar._budget
+    full = b.used >= 0.9 * b.limit
+    checks["ingest_queue"] = (not full, f"{b.used} of {b.limit} bytes of received-but-unwritten frames held"
+                              + (" (backpressure: probes are asked to slow down)" if full else ""))
     for name, fn in (extra or {}).items():
         try:
             checks[name] = fn()
@@ -58,6 +59,9 @@ def _store_check(sidecar: Any) -> tuple[bool, str]:
     store = sidecar.store
     if store is None:
         return False, "store not open"
+    if store.broken or not sidecar.stats.store_ok:
+        return False, (f"writes failing, retried with backoff (received records wait in the bounded buffer, "
+                       f"then probes drop and count): {sidecar.stats.store_error or store.broken}")
     try:
         con = store.cursor()
         try:

@@ -13,10 +13,16 @@ other threads while the writer appends). Only the named queries of
 
 The standard library's ThreadingHTTPServer is enough for a loopback API with a
 handful of readers; no web framework is pulled into the sidecar.
+
+A request whose `Host` header is not the address the API is bound to (or
+localhost / 127.0.0.1 / [::1] with its port) gets 403: a web page cannot read the
+store through DNS rebinding. Every query parameter is validated (400 with a
+one-line reason); an unexpected error answers 500 without its text.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -61,6 +67,7 @@ class ReadAPI:
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]
+        self.bound_host = host
         self._thread = threading.Thread(target=self._server.serve_forever, name="phasescope-readapi", daemon=True)
 
     @property
@@ -79,8 +86,11 @@ class ReadAPI:
         url = urlparse(req.path)
         params = dict(parse_qsl(url.query, keep_blank_values=True))
         parts = [p for p in url.path.split("/") if p]
+        host = (req.headers.get("Host") or "").strip().lower()
         try:
-            if parts == ["api", "v1", "health"]:
+            if not self.host_allowed(host):
+                body, status = {"error": "forbidden Host header (only the address this API is bound to)"}, 403
+            elif parts == ["api", "v1", "health"]:
                 body, status = self._health(), 200
             elif len(parts) == 1 and self._probes.get(parts[0]) is not None:
                 body = self._probes[parts[0]]()
@@ -102,13 +112,28 @@ class ReadAPI:
             body, status = {"error": str(exc)}, 400
         except Exception as exc:  # noqa: BLE001 - report, keep serving
             log.warning("read API error on %s: %r", req.path, exc)
-            body, status = {"error": repr(exc)}, 500
+            body, status = {"error": "internal error (see the agent's log)"}, 500
         data = to_json(body)
         req.send_response(status)
         req.send_header("Content-Type", "application/json")
         req.send_header("Content-Length", str(len(data)))
         req.end_headers()
         req.wfile.write(data)
+
+    def host_allowed(self, host: str) -> bool:
+        """`Host` must name this API's port and be an IP literal, `localhost`, or the name it was bound to:
+        a DNS-rebinding page always sends a DNS name of its own."""
+        name, sep, port = host.rpartition(":")
+        if not sep or port != str(self.port) or (name.count(":") and not name.startswith("[")):
+            return False
+        name = name.strip("[]")
+        if name in ("localhost", self.bound_host.lower()):
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
 
     def _findings(self, run_id: str | None) -> dict[str, Any]:
         if self._findings_fn is None:
