@@ -173,7 +173,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     os.umask(0o077)  # the DuckDB file, its WAL and exports: private to this user
     sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
                       collectors=[nvml, host, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose,
-                      token=token)
+                      token=token, memory_budget_bytes=int(args.memory_budget_mib * 2**20),
+                      max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
+                      frame_timeout_s=args.frame_timeout_s)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 
@@ -347,6 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--token", default=None,
                    help="shared secret every probe must present (default: $PHASESCOPE_AGENT_TOKEN); TCP listeners "
                         "are otherwise unauthenticated, so set one whenever you --listen tcp:")
+    a.add_argument("--memory-budget-mib", type=float, default=256.0,
+                   help="received-but-unwritten records held at most; beyond it probes are slowed down and "
+                        "their rings drop and count (default: %(default)s)")
+    a.add_argument("--max-connections", type=int, default=256, help="probe connections at once (default: %(default)s)")
+    a.add_argument("--idle-timeout-s", type=float, default=120.0,
+                   help="close a probe connection silent this long, s (default: %(default)s)")
+    a.add_argument("--frame-timeout-s", type=float, default=10.0,
+                   help="a frame must arrive whole within this once it starts, s (default: %(default)s)")
     a.add_argument("--metrics-addr", metavar="HOST:PORT", default=None,
                    help="serve Prometheus /metrics here (default: 127.0.0.1:9464; skipped with a warning if taken)")
     a.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")

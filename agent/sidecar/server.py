@@ -413,15 +413,17 @@ class Sidecar:
                 except asyncio.IncompleteReadError as exc:
                     raise FrameError(f"connection closed inside a header ({1 + len(exc.partial)} bytes)")
                 version, count, length = read_header(header)
-                await self._budget.take(length)
+                # bytes of frames still arriving are capped over all connections (half-sent frames cost at
+                # most `partial_budget_bytes`); a whole frame then waits for room in the memory budget
+                await self._partial.take(length)
                 try:
-                    await self._partial.take(length)
-                    try:
-                        payload = await self._read(reader, length, loop.time() + self.frame_timeout_s)
-                    except asyncio.IncompleteReadError as exc:
-                        raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
-                    finally:
-                        self._partial.give(length)
+                    payload = await self._read(reader, length, loop.time() + self.frame_timeout_s)
+                    await self._budget.take(length)
+                except asyncio.IncompleteReadError as exc:
+                    raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
+                finally:
+                    self._partial.give(length)
+                try:
                     st.frames_total += 1
                     queued = await self._frame(conn, version, count, payload)
                 except BaseException:

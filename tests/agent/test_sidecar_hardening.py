@@ -1,0 +1,435 @@
+"""The sidecar as an attacker and a busy server see it: acknowledged delivery through SIGKILLs, poison
+isolation, bounded memory under half-sent frames and slow senders, private socket folder and DB file,
+the read API's Host check and parameter validation, the TCP token."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from phasescope.agent import events as ev
+from phasescope.agent.address import check_private_folder, make_private_folder, parse_address
+from phasescope.agent.probe.sender import Sender, connect
+from phasescope.agent.sidecar import Sidecar
+from phasescope.agent.sidecar.store import Store
+
+NAN = float("nan")
+
+
+def _hello_frame(run="good"):
+    return lambda: ev.encode_frame([ev.Hello(time.monotonic_ns(), 0, os.getpid(), 0, 1, run, "m", "module"),
+                                    ev.RunLabel(1, "k", "v")])
+
+
+def _steps(start, n, **over):
+    base = dict(phase=ev.PHASE_DECODE, host_ms=0.5, gpu_ms=NAN, step_id=None)
+    base.update(over)
+    return [ev.Step(start + i, base["step_id"] if base["step_id"] is not None else start + i, 0, base["phase"], 1, 0,
+                    1, start + i, base["host_ms"], base["gpu_ms"]) for i in range(n)]
+
+
+class Streamer:
+    """A probe stand-in: streams Step frames through the real Sender; what the window refuses is dropped
+    (counted), as the probe's ring does."""
+
+    def __init__(self, addr, frame_records=500, pause_s=0.002, **kw):
+        self.sender = Sender(parse_address(addr), _hello_frame(), backoff_max_s=0.2, **kw)
+        self.frame_records, self.pause_s = frame_records, pause_s
+        self.not_sent = 0
+        self.next_id = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            frame = ev.encode_frame(_steps(self.next_id, self.frame_records))
+            self.next_id += self.frame_records
+            if not self.sender.send(frame):
+                self.not_sent += self.frame_records
+            time.sleep(self.pause_s)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(10)
+        self.sender.close()
+        return self.sender
+
+
+def _start_agent(db, sock, *extra):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}",
+         "--checkpoint-s", "0.5", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    line = proc.stdout.readline()
+    assert "listening" in line, line
+    return proc, line
+
+
+def _count_steps(db):
+    con = Store.open_readonly(db)
+    try:
+        return con.execute("SELECT count(*) FROM steps").fetchone()[0]
+    finally:
+        con.close()
+
+
+@pytest.mark.slow
+def test_twenty_sigkills_while_streaming_delivered_equals_stored(short_tmp):
+    db, sock = os.path.join(short_tmp, "k.duckdb"), os.path.join(short_tmp, "agent.sock")
+    agent, _ = _start_agent(db, sock, "--no-metrics", "--no-api")
+    s = Streamer(f"unix:{sock}").start()
+    try:
+        for _ in range(20):
+            deadline = time.monotonic() + 10
+            start = s.sender.delivered
+            while s.sender.delivered < start + 1000 and time.monotonic() < deadline:
+                time.sleep(0.02)  # some of it committed and acknowledged by this agent
+            time.sleep(0.05)
+            agent.send_signal(signal.SIGKILL)
+            agent.wait(10)
+            agent, _ = _start_agent(db, sock, "--no-metrics", "--no-api")
+        deadline = time.monotonic() + 10
+        while s.sender.connects < 21 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        sender = s.stop()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(20)
+    stored = _count_steps(db)
+    assert sender.connects >= 21
+    assert sender.lost > 0  # some frames were in flight at a kill: counted, not silently gone
+    assert sender.in_flight == 0
+    assert sender.sent == sender.delivered + sender.lost + sender.rejected
+    assert sender.delivered == stored  # exactly: nothing stored is counted lost, nothing lost is counted stored
+
+
+def test_acks_count_delivered_and_close_waits_for_them(sidecar):
+    sender = Sender(parse_address(str(sidecar.bound[0])), _hello_frame())
+    for k in range(20):
+        assert sender.send(ev.encode_frame(_steps(k * 100, 100)))
+    sender.close()
+    assert (sender.sent, sender.delivered, sender.lost, sender.in_flight) == (2000, 2000, 0, 0)
+    assert sidecar.wait_rows(lambda: sidecar.stats.rows_written_total >= 2000)
+
+
+def test_poison_records_are_rejected_by_reason_and_the_rest_of_the_frame_kept(sidecar):
+    good = _steps(0, 10)
+    bad = [
+        *_steps(100, 3, phase=9),  # bad_enum
+        *_steps(200, 2, step_id=2**64 - 1),  # out_of_range (BIGINT)
+        *_steps(300, 2, host_ms=math.inf),  # not_finite
+        *_steps(400, 1, host_ms=NAN),  # not_finite: host time is always measured
+        *_steps(500, 4, host_ms=-1.0),  # negative
+        ev.Step(-5, 1, 0, 1, 1, 0, 1, 0, 0.5, NAN),  # out_of_range: negative timestamp
+    ]
+    ok_req = ev.RequestEvent(1, 0, ev.REQ_ARRIVAL, "req-1", 5, 0)
+    payload, n = ev.encode_records(good + bad + [ok_req])
+    # a request id that is not UTF-8, written byte by byte into the frame
+    rec = bytearray(ev.encode_records([ev.RequestEvent(2, 0, ev.REQ_ARRIVAL, "x" * 32, 5, 0)])[0])
+    rec[1 + 8 + 2 + 1: 1 + 8 + 2 + 1 + 2] = b"\xff\xfe"
+    frame = ev.HEADER.pack(ev.MAGIC, 1, 0, n + 1, len(payload) + len(rec)) + payload + bytes(rec)
+    sender = Sender(parse_address(str(sidecar.bound[0])), _hello_frame())
+    assert sender.send(frame)
+    sender.close()
+    assert (sender.delivered, sender.rejected, sender.lost) == (11, 14, 0)
+    assert sidecar.stats.records_rejected_total == {"bad_enum": 3, "out_of_range": 3, "not_finite": 3,
+                                                    "negative": 4, "bad_utf8": 1}
+    sidecar.stop()
+    con = Store.open_readonly(sidecar.db_path)
+    assert con.execute("SELECT count(*), min(step_id), max(step_id) FROM steps").fetchone() == (10, 0, 9)
+    assert con.execute("SELECT request_id FROM request_events").fetchall() == [("req-1",)]
+    con.close()
+
+
+def test_a_batch_that_fails_in_the_store_is_retried_in_halves(sidecar, monkeypatch):
+    from phasescope.agent.sidecar import columnar
+
+    # switch validation off so that one record reaches DuckDB and fails there (UBIGINT -> BIGINT overflow)
+    monkeypatch.setattr(columnar.TYPES[2], "checks", [])
+    frame = ev.encode_frame(_steps(0, 500) + _steps(500, 1, step_id=2**64 - 1) + _steps(501, 499))
+    sender = Sender(parse_address(str(sidecar.bound[0])), _hello_frame())
+    assert sender.send(frame)
+    sender.close()
+    assert (sender.delivered, sender.rejected, sender.lost) == (999, 1, 0)
+    assert sidecar.stats.records_rejected_total == {"write_error": 1}
+    assert sidecar.stats.write_retries_total == 1
+    sidecar.stop()
+    con = Store.open_readonly(sidecar.db_path)
+    assert con.execute("SELECT count(*) FROM steps").fetchone() == (999,)
+    con.close()
+
+
+def _rss(proc):
+    return psutil.Process(proc.pid).memory_info().rss
+
+
+def _get(url, host=None, timeout=5):
+    req = urllib.request.Request(url, headers={"Host": host} if host else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.slow
+def test_flood_of_malformed_frames_and_poison_while_a_good_probe_streams(short_tmp):
+    db, sock = os.path.join(short_tmp, "p.duckdb"), os.path.join(short_tmp, "agent.sock")
+    agent, line = _start_agent(db, sock, "--metrics-addr", "127.0.0.1:0", "--api", "127.0.0.1:0")
+    metrics_url = re.search(r"metrics on (\S+/metrics)", line).group(1)
+    api_url = re.search(r"read API on (http://\S+?)(;|$)", line.strip()).group(1)
+    good = Streamer(f"unix:{sock}", frame_records=200, pause_s=0.005).start()
+    statuses, bad_frames, poison = [], 0, 0
+    rss0 = _rss(agent)
+    peak = rss0
+
+    def scrape():
+        while not stop.is_set():
+            statuses.append(_get(metrics_url)[0])
+            time.sleep(0.1)
+
+    stop = threading.Event()
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        hello = ev.encode_frame([ev.Hello(1, 0, 1, 0, 1, "evil", "evil", "module")])
+        for k in range(2000):  # malformed frames: each closes its connection
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            garbage = [os.urandom(64), hello + b"PS\x01\x00" + os.urandom(40),
+                       hello + ev.HEADER.pack(ev.MAGIC, 1, 0, 1, 10) + b"\xc8" * 10][k % 3]
+            try:
+                s.sendall(garbage)
+                s.shutdown(socket.SHUT_WR)
+                s.recv(1)
+            except OSError:
+                pass
+            s.close()
+            bad_frames += 1
+            if k % 200 == 0:
+                peak = max(peak, _rss(agent))
+        poisoners = [Sender(parse_address(f"unix:{sock}"), _hello_frame("evil")) for _ in range(4)]
+        for k in range(100):  # poison records mixed with fine ones, over several connections
+            recs = (_steps(0, 20, phase=7) + _steps(0, 20, host_ms=-3.0) + _steps(0, 20, step_id=2**63)
+                    + _steps(0, 20, host_ms=math.inf) + _steps(0, 20)
+                    + [ev.KVSnapshot(1, 0, 0, 10, 20, 0, 0, 0, 0, 1, 50, 0, 0, 0, 10, "bf16")])  # page 0
+            for p in poisoners:
+                while not p.ready():
+                    time.sleep(0.01)
+                p.send(ev.encode_frame(recs))
+                poison += 80
+            if k % 10 == 0:
+                peak = max(peak, _rss(agent))
+        for p in poisoners:
+            p.close()
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        scraper.join(10)
+        sender = good.stop()
+        status, body = _get(api_url + "/api/v1/health")
+        health = json.loads(body)
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(20)
+    assert bad_frames + poison >= 10_000
+    assert set(statuses) == {200} and len(statuses) > 10  # /metrics answered throughout
+    assert health["bad_frames_total"] >= bad_frames
+    assert health["records_rejected_total"] == {"bad_enum": 4 * 100 * 20, "negative": 4 * 100 * 20,
+                                                "out_of_range": 4 * 100 * 20, "not_finite": 4 * 100 * 20}
+    assert peak - rss0 < 150 * 2**20, (rss0, peak)
+    con = Store.open_readonly(db)
+    try:
+        good_rows = con.execute("SELECT count(*) FROM steps t JOIN sources s USING (source_id) "
+                                "WHERE s.run_id = 'good'").fetchone()[0]
+        good_ids = con.execute("SELECT count(DISTINCT step_id) FROM steps t JOIN sources s USING (source_id) "
+                               "WHERE s.run_id = 'good'").fetchone()[0]
+    finally:
+        con.close()
+    assert sender.lost == 0 and sender.rejected == 0
+    assert sender.delivered == sender.sent == good_rows == good_ids  # the good stream, complete
+
+
+@pytest.mark.slow
+def test_half_sent_maximum_frames_and_slow_senders_are_timed_out_with_bounded_memory(short_tmp):
+    db, sock = os.path.join(short_tmp, "h.duckdb"), os.path.join(short_tmp, "agent.sock")
+    agent, line = _start_agent(db, sock, "--no-metrics", "--api", "127.0.0.1:0", "--frame-timeout-s", "3",
+                               "--idle-timeout-s", "30")
+    api_url = re.search(r"read API on (http://\S+?)(;|$)", line.strip()).group(1)
+    rss0 = _rss(agent)
+    good = Streamer(f"unix:{sock}", frame_records=200, pause_s=0.01).start()
+    hello = ev.encode_frame([ev.Hello(1, 0, 1, 0, 1, "half", "m", "module")])
+    half = [ev.HEADER.pack(ev.MAGIC, 1, 0, 1000, ev.MAX_FRAME_BYTES), b"\x02" * (ev.MAX_FRAME_BYTES // 2)]
+    conns, peak = [], rss0
+    try:
+        for k in range(200):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            s.setblocking(False)
+            for chunk in (hello, *half):
+                try:
+                    s.send(chunk)  # as much as the socket takes; the rest never comes
+                except BlockingIOError:
+                    pass
+            conns.append(s)
+        slow = []
+        for k in range(50):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            slow.append(s)
+        t0 = time.monotonic()
+        frame = hello
+        i = 0
+        while time.monotonic() - t0 < 6:  # 1 byte per slow sender per 0.5 s
+            for s in slow:
+                try:
+                    s.send(frame[i: i + 1])
+                except OSError:
+                    pass
+            i = (i + 1) % len(frame)
+            peak = max(peak, _rss(agent))
+            time.sleep(0.5)
+        status, body = _get(api_url + "/api/v1/health")
+        health = json.loads(body)
+    finally:
+        for s in conns + slow:
+            s.close()
+        sender = good.stop()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(20)
+    assert health["timeouts_total"] >= 250  # every half-sent frame and every slow sender timed out
+    assert peak - rss0 < 120 * 2**20, (rss0 >> 20, peak >> 20)  # the partial-frame cap (64 MiB) holds
+    assert sender.delivered == sender.sent - sender.lost and sender.delivered > 0
+    assert sender.delivered == _count_steps(db)
+
+
+def test_socket_folder_of_another_user_or_writable_by_others_is_refused(short_tmp):
+    folder = os.path.join(short_tmp, "squat")
+    os.mkdir(folder)
+    os.chmod(folder, 0o777)
+    assert "writable by other users" in check_private_folder(folder)
+    other = 12345 if os.getuid() != 12345 else 12346
+    # as root, really chown; otherwise judge the folder on behalf of another uid (the injected uid)
+    if os.getuid() == 0:
+        os.chown(folder, other, other)
+        uid = None
+    else:
+        uid = other
+    os.chmod(folder, 0o700)
+    assert "owned by uid" in check_private_folder(folder, uid)
+    sock = os.path.join(folder, "agent.sock")
+    with pytest.raises(PermissionError, match="owned by uid"):
+        if uid is None:  # the agent refuses to listen in it
+            Sidecar(os.path.join(short_tmp, "s.duckdb"), listen=[f"unix:{sock}"]).start()
+        else:
+            make_private_folder(folder, uid)
+    sender = Sender(parse_address(f"unix:{sock}"), _hello_frame(), folder_uid=uid)
+    assert not sender.ready()  # the probe refuses to connect into it
+    with pytest.raises(PermissionError, match="refusing"):
+        connect(parse_address(f"unix:{sock}"), 1.0, uid)
+
+
+def test_agent_takes_write_bits_off_its_own_folder_and_files_are_private(short_tmp):
+    folder = os.path.join(short_tmp, "run")
+    os.mkdir(folder)
+    os.chmod(folder, 0o777)  # e.g. a Kubernetes emptyDir
+    db = os.path.join(short_tmp, "s.duckdb")
+    with Sidecar(db, listen=[f"unix:{folder}/agent.sock"], batch_interval_s=0.05) as sc:
+        assert stat.S_IMODE(os.stat(folder).st_mode) & 0o022 == 0
+        sender = Sender(parse_address(str(sc.bound[0])), _hello_frame())
+        assert sender.send(ev.encode_frame(_steps(0, 10)))
+        sender.close()
+        assert sender.delivered == 10
+        assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+        if os.path.exists(db + ".wal"):
+            assert stat.S_IMODE(os.stat(db + ".wal").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+
+
+def test_read_api_refuses_foreign_host_and_validates_parameters(short_tmp):
+    db = os.path.join(short_tmp, "r.duckdb")
+    with Sidecar(db, listen=[f"unix:{short_tmp}/a.sock"], read_api="127.0.0.1:0") as sc:
+        url, port = sc.read_api.url, sc.read_api.port
+        assert _get(url + "/api/v1/health")[0] == 200
+        assert _get(url + "/api/v1/health", host=f"localhost:{port}")[0] == 200
+        for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}", f"127.0.0.1.evil.example:{port}"):
+            status, body = _get(url + "/api/v1/query/runs", host=host)
+            assert status == 403, host
+        for q in ("rank_steps?max_rows=0", "step_sample?limit=-1", "step_timeline?bucket_s=nan",
+                  "latency_histogram?bins=abc", "step_timeline?bucket_s=0", "runs?x=1",
+                  "run_labels?run_id=" + "x" * 500):
+            status, body = _get(url + "/api/v1/query/" + q)
+            assert status == 400, (q, body)
+            err = json.loads(body)["error"]
+            assert "\n" not in err and "Error" not in err and "Traceback" not in err, err
+        assert _get(url + "/api/v1/query/step_sample?limit=10")[0] == 200
+
+
+def test_tcp_token_is_required_when_set(short_tmp):
+    db = os.path.join(short_tmp, "t.duckdb")
+    with Sidecar(db, listen=["tcp:127.0.0.1:0"], token="s3cret", batch_interval_s=0.05) as sc:
+        addr = str(sc.bound[0])
+        wrong = Sender(parse_address(addr), _hello_frame(), token="nope", timeout_s=1.0)
+        assert not wrong.ready()
+        v1 = socket.create_connection((sc.bound[0].path, sc.bound[0].port))
+        v1.sendall(ev.encode_frame([ev.Hello(1, 0, 1, 0, 1, "v1", "m", "module")] + _steps(0, 5)))
+        v1.settimeout(5)
+        assert v1.recv(1) == b""  # a v1 sender cannot present a token: refused
+        v1.close()
+        right = Sender(parse_address(addr), _hello_frame(), token="s3cret")
+        assert right.send(ev.encode_frame(_steps(0, 7)))
+        right.close()
+        assert right.delivered == 7
+        assert sc.stats.auth_failures_total == 2
+
+
+def test_connection_cap(short_tmp):
+    with Sidecar(os.path.join(short_tmp, "c.duckdb"), listen=[f"unix:{short_tmp}/a.sock"], max_connections=3) as sc:
+        socks = []
+        for _ in range(3):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sc.bound[0].path)
+            socks.append(s)
+        assert sc.wait_rows(lambda: sc.stats.open_connections == 3, 5)
+        extra = socket.socket(socket.AF_UNIX)
+        extra.connect(sc.bound[0].path)
+        extra.settimeout(5)
+        assert extra.recv(1) == b""
+        assert sc.stats.connections_refused_total == 1
+        for s in socks + [extra]:
+            s.close()
+
+
+def test_structured_garbage_never_raises_anything_but_frame_error():
+    from phasescope.agent.sidecar import columnar
+
+    payload, n = ev.encode_records(_steps(0, 3) + [ev.RunLabel(1, "a", "b")] + _steps(3, 2))
+    d = columnar.decode(payload, n)
+    assert d.records == 6 and sum(len(a) for a in d.arrays[2]) == 5 and d.control == [ev.RunLabel(1, "a", "b")]
+    for cut in range(len(payload)):
+        with pytest.raises(ev.FrameError):
+            columnar.decode(payload[:cut], n)
+    with pytest.raises(ev.FrameError, match="trailing"):
+        columnar.decode(payload + b"\0", n)
+    with pytest.raises(ev.FrameError, match="unknown record type"):
+        columnar.decode(b"\xc8" * 60, 1)
+    assert struct.calcsize("<qQHBIIIQdd") + 1 == columnar.TYPES[2].size
