@@ -415,9 +415,12 @@ class Sidecar:
                 version, count, length = read_header(header)
                 # bytes of frames still arriving are capped over all connections (half-sent frames cost at
                 # most `partial_budget_bytes`); a whole frame then waits for room in the memory budget
-                await self._partial.take(length)
+                try:  # the frame's deadline covers the wait for room too: a crowd of half-sent frames ends
+                    await asyncio.wait_for(self._partial.take(length), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    raise _Timeout() from None
                 try:
-                    payload = await self._read(reader, length, loop.time() + self.frame_timeout_s)
+                    payload = await self._read(reader, length, deadline)
                     await self._budget.take(length)
                 except asyncio.IncompleteReadError as exc:
                     raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")

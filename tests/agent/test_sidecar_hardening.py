@@ -116,6 +116,8 @@ def test_twenty_sigkills_while_streaming_delivered_equals_stored(short_tmp):
         agent.send_signal(signal.SIGTERM)
         agent.wait(20)
     stored = _count_steps(db)
+    print(f"20 SIGKILLs: sent={sender.sent} delivered={sender.delivered} lost={sender.lost} stored={stored} "
+          f"dropped-before-send={s.not_sent}")
     assert sender.connects >= 21
     assert sender.lost > 0  # some frames were in flight at a kill: counted, not silently gone
     assert sender.in_flight == 0
@@ -251,6 +253,8 @@ def test_flood_of_malformed_frames_and_poison_while_a_good_probe_streams(short_t
         health = json.loads(body)
         agent.send_signal(signal.SIGTERM)
         agent.wait(20)
+    print(f"flood: bad frames={bad_frames} poison={poison} rss0={rss0 >> 20} MiB peak={peak >> 20} MiB "
+          f"scrapes={len(statuses)} good delivered={sender.delivered}")
     assert bad_frames + poison >= 10_000
     assert set(statuses) == {200} and len(statuses) > 10  # /metrics answered throughout
     assert health["bad_frames_total"] >= bad_frames
@@ -316,6 +320,7 @@ def test_half_sent_maximum_frames_and_slow_senders_are_timed_out_with_bounded_me
         sender = good.stop()
         agent.send_signal(signal.SIGTERM)
         agent.wait(20)
+    print(f"half-sent/slow: timeouts={health['timeouts_total']} rss0={rss0 >> 20} MiB peak={peak >> 20} MiB")
     assert health["timeouts_total"] >= 250  # every half-sent frame and every slow sender timed out
     assert peak - rss0 < 120 * 2**20, (rss0 >> 20, peak >> 20)  # the partial-frame cap (64 MiB) holds
     assert sender.delivered == sender.sent - sender.lost and sender.delivered > 0
@@ -433,3 +438,116 @@ def test_structured_garbage_never_raises_anything_but_frame_error():
     with pytest.raises(ev.FrameError, match="unknown record type"):
         columnar.decode(b"\xc8" * 60, 1)
     assert struct.calcsize("<qQHBIIIQdd") + 1 == columnar.TYPES[2].size
+
+
+_DISK_AGENT = r'''
+import json, os, sys
+from prometheus_client import CollectorRegistry
+from phasescope.agent.sidecar import Sidecar
+from phasescope.exporters.prometheus import MetricsServer, SidecarStatsCollector
+mnt, sock = sys.argv[1], sys.argv[2]
+db = os.path.join(mnt, "d.duckdb")
+sc = Sidecar(db, listen=[f"unix:{sock}"], batch_interval_s=0.05, checkpoint_interval_s=0.5,
+             memory_budget_bytes=8 << 20, read_api="127.0.0.1:0").start()
+reg = CollectorRegistry()
+reg.register(SidecarStatsCollector(sc.stats))
+ms = MetricsServer(reg, "127.0.0.1:0").start()
+print("READY", sc.read_api.url, ms.url, flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "fill":  # take every free byte of the file system
+        fd = os.open(os.path.join(mnt, "filler"), os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            while True:
+                os.write(fd, b"\0" * (1 << 16))
+        except OSError:
+            pass
+        os.close(fd)
+        print("FILLED", flush=True)
+    elif cmd == "free":
+        os.unlink(os.path.join(mnt, "filler"))
+        print("FREED", flush=True)
+    elif cmd == "stop":
+        sc.stop()
+        ms.close()
+        import duckdb
+        con = duckdb.connect(db, read_only=True)
+        print("STORED", con.execute("SELECT count(*) FROM steps").fetchone()[0], flush=True)
+        break
+'''
+
+
+def _can_mount_tmpfs():
+    try:
+        return subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged user+mount namespaces for a size-limited tmpfs")
+def test_disk_full_then_space_freed_writes_resume_and_nothing_is_lost_uncounted(short_tmp):
+    mnt = os.path.join(short_tmp, "mnt")
+    os.mkdir(mnt)
+    sock = os.path.join(short_tmp, "agent.sock")
+    # a real 32 MiB tmpfs in a user+mount namespace of its own (no root needed); the agent runs inside it
+    agent = subprocess.Popen(
+        ["unshare", "-Urm", "sh", "-c", 'mount -t tmpfs -o size=32m tmpfs "$0" && exec "$1" -c "$2" "$0" "$3"',
+         mnt, sys.executable, _DISK_AGENT, sock],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def say(cmd, expect):
+        agent.stdin.write(cmd + "\n")
+        agent.stdin.flush()
+        line = agent.stdout.readline()
+        assert line.startswith(expect), line
+        return line
+
+    line = agent.stdout.readline()
+    assert line.startswith("READY"), line
+    _, api_url, metrics_url = line.split()
+
+    def health():
+        return json.loads(_get(api_url + "/api/v1/health")[1])
+
+    def store_up():
+        text = _get(metrics_url)[1].decode()
+        return float(re.search(r"^phasescope_sidecar_store_up (\S+)$", text, re.M).group(1))
+
+    s = Streamer(f"unix:{sock}", frame_records=500, pause_s=0.005).start()
+    try:
+        deadline = time.monotonic() + 20
+        while s.sender.delivered < 20_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        say("fill", "FILLED")
+        deadline = time.monotonic() + 20
+        while health()["store_ok"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        h = health()
+        assert h["store_ok"] == 0 and h["store_errors_total"] > 0, h
+        assert store_up() == 0.0
+        status, body = _get(api_url + "/readyz")
+        assert status == 503 and not json.loads(body)["checks"]["store"]["ok"]
+        time.sleep(2)  # the outage: the budget fills, the probe's window fills, it drops and counts
+        during = s.sender.delivered
+        time.sleep(1)
+        assert s.sender.delivered == during  # nothing acknowledged while nothing is written
+        say("free", "FREED")
+        deadline = time.monotonic() + 30
+        while s.sender.delivered < during + 20_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.sender.delivered >= during + 20_000  # writes resumed in the running agent
+        assert store_up() == 1.0
+        h = health()
+        assert h["store_ok"] == 1 and h["store_reopens_total"] >= 1, h
+    finally:
+        sender = s.stop()
+        stored = int(say("stop", "STORED").split()[1])
+        agent.wait(20)
+    print(f"disk full: sent={sender.sent} delivered={sender.delivered} lost={sender.lost} stored={stored} "
+          f"not-sent (backpressure)={s.not_sent} health={h}")
+    assert s.not_sent > 0  # backpressure: the producer could not send during the outage (it counts them)
+    assert sender.in_flight == 0
+    assert sender.sent == sender.delivered + sender.lost + sender.rejected
+    assert sender.delivered == stored
