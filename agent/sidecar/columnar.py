@@ -204,32 +204,45 @@ def records_of(arrays: dict[int, list[np.ndarray]]) -> list[Record]:
     return out
 
 
-_PHASE_SQL = "[" + ", ".join(f"'{p}'" for p in PHASES) + "]"
-_EVENT_SQL = "[" + ", ".join(f"'{e}'" for e in REQUEST_EVENTS) + "]"
+_NP_OF_SQL = {"SMALLINT": np.int16, "INTEGER": np.int32, "BIGINT": np.int64, "DOUBLE": np.float64,
+              "REAL": np.float32}
+_ENUM_NAMES = {("Step", "phase"): PHASES, ("RequestEvent", "event"): REQUEST_EVENTS}
 
 
-def columns(code: int, source_ids: np.ndarray, arr: np.ndarray) -> tuple[str, dict[str, np.ndarray], str]:
-    """(table, {column: numpy array}, SELECT list) to insert the rows of `arr` into their table."""
+def columns(code: int, source_ids: np.ndarray, arr: np.ndarray, arrow: Any = None) -> tuple[str, dict[str, Any], str]:
+    """(table, {column: array}, SELECT list) to insert the rows of `arr` into their table.
+
+    With `arrow` (the pyarrow module) the columns already have the table's types (enums as dictionary
+    arrays), so DuckDB appends them without casting; without it, numpy arrays and casts in SQL."""
     t = TYPES[code]
     assert t.table is not None
-    cols: dict[str, np.ndarray] = {"source_id": source_ids.astype(np.int32, copy=False)}
+    cols: dict[str, Any] = {"source_id": source_ids.astype(np.int32, copy=False)}
     select = []
     for name, typ, _ in TABLES[t.table]:
         if name == "source_id":
             select.append("source_id")
             continue
         col = arr[name]
+        enum = _ENUM_NAMES.get((t.name, name))
         if col.dtype.kind == "S":
             try:
                 col = np.char.rstrip(col, b"\0").astype(str)
             except UnicodeDecodeError:  # validated UTF-8 but not ASCII: the slow path
                 col = np.array([_text(bytes(x)) for x in col], dtype=object)
-        cols[name] = np.ascontiguousarray(col)
-        if (t.name, name) == ("Step", "phase"):
-            select.append(f"{_PHASE_SQL}[phase + 1] AS phase")
-        elif (t.name, name) == ("RequestEvent", "event"):
-            select.append(f"{_EVENT_SQL}[event + 1] AS event")
+            cols[name] = col if arrow is None else arrow.array(col, arrow.string())
+            select.append(name)
+        elif enum is not None:
+            if arrow is not None:
+                cols[name] = arrow.DictionaryArray.from_arrays(col.astype(np.int8), list(enum))
+                select.append(f"{name}::VARCHAR AS {name}")
+            else:
+                cols[name] = np.ascontiguousarray(col)
+                select.append("[" + ", ".join(f"'{e}'" for e in enum) + f"][{name} + 1] AS {name}")
+        elif arrow is not None and typ in _NP_OF_SQL:
+            cols[name] = col.astype(_NP_OF_SQL[typ])  # validated to fit
+            select.append(name)
         else:
+            cols[name] = np.ascontiguousarray(col)
             select.append(f"{name}::{typ} AS {name}")
     return t.table, cols, ", ".join(select)
 

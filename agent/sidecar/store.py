@@ -163,7 +163,7 @@ class Store:
                     for code, (arrs, sids) in by_code.items():
                         arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
                         sid = sids[0] if len(sids) == 1 else np.concatenate(sids)
-                        table, cols, select = columnar.columns(code, sid, arr)
+                        table, cols, select = columnar.columns(code, sid, arr, _pa)
                         _insert(self.con, table, cols, select)
                         n += len(arr)
                     for (run_id, key), value in labels.items():

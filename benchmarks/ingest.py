@@ -1,0 +1,170 @@
+"""Sidecar ingest rate: records/s from probes to committed-and-acknowledged rows, against DuckDB's own bulk
+append of the same rows measured in the same run, and the agent's peak RSS.
+
+Each run starts `phasescope agent` (a subprocess, as deployed) on a fresh file; N producer processes
+stream pre-encoded Step frames (8192 records, the probe's frame size) through the probe's real `Sender`
+(wire v2: windowed, acknowledged). The rate is stored rows / (first send -> last acknowledgement), and
+`delivered == stored` is checked. The baseline appends the same number of rows, already as an Arrow
+table with the store's column types, in one `INSERT ... SELECT` into a fresh file with the same schema.
+
+    python benchmarks/ingest.py [--records 2000000] [--producers 1 4 16] [--repeat 3] [--metrics]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+
+def _frames(n_records: int, frame_records: int, rank: int) -> list[bytes]:
+    from phasescope.agent import events as ev
+
+    out, i = [], 0
+    while i < n_records:
+        k = min(frame_records, n_records - i)
+        out.append(ev.encode_frame([ev.Step(1_000 + j, j, rank, ev.PHASE_DECODE, 8, 0, 8, 4096 + j, 1.5, float("nan"))
+                                    for j in range(i, i + k)]))
+        i += k
+    return out
+
+
+def _producer(sock: str, n_records: int, rank: int, go, results) -> None:
+    from phasescope.agent import events as ev
+    from phasescope.agent.address import parse_address
+    from phasescope.agent.probe.sender import Sender
+
+    frames = _frames(n_records, 8192, rank)
+    hello = lambda: ev.encode_frame([ev.Hello(time.monotonic_ns(), 0, os.getpid(), rank, 1, "bench", "m", "bench")])
+    s = Sender(parse_address(f"unix:{sock}"), hello, window_bytes=16 << 20, drain_s=60)
+    while not s.ready():
+        time.sleep(0.01)
+    go.wait()
+    t0 = time.perf_counter()
+    for f in frames:
+        while not s.send(f):  # the window is full: wait for acks (a probe would drop and count here)
+            time.sleep(0.0005)
+    s.close()  # waits for the last acknowledgements
+    results.put((t0, time.perf_counter(), s.sent, s.delivered, s.lost))
+
+
+def _agent(db: str, sock: str, metrics: bool) -> subprocess.Popen:
+    args = [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api",
+            "--no-retention"]
+    args += ["--metrics-addr", "127.0.0.1:0"] if metrics else ["--no-metrics"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "listening" not in line:
+        raise RuntimeError(f"agent did not start: {line!r}")
+    return proc
+
+
+def run_once(n_records: int, producers: int, metrics: bool) -> dict:
+    from phasescope.agent.sidecar.store import Store
+
+    tmp = tempfile.mkdtemp(prefix="ps-ingest-", dir="/tmp")
+    try:
+        db, sock = os.path.join(tmp, "bench.duckdb"), os.path.join(tmp, "agent.sock")
+        agent = _agent(db, sock, metrics)
+        proc = psutil.Process(agent.pid)
+        peak = [proc.memory_info().rss]
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                try:
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+                except psutil.Error:
+                    return
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        ctx = mp.get_context("spawn")
+        go, results = ctx.Event(), ctx.Queue()
+        per = n_records // producers
+        ps = [ctx.Process(target=_producer, args=(sock, per, r, go, results)) for r in range(producers)]
+        for p in ps:
+            p.start()
+        time.sleep(1.0 + 0.1 * producers)  # every producer connected and its frames built
+        go.set()
+        out = [results.get(timeout=600) for _ in ps]
+        for p in ps:
+            p.join(30)
+        stop.set()
+        watcher.join(5)
+        agent.terminate()
+        agent.wait(60)
+        t0, t1 = min(o[0] for o in out), max(o[1] for o in out)
+        sent, delivered, lost = (sum(o[i] for o in out) for i in (2, 3, 4))
+        con = Store.open_readonly(db)
+        stored = con.execute("SELECT count(*) FROM steps").fetchone()[0]
+        con.close()
+        rate = stored / (t1 - t0)
+        base = bulk_append_rate(stored, os.path.join(tmp, "bulk.duckdb"))
+        return {"producers": producers, "records": stored, "seconds": t1 - t0, "records_per_s": rate,
+                "duckdb_bulk_records_per_s": base, "ratio": rate / base, "peak_rss_mib": peak[0] / 2**20,
+                "sent": sent, "delivered": delivered, "lost": lost, "delivered_equals_stored": delivered == stored}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bulk_append_rate(n: int, path: str) -> float:
+    """DuckDB's own rate for the same rows: one INSERT of an Arrow table with the store's column types."""
+    import numpy as np
+    import pyarrow as pa
+
+    from phasescope.agent.sidecar.store import Store
+
+    j = np.arange(n, dtype=np.int64)
+    tbl = pa.table({
+        "source_id": np.ones(n, np.int32), "ts_ns": 1_000 + j, "step_id": j, "rank": np.zeros(n, np.int16),
+        "phase": pa.array(np.full(n, "decode", dtype=object), pa.string()), "num_seqs": np.full(n, 8, np.int32),
+        "prefill_tokens": np.zeros(n, np.int32), "decode_tokens": np.full(n, 8, np.int32),
+        "context_tokens": 4096 + j, "host_ms": np.full(n, 1.5), "gpu_ms": np.full(n, np.nan)})
+    store = Store(path)
+    t0 = time.perf_counter()
+    store.con.execute("INSERT INTO steps SELECT * FROM tbl")
+    dt = time.perf_counter() - t0
+    store.close()
+    return n / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=2_000_000)
+    ap.add_argument("--producers", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--metrics", action="store_true", help="run the agent with its Prometheus exporter (a sink)")
+    ap.add_argument("--out", default=None, help="write the JSON results here")
+    args = ap.parse_args()
+    rows = []
+    print(f"{'producers':>9} {'records/s':>11} {'duckdb bulk/s':>13} {'ratio':>6} {'peak RSS MiB':>12}  runs")
+    for n in args.producers:
+        runs = [run_once(args.records, n, args.metrics) for _ in range(args.repeat)]
+        assert all(r["delivered_equals_stored"] for r in runs), runs
+        med = {k: statistics.median(r[k] for r in runs)
+               for k in ("records_per_s", "duckdb_bulk_records_per_s", "ratio", "peak_rss_mib")}
+        rows.append({"producers": n, **med, "runs": runs})
+        print(f"{n:>9} {med['records_per_s']:>11,.0f} {med['duckdb_bulk_records_per_s']:>13,.0f} "
+              f"{med['ratio']:>6.1%} {med['peak_rss_mib']:>12.0f}  {len(runs)}", flush=True)
+    if args.out:
+        meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "records": args.records,
+                "metrics_sink": args.metrics, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
