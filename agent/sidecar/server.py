@@ -59,6 +59,8 @@ class Collector(Protocol):
     def sample(self) -> Sequence[Record]: ...
 
 
+_READ_LIMIT = 128 << 10  # StreamReader buffer: reads ahead at most 2x this per connection (x max_connections)
+
 SIDECAR_SOURCE_ID = 0  # source of the records the sidecar's own collectors produce
 
 
@@ -175,7 +177,7 @@ class Sidecar:
         sample_interval_s: float = 1.0,
         read_api: str | None = None,
         findings: Callable | None = None,
-        memory_budget_bytes: int = 256 << 20,
+        memory_budget_bytes: int = 64 << 20,
         partial_budget_bytes: int = 64 << 20,
         max_connections: int = 256,
         idle_timeout_s: float = 120.0,
@@ -352,13 +354,13 @@ class Sidecar:
                 _prepare_unix_path(addr.path)
                 old_umask = os.umask(0o177)  # socket file created 0600
                 try:
-                    server = await asyncio.start_unix_server(self._handle, path=addr.path)
+                    server = await asyncio.start_unix_server(self._handle, path=addr.path, limit=_READ_LIMIT)
                 finally:
                     os.umask(old_umask)
                 os.chmod(addr.path, 0o600)
                 self.bound.append(addr)
             else:
-                server = await asyncio.start_server(self._handle, host=addr.path, port=addr.port)
+                server = await asyncio.start_server(self._handle, host=addr.path, port=addr.port, limit=_READ_LIMIT)
                 port = server.sockets[0].getsockname()[1]
                 self.bound.append(Address("tcp", addr.path, port))
             self._servers.append(server)
@@ -606,10 +608,14 @@ class Sidecar:
                 self._wake.clear()
             items = held
             if not held:  # new frames wait while a held batch cannot be written: order per sender is kept
-                while self._items:
+                taken = 0  # at most 4x the write threshold per transaction: bounded transient memory
+                while self._items and taken < 4 * self._write_threshold:
                     it = self._items.popleft()
                     self._queued_bytes -= it.nbytes
+                    taken += it.nbytes
                     items.append(it)
+                if self._items:
+                    self._wake.set()
             held = []
             if items or store._pending_sources:
                 remaining = self._write(items, held_parts)

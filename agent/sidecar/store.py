@@ -66,9 +66,13 @@ def _private(path: str) -> None:
 class Store:
     """A DuckDB file opened read-write, with the phasescope schema."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, memory_limit: str | None = "128MB") -> None:
+        """`memory_limit`: DuckDB's buffer pool in this process (it spills beyond it); None: DuckDB's default
+        (80% of RAM), which lets the sidecar's RSS grow with the data it has written."""
         self.path = path
+        self.memory_limit = memory_limit
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
+        self._src_lock = threading.Lock()  # ids and pending rows of new sources
         self.rows_written = 0
         self.broken: str | None = None  # why the last write failed on the file/connection; None when fine
         self._pending_sources: list[list] = []
@@ -80,6 +84,8 @@ class Store:
         old = os.umask(0o077)  # the file and its WAL: 0600
         try:
             self.con = duckdb.connect(path)
+            if self.memory_limit:
+                self.con.execute(f"SET memory_limit = '{self.memory_limit}'")
             self._init_schema()
         finally:
             os.umask(old)
@@ -116,7 +122,7 @@ class Store:
 
     def register_source(self, hello: Hello) -> int:
         """A source_id for a new connection; its sources row is written with the next batch."""
-        with self._lock:
+        with self._src_lock:  # not the write lock: the network loop must never wait for a commit
             sid = self._next_source
             self._next_source += 1
             self._run_of[sid] = hello.run_id
@@ -153,13 +159,15 @@ class Store:
                 q, s_, r_ = progress.get(p.nonce) or self.progress.get(p.nonce, (0, 0, 0))
                 progress[p.nonce] = [max(q, p.seq or 0), s_ + p.accepted, r_ + p.rejected]
         n = 0
+        with self._src_lock:
+            new_sources = list(self._pending_sources)
         with self._lock:
             try:
                 self.con.execute("BEGIN")
                 try:
-                    if self._pending_sources:
+                    if new_sources:
                         self.con.executemany("INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                                             self._pending_sources)
+                                             new_sources)
                     for code, (arrs, sids) in by_code.items():
                         arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
                         sid = sids[0] if len(sids) == 1 else np.concatenate(sids)
@@ -183,7 +191,8 @@ class Store:
                 if is_store_failure(exc):
                     self.broken = f"{type(exc).__name__}: {exc}"
                 raise
-            self._pending_sources.clear()
+            with self._src_lock:
+                del self._pending_sources[: len(new_sources)]
             for nonce, v in progress.items():
                 self.progress[nonce] = tuple(v)  # type: ignore[assignment]
         self.rows_written += n
