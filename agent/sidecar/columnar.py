@@ -109,6 +109,30 @@ class _Type:
 TYPES: dict[int, _Type] = {code: _Type(code, cls, s.format) for code, (cls, s) in LAYOUTS.items()}
 _SIZES = {code: t.size for code, t in TYPES.items()}
 _BY_CLASS = {t.cls: t for t in TYPES.values()}
+_SQL_NP = {"SMALLINT": "<i2", "INTEGER": "<i4", "BIGINT": "<i8", "DOUBLE": "<f8", "REAL": "<f4", "VARCHAR": "O"}
+
+
+class _LocalType(_Type):
+    """A record the sidecar makes itself and never receives (events' sidecar-local records): typed by its
+    table's columns, trusted (no checks), with a pseudo type code >= 1000."""
+
+    def __init__(self, code: int, cls: type) -> None:
+        self.code, self.cls, self.name = code, cls, cls.__name__
+        self.table = TABLE_OF_RECORD[self.name]
+        sql = {name: typ for name, typ, _ in TABLES[self.table]}
+        self.dtype = np.dtype([("_type", "<i2")] + [(f, _SQL_NP[sql[f]]) for f in cls._fields])
+        self.size = self.dtype.itemsize
+        self.checks = []
+
+
+def _type_of(cls: type) -> _Type:
+    t = _BY_CLASS.get(cls)
+    if t is None:
+        if cls.__name__ not in TABLE_OF_RECORD:
+            raise TypeError(f"no table for {cls.__name__}")
+        t = _LocalType(1000 + len(TYPES), cls)
+        TYPES[t.code] = _BY_CLASS[cls] = t
+    return t
 
 
 class Decoded:
@@ -224,7 +248,10 @@ def columns(code: int, source_ids: np.ndarray, arr: np.ndarray, arrow: Any = Non
             continue
         col = arr[name]
         enum = _ENUM_NAMES.get((t.name, name))
-        if col.dtype.kind == "S":
+        if col.dtype.kind == "O":
+            cols[name] = col if arrow is None else arrow.array(col, arrow.string())
+            select.append(name if arrow is not None else f"{name}::{typ} AS {name}")
+        elif col.dtype.kind == "S":
             try:
                 col = np.char.rstrip(col, b"\0").astype(str)
             except UnicodeDecodeError:  # validated UTF-8 but not ASCII: the slow path
@@ -253,7 +280,7 @@ def split_records(records: list[Record]) -> tuple[dict[int, list[np.ndarray]], l
     control: list[Record] = []
     by: dict[_Type, list[tuple]] = collections.defaultdict(list)
     for r in records:
-        t = _BY_CLASS[type(r)]
+        t = _type_of(type(r))
         if t.table is None:
             control.append(r)
             continue
