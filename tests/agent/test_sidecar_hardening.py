@@ -164,11 +164,20 @@ def test_poison_records_are_rejected_by_reason_and_the_rest_of_the_frame_kept(si
 
 
 def test_a_batch_that_fails_in_the_store_is_retried_in_halves(sidecar, monkeypatch):
-    from phasescope.agent.sidecar import columnar
+    import duckdb
+    import numpy as np
 
-    # switch validation off so that one record reaches DuckDB and fails there (UBIGINT -> BIGINT overflow)
-    monkeypatch.setattr(columnar.TYPES[2], "checks", [])
-    frame = ev.encode_frame(_steps(0, 500) + _steps(500, 1, step_id=2**64 - 1) + _steps(501, 499))
+    from phasescope.agent.sidecar import store as store_mod
+
+    real = store_mod._insert
+
+    def insert(con, table, cols, select):  # the store refuses any insert holding step 777 (a value it cannot take)
+        if table == "steps" and (np.asarray(cols["step_id"]) == 777).any():
+            raise duckdb.ConversionException("Conversion Error: step 777")
+        real(con, table, cols, select)
+
+    monkeypatch.setattr(store_mod, "_insert", insert)
+    frame = ev.encode_frame(_steps(0, 1000))
     sender = Sender(parse_address(str(sidecar.bound[0])), _hello_frame())
     assert sender.send(frame)
     sender.close()
@@ -177,7 +186,7 @@ def test_a_batch_that_fails_in_the_store_is_retried_in_halves(sidecar, monkeypat
     assert sidecar.stats.write_retries_total == 1
     sidecar.stop()
     con = Store.open_readonly(sidecar.db_path)
-    assert con.execute("SELECT count(*) FROM steps").fetchone() == (999,)
+    assert con.execute("SELECT count(*), count(*) FILTER (WHERE step_id = 777) FROM steps").fetchone() == (999, 0)
     con.close()
 
 
