@@ -178,7 +178,7 @@ class Sidecar:
         read_api: str | None = None,
         findings: Callable | None = None,
         memory_budget_bytes: int = 64 << 20,
-        partial_budget_bytes: int = 64 << 20,
+        partial_budget_bytes: int = 16 << 20,
         max_connections: int = 256,
         idle_timeout_s: float = 120.0,
         frame_timeout_s: float = 10.0,
@@ -608,8 +608,8 @@ class Sidecar:
                 self._wake.clear()
             items = held
             if not held:  # new frames wait while a held batch cannot be written: order per sender is kept
-                taken = 0  # at most 4x the write threshold per transaction: bounded transient memory
-                while self._items and taken < 4 * self._write_threshold:
+                taken = 0  # at most 2x the write threshold per transaction: bounded transient memory
+                while self._items and taken < 2 * self._write_threshold:
                     it = self._items.popleft()
                     self._queued_bytes -= it.nbytes
                     taken += it.nbytes
