@@ -308,18 +308,52 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .sidecar.schema import SCHEMA_VERSION, TABLES
+    import duckdb
+
+    from .sidecar.schema import RUN_INFO_DOC, SCHEMA_VERSION, TABLES, ddl
 
     console = Console()
     console.print(f"phasescope store schema version {SCHEMA_VERSION}")
     for table, cols in TABLES.items():
-        t = Table(title=table, title_justify="left")
+        t = Table(title=f"table {table}", title_justify="left")
         for c in ("column", "type", "meaning"):
             t.add_column(c)
         for name, typ, doc in cols:
             t.add_row(name, typ, doc)
         console.print(t)
+    con = duckdb.connect()  # an in-memory store: the other tables' and the views' columns, as DuckDB sees them
+    try:
+        for stmt in ddl():
+            con.execute(stmt)
+        extra = {"meta": {"key": "setting name (schema_version)", "value": "its value"}, "run_info": RUN_INFO_DOC}
+        for table, docs in extra.items():
+            t = Table(title=f"table {table}", title_justify="left")
+            for c in ("column", "type", "meaning"):
+                t.add_column(c)
+            for name, typ in con.execute(f"SELECT column_name, data_type FROM duckdb_columns() "
+                                         f"WHERE table_name = '{table}' ORDER BY column_index").fetchall():
+                t.add_row(name, typ, docs.get(name, ""))
+            console.print(t)
+        for view, doc in VIEW_DOCS.items():
+            t = Table(title=f"view {view}", title_justify="left", caption=doc, caption_justify="left")
+            for c in ("column", "type"):
+                t.add_column(c)
+            for name, typ in con.execute(f"SELECT column_name, data_type FROM duckdb_columns() "
+                                         f"WHERE table_name = '{view}' ORDER BY column_index").fetchall():
+                t.add_row(name, typ)
+            console.print(t)
+    finally:
+        con.close()
     return 0
+
+
+VIEW_DOCS = {
+    "request_log": "every request event keyed by arrival (request_id unique per arrival; runtime_request_id the "
+                   "runtime's label)",
+    "requests": "one row per request: queue, TTFT, prefill, decode, TPOT, E2E in seconds; cached tokens of the "
+                "first admission, re-admission reuse apart",
+    "itl": "one row per output token after the first: the inter-token latency in seconds",
+}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -24,13 +24,13 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from phasescope.agent.probe import kvmath
-from phasescope.agent.events import (PHASES, GpuSample, Hello, KVSnapshot, PrefixCounters, ProbeHealth,
-                                     RequestEvent, Step)
+from phasescope.agent.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
+                                     PrefixCounters, ProbeHealth, RequestEvent, Step)
 from phasescope.agent.sidecar import Batch, SidecarStats
 
 from . import buckets
@@ -62,6 +62,9 @@ class PrometheusExporter:
         if max_pending_steps <= 0 or stale_after_s <= 0:
             raise ValueError("max_pending_steps and stale_after_s must be > 0")
         self.registry = registry
+        # no `<name>_created` series: they double the series count and no dashboard or alert reads them
+        # (prometheus_client keeps this switch process-wide)
+        disable_created_metrics()
         self.sources = SourceTable(LabelCap(max_models))
         self.rank_cap = LabelCap(max_ranks)
         self.record_errors_total = 0  # records the exporter could not turn into samples (skipped)
@@ -80,9 +83,12 @@ class PrometheusExporter:
         self.e2e = Histogram("gen_ai_server_request_duration_seconds",
                              "Request duration, arrival to last output token, s.",
                              ["model"], buckets=buckets.REQUEST_DURATION_S, registry=r)
-        self.token_usage = Histogram("gen_ai_client_token_usage",
-                                     "Input (prompt) and output tokens per request, {token}.",
-                                     ["model", "token_type"], buckets=buckets.TOKEN_USAGE, registry=r)
+        # server-side token counters (gen_ai.client.token.usage is a client metric): prompt tokens as requests
+        # arrive, generated tokens as they are produced; rate() gives tokens/s
+        self.prompt_tokens = Counter("phasescope_prompt_tokens", "Prompt tokens of arrived requests.",
+                                     ["model"], registry=r)
+        self.generation_tokens = Counter("phasescope_generation_tokens", "Output tokens generated.",
+                                         ["model"], registry=r)
         # --- requests: what the conventions lack ---
         self.itl = Histogram("phasescope_inter_token_latency_seconds",
                              "Gap between consecutive output tokens (a chunk of k gives k samples of gap/k), s.",
@@ -95,7 +101,7 @@ class PrometheusExporter:
                                 ["model"], buckets=buckets.PHASE_TIME_S, registry=r)
         self.requests = Counter("phasescope_requests_finished", "Requests that ended, by reason (finished, aborted).",
                                 ["model", "reason"], registry=r)
-        self.preemptions = Counter("phasescope_request_preemptions", "Preemptions of requests that ended.",
+        self.preemptions = Counter("phasescope_request_preemptions", "Preemptions of requests, counted as they happen.",
                                    ["model"], registry=r)
         # --- engine steps ---
         self.step_host = Histogram("phasescope_step_host_seconds", "Host wall time of one forward, by phase, s.",
@@ -142,6 +148,13 @@ class PrometheusExporter:
             self._step(src, rec)
         elif t is RequestEvent:
             self.tracker.on_event(source_id, src, rec)
+            kind = rec.event
+            if kind == REQ_TOKEN:
+                self.generation_tokens.labels(src.model).inc(max(1, rec.tokens))
+            elif kind == REQ_ARRIVAL:
+                self.prompt_tokens.labels(src.model).inc(rec.tokens)
+            elif kind == REQ_PREEMPTED:
+                self.preemptions.labels(src.model).inc()
         elif t is KVSnapshot:
             self.kv[(src.model, self.rank_cap(str(rec.rank)))] = (now, rec)
         elif t is PrefixCounters:
@@ -170,16 +183,12 @@ class PrometheusExporter:
     def finished(self, t: RequestTiming) -> None:
         model = t.source.model
         self.requests.labels(model, "aborted" if t.aborted else "finished").inc()
-        if t.preemptions:
-            self.preemptions.labels(model).inc(t.preemptions)
         if t.aborted:
             return  # latency histograms describe successful responses (OpenTelemetry's definition)
         for hist, value in ((self.tpot, t.tpot_s), (self.e2e, t.e2e_s), (self.queue, t.queue_s),
                             (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
             if value is not None:
                 hist.labels(model).observe(value)
-        self.token_usage.labels(model, "input").observe(t.prompt_tokens)
-        self.token_usage.labels(model, "output").observe(t.output_tokens)
 
     # --- steps ----------------------------------------------------------------
 
@@ -254,6 +263,16 @@ class _SnapshotCollector(Collector):
                                  "In-flight requests dropped from the exporter's bounded state (never finished).")
         ev.add_metric([], exp.tracker.evicted_total)
         yield ev
+        running = GaugeMetricFamily("phasescope_requests_running",
+                                    "Requests scheduled and not ended (the saturation signal).", labels=["model"])
+        waiting = GaugeMetricFamily("phasescope_requests_waiting",
+                                    "Requests arrived or preempted and not (re)scheduled (the autoscaling signal).",
+                                    labels=["model"])
+        for model, (n_run, n_wait) in sorted(exp.tracker.states().items()):
+            running.add_metric([model], n_run)
+            waiting.add_metric([model], n_wait)
+        yield running
+        yield waiting
         live = GaugeMetricFamily("phasescope_exporter_requests_in_flight", "Requests the exporter is tracking.")
         live.add_metric([], len(exp.tracker))
         yield live

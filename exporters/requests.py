@@ -90,9 +90,12 @@ class RequestListener(Protocol):
 
 
 class _Req:
-    __slots__ = ("arrival", "scheduled", "first", "last", "prompt", "cached", "tokens", "preempt", "touched")
+    __slots__ = ("arrival", "scheduled", "first", "last", "prompt", "cached", "tokens", "preempt", "touched", "model",
+                 "waiting")
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
+        self.model = model
+        self.waiting = False  # arrived (or preempted) and not scheduled since
         self.arrival: int | None = None
         self.scheduled: int | None = None
         self.first: int | None = None
@@ -130,7 +133,7 @@ class RequestTracker:
             self.evicted_total += 1
             req = None
         if req is None:
-            req = self._live[key] = _Req()
+            req = self._live[key] = _Req(source.model)
         else:
             self._live.move_to_end(key)
         ts = ev.ts_ns
@@ -149,12 +152,15 @@ class RequestTracker:
         elif kind == REQ_ARRIVAL:
             req.arrival = ts
             req.prompt = ev.tokens
+            req.waiting = True
         elif kind == REQ_SCHEDULED:
+            req.waiting = False
             if req.scheduled is None:  # the first admission: its prefix hits are the request's cached tokens
                 req.scheduled = ts
                 req.cached = ev.cached_tokens
         elif kind == REQ_PREEMPTED:
             req.preempt += 1
+            req.waiting = True
         elif kind in (REQ_FINISHED, REQ_ABORTED):
             del self._live[key]
             self.finished_total += 1
@@ -167,6 +173,15 @@ class RequestTracker:
         if ts > self._newest_ns:
             self._newest_ns = ts
         self._evict()
+
+    def states(self) -> dict[str, tuple[int, int]]:
+        """Per model: (running, waiting) requests in flight now. Running: scheduled and not ended; waiting:
+        arrived or preempted and not (re)scheduled. O(requests in flight), at scrape time."""
+        out: dict[str, list[int]] = {}
+        for req in self._live.values():
+            c = out.setdefault(req.model, [0, 0])
+            c[1 if req.waiting else 0] += 1
+        return {m: (c[0], c[1]) for m, c in out.items()}
 
     def _evict(self) -> None:
         live = self._live

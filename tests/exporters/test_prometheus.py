@@ -58,8 +58,12 @@ def test_request_latencies_follow_the_definitions(exp):
     assert val(exp, "phasescope_requests_finished_total", reason="finished", **m) == 3
     assert val(exp, "phasescope_requests_finished_total", reason="aborted", **m) == 1
     assert val(exp, "phasescope_request_preemptions_total", **m) == 1
-    assert val(exp, "gen_ai_client_token_usage_sum", token_type="input", **m) == 157
-    assert val(exp, "gen_ai_client_token_usage_sum", token_type="output", **m) == 7
+    # server-side token counters: prompt tokens as requests arrive (r1..r5), generated tokens as produced
+    assert val(exp, "phasescope_prompt_tokens_total", **m) == 100 + 50 + 7 + 9 + 5
+    assert val(exp, "phasescope_generation_tokens_total", **m) == 3 + 3 + 1 + 1
+    assert val(exp, "gen_ai_client_token_usage_sum", token_type="input", **m) is None
+    # r5 arrived and was never scheduled: one waiting, none running
+    assert val(exp, "phasescope_requests_waiting", **m) == 1 and val(exp, "phasescope_requests_running", **m) == 0
     assert val(exp, "phasescope_exporter_requests_in_flight") == 1  # r5
     assert val(exp, "phasescope_exporter_request_evictions_total") == 0
 
@@ -179,3 +183,30 @@ def test_nan_free(exp):
     for m in exp.registry.collect():
         for s in m.samples:
             assert not math.isnan(s.value), s
+
+
+def test_preemptions_count_when_they_happen_and_running_waiting_follow():
+    from conftest import ev
+
+    e = PrometheusExporter(CollectorRegistry())
+    m = {"model": MODEL}
+    e.on_records([(1, [hello(0), ev("p", "arrival", 0, tokens=10), ev("p", "scheduled", 1),
+                       ev("q", "arrival", 0, tokens=10), ev("q", "scheduled", 1)])])
+    assert val(e, "phasescope_requests_running", **m) == 2 and val(e, "phasescope_requests_waiting", **m) == 0
+    e.on_records([(1, [ev("p", "preempted", 5)])])
+    assert val(e, "phasescope_request_preemptions_total", **m) == 1  # before p ends
+    assert val(e, "phasescope_requests_running", **m) == 1 and val(e, "phasescope_requests_waiting", **m) == 1
+    e.on_records([(1, [ev("p", "scheduled", 9), ev("p", "token", 10, 1), ev("p", "finished", 10, tokens=1)])])
+    assert val(e, "phasescope_request_preemptions_total", **m) == 1  # not counted again at the end
+    assert val(e, "phasescope_requests_running", **m) == 1 and val(e, "phasescope_requests_waiting", **m) == 0
+
+
+def test_no_created_series_are_exposed():
+    from prometheus_client import generate_latest
+
+    reg = CollectorRegistry()
+    e = PrometheusExporter(reg)
+    e.on_records(crafted_batch())
+    text = generate_latest(reg).decode()
+    assert "phasescope_requests_finished_total" in text
+    assert "_created" not in text
