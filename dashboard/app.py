@@ -61,7 +61,10 @@ def explain(text: str) -> None:
 
 
 def ms(v: float | None) -> str:
-    return "–" if v is None else f"{v * 1e3:.1f} ms"
+    """A duration given in seconds: milliseconds below 10 s, seconds from 10 s on."""
+    if v is None:
+        return "–"
+    return f"{v:.1f} s" if v >= 10 else f"{v * 1e3:.1f} ms"
 
 
 def pct(v: float | None) -> str:
@@ -96,7 +99,8 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
     if not findings:
         st.success("No findings: nothing in this run crosses an analyzer threshold.")
     for f in findings:
-        with st.expander(f"{SEVERITY_ICON.get(f.get('severity'), '⚪')} {f.get('title', f.get('id'))}",
+        sev = str(f.get("severity", "info"))
+        with st.expander(f"{SEVERITY_ICON.get(sev, '⚪')} {sev.upper()} · {f.get('title', f.get('id'))}",
                          expanded=f.get("severity") == "critical"):
             st.markdown(f"**Suggestion:** {f.get('suggestion', '')}")
             if f.get("expected_effect"):
@@ -154,9 +158,16 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.subheader(f"{title} distribution")
         if not h.empty:
             h["ms"] = (h["lo_s"] * h["hi_s"]) ** 0.5 * 1e3
-            st.altair_chart(alt.Chart(h).mark_bar().encode(
-                x=alt.X("ms:Q", title=f"{title} (ms, log)", scale=alt.Scale(type="log")), y="count:Q",
-                tooltip=["lo_s", "hi_s", "count"]), width="stretch")
+            chart = alt.Chart(h).mark_bar().encode(
+                x=alt.X("ms:Q", title=f"{title} (ms, log)", scale=alt.Scale(type="log")),
+                y=alt.Y("count:Q", title="requests" if metric != "itl" else "tokens"),
+                tooltip=["lo_s", "hi_s", "count"])
+            slo_ms = {"ttft": ttft_slo * 1e3, "tpot": tpot_slo * 1e3}.get(metric)
+            if slo_ms:  # the SLO set above, as a red rule
+                rule = alt.Chart(pd.DataFrame({"ms": [slo_ms], "label": [f"SLO {slo_ms:g} ms"]})).mark_rule(
+                    color="red", strokeDash=[4, 3]).encode(x="ms:Q", tooltip=["label"])
+                chart = chart + rule
+            st.altair_chart(chart, width="stretch")
         explain(f"Good: {good}.")
 
 
@@ -178,21 +189,30 @@ def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:
     frag = kv.melt(id_vars=["t_s", "rank"], value_vars=["internal_fragmentation", "external_fragmentation"],
                    var_name="kind")
     st.altair_chart(alt.Chart(frag).mark_line().encode(
-        x="t_s:Q", y=alt.Y("value:Q", axis=alt.Axis(format="%")), color="kind:N"), width="stretch")
+        x=alt.X("t_s:Q", title="seconds since start"),
+        y=alt.Y("value:Q", title="fragmentation (share)", axis=alt.Axis(format="%")), color="kind:N",
+        strokeDash="rank:N"), width="stretch")
     explain("Internal: slack inside used pages (page size too large for the lengths served). External: free pages "
             "scattered. Good: internal under ~10%; external matters only to allocators needing contiguous runs.")
     st.subheader("Churn")
     churn = kv.melt(id_vars=["t_s", "rank"], value_vars=["allocated_per_s", "freed_per_s"], var_name="kind")
-    st.altair_chart(alt.Chart(churn).mark_area(opacity=0.5).encode(x="t_s:Q", y="value:Q", color="kind:N"),
-                    width="stretch")
+    st.altair_chart(alt.Chart(churn).mark_line(point=True).encode(  # two lines, never stacked
+        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("value:Q", title="pages per second"),
+        color="kind:N", strokeDash="rank:N"), width="stretch")
     explain("Pages allocated and freed per second. Good: both track the request rate; a sawtooth with high "
             "external fragmentation means allocation granularity is fighting the workload.")
     st.subheader("Page-size what-if")
-    w = df(q(reader, "page_size_whatif", run_id=run))
+    current = int(kv_page[0]["page_size"]) if (kv_page := q(reader, "kv_summary", run_id=run)) else None
+    sizes = sorted({8, 16, 32, 64, 128, 256} | ({current} if current else set()))
+    w = df(q(reader, "page_size_whatif", run_id=run, sizes=",".join(map(str, sizes))))
     if not w.empty:
+        w["page"] = [f"{p} (current)" if p == current else str(p) for p in w["page_size"]]
+        w["current"] = w["page_size"] == current
         st.altair_chart(alt.Chart(w).mark_bar().encode(
-            x=alt.X("page_size:O", title="page size (tokens)"),
+            x=alt.X("page:O", title="page size (tokens)", sort=list(w["page"])),
             y=alt.Y("internal_fragmentation:Q", title="predicted internal fragmentation", axis=alt.Axis(format="%")),
+            color=alt.Color("current:N", title="this run's page size",
+                            scale=alt.Scale(domain=[True, False], range=["#d62728", "#4c78a8"])),
             tooltip=["page_size", "internal_fragmentation", "pages"]), width="stretch")
     explain("The same requests at other page sizes (from their final lengths). Smaller pages waste less but mean "
             "bigger page tables; pick the knee.")
@@ -219,8 +239,9 @@ def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
             "(system prompt); a collapse means evictions or prompts that put the variable part first.")
     st.subheader("Evictions and recomputation")
     ev = tl.melt(id_vars=["t_s"], value_vars=["evicted_blocks", "recomputed_tokens"], var_name="kind")
-    st.altair_chart(alt.Chart(ev).mark_bar().encode(x="t_s:Q", y="value:Q", color="kind:N"),
-                    width="stretch")
+    st.altair_chart(alt.Chart(ev).mark_bar().encode(
+        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("value:Q", title="pages evicted / tokens recomputed"),
+        color="kind:N", xOffset="kind:N"), width="stretch")
     explain("Recomputation after preemption is counted apart, never as a hit. Good: near zero; steady evictions "
             "mean the cache is too small for the working set of prefixes.")
 
@@ -229,7 +250,7 @@ def page_ranks(reader: Any, run: str, win: dict[str, Any]) -> None:
     rk = df(q(reader, "rank_kv", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"], until_s=win["until_s"]))
     if rk.empty or rk["rank"].nunique() < 2:
         st.info("One rank in this run: per-rank balance needs a tensor-parallel run (one probe per rank).")
-    if not rk.empty:
+    else:
         st.subheader("KV bytes per rank")
         st.altair_chart(alt.Chart(rk).mark_rect().encode(
             x=alt.X("t_s:O", title="seconds since start"), y="rank:O", color=alt.Color("kv_bytes:Q", title="KV bytes"),
@@ -331,7 +352,11 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
     rows = q(reader, "run_compare", run_a=a, run_b=b)
     keys = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "output_tokens_per_s", "finished", "aborted",
             "preemptions")
-    st.dataframe(pd.DataFrame({r["run_id"]: [r.get(k) for k in keys] for r in rows}, index=list(keys)))
+    table = pd.DataFrame({f"A {a}": [rows[0].get(k) for k in keys], f"B {b}": [rows[1].get(k) for k in keys]},
+                         index=list(keys))
+    table["B vs A"] = [(f"{(y - x) / x:+.1%}" if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x
+                        else "–") for x, y in zip(table.iloc[:, 0], table.iloc[:, 1])]
+    st.dataframe(table)
     la, lb = q(reader, "run_labels", run_id=a), q(reader, "run_labels", run_id=b)
     differ = {k: (la.get(k), lb.get(k)) for k in sorted(set(la) | set(lb))
               if la.get(k) != lb.get(k) and k not in ("seed",)}

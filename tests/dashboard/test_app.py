@@ -57,9 +57,11 @@ def test_overview_shows_the_run_figures_and_diagnose_findings(stores, name, monk
         reader.close()
     ttft = next(m for m in at.metric if m.label.startswith("TTFT"))
     p50 = summary["ttft_p50_s"]
-    assert ttft.value == ("–" if p50 is None else f"{p50 * 1e3:.1f} ms")
-    titles = [e.label.split(" ", 1)[1] for e in at.expander]
+    assert ttft.value == ("–" if p50 is None else f"{p50:.1f} s" if p50 >= 10 else f"{p50 * 1e3:.1f} ms")
+    # "<icon> <SEVERITY> · <title>": the severity is text too (fonts may lack the emoji)
+    titles = [e.label.split(" · ", 1)[1] for e in at.expander]
     assert titles == [f.get("title", f.get("id")) for f in findings]  # same findings, same order
+    assert [e.label.split(" ", 2)[1] for e in at.expander] == [f["severity"].upper() for f in findings]
     con = duckdb.connect(stores[name], read_only=True)
     try:
         direct = [f.title for f in diagnose(con, run_id=run)]

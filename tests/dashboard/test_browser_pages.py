@@ -22,7 +22,18 @@ from test_browser import CHROMIUM, SHOTS, _free_port, _wait_http
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")]
 
-PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "GPU", "Experiments")
+def _pages() -> tuple[str, ...]:
+    """The app's own page list (importing the app would run it)."""
+    import ast
+
+    app = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
+    for node in ast.parse(open(app, encoding="utf-8").read()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PAGES":
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError("dashboard/app.py has no PAGES")
+
+
+PAGES = _pages()
 SETTLE_S = 10.0
 
 
