@@ -325,8 +325,13 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     try:
         for stmt in ddl():
             con.execute(stmt)
-        extra = {"meta": {"key": "setting name (schema_version)", "value": "its value"}, "run_info": RUN_INFO_DOC}
-        for table, docs in extra.items():
+        docs_of = {"meta": {"key": "setting name (schema_version)", "value": "its value"}, "run_info": RUN_INFO_DOC}
+        others = [n for (n,) in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY table_name").fetchall()
+                  if n not in TABLES]
+        for table in others:  # every other table the schema creates, with its column comments
+            docs = docs_of.get(table) or dict(con.execute(
+                "SELECT column_name, coalesce(comment, '') FROM duckdb_columns() WHERE table_name = ?",
+                [table]).fetchall())
             t = Table(title=f"table {table}", title_justify="left")
             for c in ("column", "type", "meaning"):
                 t.add_column(c)
