@@ -274,6 +274,7 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
     from .read.summary import print_summary
 
     cfg = cfg or DemoConfig()
+    t0 = time.monotonic()
     console = Console(stderr=True, quiet=quiet)
     with console.status("building a random-weight Llama"):
         model, device = build_model(cfg)
@@ -298,6 +299,7 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
             "run_id": run_id,
             "model": model.config._name_or_path,
             "device": str(device),
+            "elapsed_s": round(time.monotonic() - t0, 1),  # model build, warm-up and the recorded workload
             "phases": phase_summary(con, run_id),
             "requests": request_summary(con, run_id),
             "kv": kv_summary(con, run_id),
