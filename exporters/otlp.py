@@ -10,8 +10,10 @@ slow collector costs little.
 
 Metrics (histograms with the boundaries the GenAI conventions recommend):
 `gen_ai.server.time_to_first_token` [s], `gen_ai.server.time_per_output_token` [s],
-`gen_ai.server.request.duration` [s], `gen_ai.client.token.usage` [{token}],
-plus `phasescope.step.duration` [s] by phase. Attributes: `gen_ai.operation.name`,
+`gen_ai.server.request.duration` [s], plus `phasescope.step.duration` [s] by phase,
+and the server-side token counters `phasescope.prompt.tokens` / `phasescope.generation.tokens`
+[{token}] of finished requests (`gen_ai.client.token.usage` is a client's metric: a server
+that reported it would count every request twice next to its clients). Attributes: `gen_ai.operation.name`,
 `gen_ai.provider.name` (the runtime), `gen_ai.request.model`, `gen_ai.token.type`,
 `error.type`="aborted" on the request duration (until the abort) of aborted requests.
 
@@ -69,8 +71,6 @@ INSTRUMENTS: dict[str, tuple[str, str, Sequence[float]]] = {
                                                  "successful responses.", buckets.SEMCONV_TPOT_S),
     "gen_ai.server.request.duration": ("s", "Generative AI server request duration such as time-to-last byte or "
                                             "last output token.", buckets.SEMCONV_REQUEST_DURATION_S),
-    "gen_ai.client.token.usage": ("{token}", "Measures number of input and output tokens used.",
-                                  buckets.SEMCONV_TOKEN_USAGE),
     "phasescope.step.duration": ("s", "Host wall time of one forward of the model, by phase.", buckets.STEP_S),
 }
 
@@ -206,6 +206,10 @@ class OtlpExporter:
         meter = self.meter_provider.get_meter(SCOPE)
         self._hist = {name: meter.create_histogram(name, unit=unit, description=desc)
                       for name, (unit, desc, _) in INSTRUMENTS.items()}
+        self._prompt_tokens = meter.create_counter("phasescope.prompt.tokens", unit="{token}",
+                                                   description="Prompt tokens of finished requests (server side).")
+        self._generation_tokens = meter.create_counter(
+            "phasescope.generation.tokens", unit="{token}", description="Generated tokens of finished requests.")
         self.tracer_provider = TracerProvider(resource=self.resource)
         self.tracer_provider.add_span_processor(BatchSpanProcessor(
             _CountingSpanExporter(span_exporter, self.counts), max_queue_size=max_queue_size,
@@ -283,8 +287,8 @@ class OtlpExporter:
                                 ("gen_ai.server.request.duration", t.e2e_s)):
                 if value is not None and not math.isnan(value):
                     h[name].record(value, attrs)
-            h["gen_ai.client.token.usage"].record(t.prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
-            h["gen_ai.client.token.usage"].record(t.output_tokens, {**attrs, "gen_ai.token.type": "output"})
+            self._prompt_tokens.add(t.prompt_tokens, attrs)
+            self._generation_tokens.add(t.output_tokens, attrs)
         self._span(t, attrs)
 
     def _span(self, t: RequestTiming, attrs: dict[str, str]) -> None:

@@ -54,7 +54,6 @@ def test_metrics_names_units_bounds_and_values(otel_env):
         "gen_ai.server.time_to_first_token": ("s", buckets.SEMCONV_TTFT_S),
         "gen_ai.server.time_per_output_token": ("s", buckets.SEMCONV_TPOT_S),
         "gen_ai.server.request.duration": ("s", buckets.SEMCONV_REQUEST_DURATION_S),
-        "gen_ai.client.token.usage": ("{token}", buckets.SEMCONV_TOKEN_USAGE),
         "phasescope.step.duration": ("s", buckets.STEP_S),
     }
     assert set(expect) <= set(m)
@@ -78,9 +77,12 @@ def test_metrics_names_units_bounds_and_values(otel_env):
     assert dur[base].count == 3 and dur[base].sum == pytest.approx(3.58)
     aborted = tuple(sorted(base + (("error.type", "aborted"),)))
     assert dur[aborted].count == 1 and dur[aborted].sum == pytest.approx(0.2)
-    usage = points("gen_ai.client.token.usage")
-    assert usage[tuple(sorted(base + (("gen_ai.token.type", "input"),)))].sum == 157
-    assert usage[tuple(sorted(base + (("gen_ai.token.type", "output"),)))].sum == 7
+    assert "gen_ai.client.token.usage" not in m  # a client's metric; the server counts its own tokens
+    for name, total in (("phasescope.prompt.tokens", 157), ("phasescope.generation.tokens", 7)):
+        assert m[name].unit == "{token}" and m[name].WhichOneof("data") == "sum", name
+        assert m[name].sum.is_monotonic
+        dps = {tuple(sorted(attrs(dp.attributes).items())): dp for dp in m[name].sum.data_points}
+        assert list(dps) == [base] and dps[base].as_int == total, name
     steps = points("phasescope.step.duration")
     assert sum(dp.count for dp in steps.values()) == 6
 
