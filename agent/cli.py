@@ -208,7 +208,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         from .sidecar.scrape import CANNOT
 
         extra += "; scraping " + ", ".join(s.url for s in scrapers) + " (scrape mode cannot give: " + "; ".join(CANNOT) + ")"
-    print(f"phasescope agent: writing {args.db}; listening on " + ", ".join(map(str, sidecar.bound)) + extra,
+    from .sidecar.health import store_location
+
+    where = store_location(args.db)
+    mount = where["mount"]
+    on = f" (on {mount['mount_point']}: {mount['fstype']} {mount['source']}, folder {mount['root']})" if mount else ""
+    print(f"phasescope agent: writing {where['path']}{on}; listening on " + ", ".join(map(str, sidecar.bound)) + extra,
           flush=True)
     try:
         while not stop.wait(1.0):

@@ -99,6 +99,8 @@ def test_agent_health_readiness_and_socket_mode(short_tmp):
         assert body is not None and body["ok"] is True, body
         assert {"network_loop", "writer", "store", f"socket {sock}", "ingest_queue", "retention"} <= set(body["checks"])
         assert "mode 0660" in body["checks"][f"socket {sock}"]["detail"]
+        assert body["store"]["path"] == os.path.realpath(os.path.join(short_tmp, "a.duckdb"))
+        assert body["store"]["mount"]["mount_point"] in ("/", *[p for p in _parents(body["store"]["path"])])
         assert os.stat(sock).st_mode & 0o777 == 0o660
         time.sleep(0.5)
         with urllib.request.urlopen(f"http://127.0.0.1:{api}/readyz", timeout=2) as r:
@@ -126,3 +128,35 @@ def test_agent_health_readiness_and_socket_mode(short_tmp):
     nobody = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "health", "--api", f"127.0.0.1:{api}"],
                             capture_output=True, text=True, timeout=60)
     assert nobody.returncode == 1 and "no agent answers" in nobody.stdout
+
+
+def _parents(path: str) -> list[str]:
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(2, len(parts))]
+
+
+MOUNTINFO = """\
+22 1 0:21 / / rw,relatime shared:1 - overlay overlay rw,lowerdir=/l
+30 22 8:1 /var/lib/containers/storage/vfs-containers/abc/userdata/buildah-volumes/6f9 /var/lib/phasescope rw - ext4 /dev/sda1 rw
+31 22 8:1 /tmp/ps-img-7/data /var/lib/phasescope rw - ext4 /dev/sda1 rw
+32 22 8:1 /tmp/my\\040data /var/lib/phasescope/exports rw - ext4 /dev/sda1 rw
+33 22 0:40 / /var/lib/phasescopex rw - tmpfs tmpfs rw
+"""
+
+
+def test_store_location_names_the_visible_mount(tmp_path):
+    """The mount holding the DB: the longest mount point above it, the later of two on one point (the
+    one a process sees), octal escapes undone; a sibling with a common prefix does not count."""
+    from phasescope.agent.sidecar.health import store_location
+
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    loc = store_location("/var/lib/phasescope/phasescope.duckdb", str(info))
+    assert loc == {"path": "/var/lib/phasescope/phasescope.duckdb",
+                   "mount": {"mount_point": "/var/lib/phasescope", "root": "/tmp/ps-img-7/data", "fstype": "ext4",
+                             "source": "/dev/sda1"}}
+    assert store_location("/var/lib/phasescope/exports/x.parquet", str(info))["mount"]["root"] == "/tmp/my data"
+    assert store_location("/var/lib/phasescopex/a.duckdb", str(info))["mount"]["fstype"] == "tmpfs"
+    assert store_location("/srv/a.duckdb", str(info))["mount"]["mount_point"] == "/"
+    assert store_location("/srv/a.duckdb", str(tmp_path / "none"))["mount"] is None
+

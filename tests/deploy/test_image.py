@@ -92,9 +92,14 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
         os.chown(d, 10001, 10001)
     mport, aport = _free_port(), _free_port()
     ctr = subprocess.check_output(B + ["from", image], text=True).strip()
+    # `buildah run` (1.28) mounts a fresh copy of each image VOLUME (in the working container's own
+    # folder, deleted by `buildah rm`) AND every -v; when both target /var/lib/phasescope, which one
+    # the process sees varies from run to run (~1 in 3 here), so the DB was sometimes written to the
+    # copy and lost. A container runtime always lets -v win; here the working container drops the
+    # image's VOLUME (the image keeps it: test_image_config) so the -v is the only mount there.
+    subprocess.run(B + ["config", "--volume", "/var/lib/phasescope-", ctr], check=True, capture_output=True)
     log = open(tmp_path / "agent.log", "w+")
     proc = subprocess.Popen(
-        # the data volume first: buildah 1.28 lets only the first -v replace an image VOLUME
         B + ["run", "--isolation", "chroot", "-v", f"{data_dir}:/var/lib/phasescope", "-v", f"{sock_dir}:/run/phasescope",
              "--env", f"PHASESCOPE_METRICS_ADDR=127.0.0.1:{mport}", "--env", f"PHASESCOPE_API=127.0.0.1:{aport}",
              "--env", "PHASESCOPE_HOST=img-test", ctr, "--", "phasescope", "agent"],
@@ -116,6 +121,15 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
         ready = json.loads(body)
         assert ready["ok"] and ready["uid"] == 10001, ready
         assert ready["checks"]["socket /run/phasescope/agent.sock"]["ok"]
+        # the DB where the agent says it is: its path and mount, and the very file through the
+        # agent's own mount namespace (chroot isolation shares the PID namespace) is the volume's
+        store = ready["store"]
+        assert store["path"] == "/var/lib/phasescope/phasescope.duckdb", store
+        assert store["mount"]["mount_point"] == "/var/lib/phasescope", store
+        assert store["mount"]["root"].endswith(f"/{short.name}/data"), store  # the -v, not the image's copy
+        seen = Path(f"/proc/{ready['pid']}/root{store['path']}").stat()
+        host = (data_dir / "phasescope.duckdb").stat()
+        assert (seen.st_dev, seen.st_ino) == (host.st_dev, host.st_ino), (store, seen, host)
         # the check the image's HEALTHCHECK and the Kubernetes probes run, from the image (a second
         # container of it: a second `buildah run` in the agent's container would remount its volumes)
         ctr2 = subprocess.check_output(B + ["from", image], text=True).strip()
@@ -173,4 +187,12 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
     assert "phasescope agent: stopped" in out, out  # SIGTERM reached it: it wrote and checkpointed
     db = data_dir / "phasescope.duckdb"
     assert db.stat().st_uid == 10001
+    from phasescope.agent.read.queries import phase_summary
+    from phasescope.agent.sidecar.store import Store
+
+    con = Store.open_readonly(str(db))  # the records are in the volume's file, after the container is gone
+    try:
+        assert sum(r["steps"] for r in phase_summary(con, "img-test")) == 25
+    finally:
+        con.close()
     shutil.rmtree(short, ignore_errors=True)
