@@ -54,11 +54,16 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         import streamlit  # noqa: F401
     except ImportError:
         raise CliError("needs streamlit: pip install 'phasescope[dashboard]'")
+    from .read.exports import export_glob
+
     target = args.agent or args.db
     if not target.startswith("http"):
-        from .read.reader import connect_readonly
+        from .read.reader import ExportReader, connect_readonly
 
-        connect_readonly(target).close()  # one line now for a missing, foreign, empty or held file
+        if export_glob(target) is not None:
+            ExportReader(target).close()  # one line now for a folder without exports
+        else:
+            connect_readonly(target).close()  # one line now for a missing, foreign, empty or held file
     app = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
     if not app.exists():  # installed layout: phasescope/dashboard/app.py
         import phasescope.dashboard as pkg
@@ -433,10 +438,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TPOT SLO in seconds, a bucket bound of the TPOT histogram (default 0.1)")
     r.set_defaults(func=_cmd_rules)
 
-    db = sub.add_parser("dashboard", help="open the Streamlit diagnostics app on a DuckDB file or a live agent",
+    db = sub.add_parser("dashboard", help="open the Streamlit diagnostics app on a DuckDB file, a live agent "
+                                          "or a folder of Parquet exports (hosts compared on its Fleet page)",
                         description="Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. "
-                                    "Live: --agent http://127.0.0.1:7702 (the agent's read API).")
-    db.add_argument("db", nargs="?", default="phasescope.duckdb", help="DuckDB file (default: %(default)s)")
+                                    "Live: --agent http://127.0.0.1:7702 (the agent's read API). "
+                                    "Exports: a folder of retention's Parquet exports (host=/date=/table=), one host "
+                                    "at a time (picked in the sidebar), read in place.")
+    db.add_argument("db", nargs="?", default="phasescope.duckdb",
+                    help="DuckDB file, or a folder / *.parquet glob / s3:// prefix of Parquet exports "
+                         "(default: %(default)s)")
     db.add_argument("--agent", metavar="URL", help="a running agent's read API, e.g. http://127.0.0.1:7702")
     db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
     db.add_argument("--port", type=int, default=8501, help="port (default: %(default)s)")

@@ -1,6 +1,6 @@
 """Many hosts, one question: which host is unlike the others?
 
-Over the Parquet exports of many sidecars (`agent/sidecar/exports.py`), each host's
+Over the Parquet exports of many sidecars (`agent/read/exports.py`), each host's
 files become a store-like connection; `host_metrics` measures the same figures on
 every host and `fleet_findings` names a host whose figure is `outlier_ratio` times
 the median of the fleet (or more), for figures where more is worse. With fewer than
@@ -88,7 +88,7 @@ def diagnose_fleet(pattern: str, *, outlier_ratio: float = 1.5, min_hosts: int =
                    per_host: bool = True) -> dict[str, Any]:
     """Open every host's exports under `pattern`, measure them, compare them; with `per_host`,
     also run `diagnose` on each host's latest run. Returns a JSON-ready dict."""
-    from phasescope.agent.sidecar.exports import hosts, open_host
+    from phasescope.agent.read.exports import hosts, open_host
 
     from .diagnose import diagnose
 

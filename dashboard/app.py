@@ -1,8 +1,10 @@
 """phasescope diagnostics app (Streamlit), read-only over the store.
 
-Launch with `phasescope dashboard FILE` (offline: a DuckDB file no agent holds) or
+Launch with `phasescope dashboard FILE` (offline: a DuckDB file no agent holds),
 `phasescope dashboard --agent http://127.0.0.1:7702` (live: a running sidecar's read
-API). Every figure comes from a named query aggregated in DuckDB
+API) or `phasescope dashboard EXPORT_DIR` (the hive-partitioned Parquet exports of one or
+many sidecars: every page over the host picked in the sidebar, and a Fleet page comparing
+the hosts). Every figure comes from a named query aggregated in DuckDB
 (`phasescope.agent.read.queries`); the app never runs SQL of its own or typed by a user.
 """
 
@@ -17,9 +19,11 @@ import pandas as pd
 import streamlit as st
 
 from phasescope.agent.errors import CliError
+from phasescope.agent.read.exports import export_glob, hosts
 from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.diagnose import diagnose
+from phasescope.analyzers.fleet import HOST_SQL, diagnose_fleet
 
 PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments")
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
@@ -37,8 +41,15 @@ def target_from_argv(argv: list[str]) -> str:
 
 
 @st.cache_resource
-def reader_for(target: str) -> Any:
-    return open_reader(target, findings=diagnose)
+def reader_for(target: str, host: str | None = None) -> Any:
+    """`host`: which host's Parquet exports to read when `target` is an export folder."""
+    return open_reader(target, findings=diagnose, host=host)
+
+
+@st.cache_data(ttl=60, show_spinner="comparing the hosts")
+def fleet_for(pattern: str) -> dict[str, Any]:
+    """analyzers.fleet over every host's exports (figures per host, outlier findings)."""
+    return diagnose_fleet(pattern, per_host=False)
 
 
 def q(reader: Any, name: str, **params: Any) -> Any:
@@ -370,6 +381,25 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
             "throughput and failures side by side.")
 
 
+def page_fleet(pattern: str) -> None:
+    report = fleet_for(pattern)
+    names = list(HOST_SQL)
+    table = pd.DataFrame({h: [m.get(k) for k in names + ["steps", "runs"]] for h, m in report["hosts"].items()},
+                         index=names + ["steps", "runs"]).T
+    table.index.name = "host"
+    st.dataframe(table)
+    explain("The same figures on every host (more is worse for each); a host at 1.5x the fleet median or "
+            "more is named below. Three hosts at least: two have no median to stand out from.")
+    st.subheader(f"Fleet findings ({len(report['findings'])})")
+    if not report["findings"]:
+        st.success("No host stands out from the fleet.")
+    for f in report["findings"]:
+        with st.expander(f"{SEVERITY_ICON.get(f['severity'], '⚪')} {f['title']}", expanded=True):
+            st.markdown(f"**Suggestion:** {f['suggestion']}")
+            st.markdown(f"**Expected effect:** {f['expected_effect']}")
+            st.json(f["evidence"], expanded=False)
+
+
 RENDER = dict(zip(PAGES, (page_overview, page_phases, page_requests, page_kv, page_prefix, page_ranks, page_hardware,
                           page_experiments)))
 
@@ -394,15 +424,27 @@ def render(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
 def main() -> None:
     st.set_page_config(page_title="phasescope", layout="wide")
     target = target_from_argv(sys.argv)
+    live = target.startswith("http")
+    pattern = None if live else export_glob(target)
+    st.sidebar.title("phasescope")
+    st.sidebar.caption(("live · " if live else "exports · " if pattern else "file · ") + target)
+    host = None
+    if pattern is not None:
+        names = hosts(pattern)
+        if not names:
+            st.error(f"No Parquet exports (host=/date=/table=/*.parquet) under {target}.")
+            return
+        host = st.sidebar.selectbox("Host", names, key="host")
     try:
-        reader = reader_for(target)
+        reader = reader_for(target, host)
     except CliError as exc:  # a missing, foreign, empty or held file; an agent that does not answer: one line
         st.error(str(exc))
         return
-    live = target.startswith("http")
-    st.sidebar.title("phasescope")
-    st.sidebar.caption(("live · " if live else "file · ") + target)
-    page = st.sidebar.radio("Page", PAGES, key="page")
+    page = st.sidebar.radio("Page", PAGES + (("Fleet",) if pattern else ()), key="page")
+    if page == "Fleet":
+        st.header(page)
+        page_fleet(pattern)
+        return
     try:
         runs = q(reader, "runs")
     except CliError as exc:

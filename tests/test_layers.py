@@ -20,6 +20,9 @@ FOLDERS = {"agent": "phasescope.agent", "analyzers": "phasescope.analyzers",
 
 # layer -> module prefixes it holds; first match wins, so the more specific prefixes come first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # the store's format (tables, columns, views; pure data, imports nothing): the sidecar writes it,
+    # the read layer opens Parquet exports with it (agent/read/exports.py)
+    ("records", ("phasescope.agent.sidecar.schema",)),
     ("records", ("phasescope.agent.events", "phasescope.agent.address", "phasescope.agent.errors")),
     ("probe", ("phasescope.agent.probe",)),
     ("read", ("phasescope.agent.read",)),

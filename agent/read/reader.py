@@ -1,9 +1,11 @@
 """One way to read the store, live or offline: `open_reader(target)`.
 
 - a file path: the DuckDB file, opened read-only (only possible when no agent holds it);
-- an http(s) URL: a running sidecar's read API (`phasescope agent --api ...`).
+- an http(s) URL: a running sidecar's read API (`phasescope agent --api ...`);
+- a folder (or glob, or s3:// prefix) of hive-partitioned Parquet exports (`agent/read/exports.py`):
+  one host's files at a time, read in place, never written.
 
-Both run the same named queries (`agent/read/queries.py`) and the findings the caller injects,
+All run the same named queries (`agent/read/queries.py`) and the findings the caller injects,
 so the dashboard and `diagnose` never care which one they have.
 """
 
@@ -17,6 +19,7 @@ from typing import Any, Callable, Protocol
 import duckdb
 
 from ..errors import CliError
+from .exports import export_glob, hosts, open_host
 from .jsonsafe import json_safe
 from .queries import run_named
 
@@ -114,6 +117,39 @@ class FileReader:
         pass  # nothing is held between queries
 
 
+class ExportReader(FileReader):
+    """Named queries over one host's Parquet exports (what retention rolled out of its store).
+
+    `hosts`: every host under the target; `host`: the one read (default: the first). Queries and
+    findings run as on a DuckDB file: the store's tables and views are views over the files."""
+
+    def __init__(self, target: str, host: str | None = None, findings: Findings | None = None) -> None:
+        pattern = export_glob(target)
+        if pattern is None:
+            raise ValueError(f"{target!r} names no Parquet exports (a folder, a *.parquet glob or s3:// prefix)")
+        self._findings = findings
+        self.pattern = pattern
+        self.hosts = hosts(pattern)
+        if not self.hosts:
+            raise CliError(f"no export files (host=/date=/table=/*.parquet) under {target!r}; give the folder "
+                           "phasescope agent --export-dir wrote")
+        if host is not None and host not in self.hosts:
+            raise CliError(f"no exports of host {host!r} under {target!r}; hosts: {', '.join(self.hosts)}")
+        self.host = host or self.hosts[0]
+        self.con = open_host(pattern, self.host)  # in memory: views over the files, which are read per query
+        self.target = target
+
+    def _run(self, fn: Callable[[duckdb.DuckDBPyConnection], Any]) -> Any:
+        cur = self.con.cursor()  # one per query: the dashboard's threads share the reader
+        try:
+            return fn(cur)
+        finally:
+            cur.close()
+
+    def close(self) -> None:
+        self.con.close()
+
+
 class AgentReader:
     """Named queries through a running sidecar's read API."""
 
@@ -149,8 +185,12 @@ class AgentReader:
         pass
 
 
-def open_reader(target: str, findings: Findings | None = None) -> FileReader | AgentReader:
-    """A reader for a DuckDB file path or a sidecar URL (which computes its own findings)."""
+def open_reader(target: str, findings: Findings | None = None,
+                host: str | None = None) -> FileReader | ExportReader | AgentReader:
+    """A reader for a sidecar URL (which computes its own findings), a folder/glob/s3:// prefix of
+    Parquet exports (`host`'s, default the first host's) or a DuckDB file path."""
     if target.startswith(("http://", "https://")):
         return AgentReader(target)
+    if export_glob(target) is not None:
+        return ExportReader(target, host, findings)
     return FileReader(target, findings)

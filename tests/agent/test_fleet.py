@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from phasescope.agent.sidecar.exports import hosts, list_files, open_host
+from phasescope.agent.read.exports import hosts, list_files, open_host
 from phasescope.analyzers.fleet import fleet_findings, host_metrics
 
 NS = 1_000_000_000
@@ -73,3 +73,52 @@ def test_diagnose_fleet_cli(fleet_exports):
     text = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "diagnose", "--fleet", pattern],
                           capture_output=True, text=True, timeout=300)
     assert text.returncode == 0 and "host c" in text.stdout
+
+
+def _snapshot(folder: str) -> dict[str, tuple[int, int]]:
+    return {os.path.join(d, f): (os.stat(os.path.join(d, f)).st_size, os.stat(os.path.join(d, f)).st_mtime_ns)
+            for d, _, fs in os.walk(folder) for f in fs}
+
+
+def test_open_reader_reads_an_export_folder_as_a_store(fleet_exports, tmp_path):
+    """A folder of exports is a target like a DuckDB file: one host at a time, named queries and
+    findings as on a store, the files never written."""
+    from phasescope.agent.errors import CliError
+    from phasescope.agent.read.exports import export_glob
+    from phasescope.agent.read.reader import ExportReader, FileReader, open_reader
+    from phasescope.analyzers.diagnose import diagnose
+
+    before = _snapshot(fleet_exports)
+    reader = open_reader(fleet_exports, findings=diagnose)
+    assert isinstance(reader, ExportReader) and reader.hosts == ["a", "b", "c"] and reader.host == "a"
+    assert [r["run_id"] for r in reader.query("runs")] == ["run-a"]
+    reader.close()
+    reader = open_reader(os.path.join(fleet_exports, "host=*", "**", "*.parquet"), findings=diagnose, host="c")
+    try:
+        decode = next(r for r in reader.query("phase_summary", run_id="run-c") if r["phase"] == "decode")
+        assert decode["p50_ms"] == 45.0 and decode["steps"] == 2 * 86_400 // 10 * 14 // 15
+        assert isinstance(reader.findings("run-c"), list)
+    finally:
+        reader.close()
+    # one host=... folder on its own is a target too
+    sub = open_reader(os.path.join(fleet_exports, "host=b"))
+    assert sub.hosts == ["b"]
+    sub.close()
+    with pytest.raises(CliError, match="hosts: a, b, c"):
+        open_reader(fleet_exports, host="z")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CliError, match="no export files"):
+        open_reader(str(empty))
+    assert export_glob(str(tmp_path / "x.duckdb")) is None and export_glob("s3://b/exp") == "s3://b/exp/**/*.parquet"
+    assert _snapshot(fleet_exports) == before
+    db = tmp_path / "x.duckdb"
+    from phasescope.agent.sidecar.store import Store
+
+    Store(str(db)).close()
+    plain = open_reader(str(db))
+    assert type(plain) is FileReader
+    plain.close()
+    cli = [sys.executable, "-m", "phasescope.agent.cli", "dashboard", str(empty)]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no export files" in out.stderr and "Traceback" not in out.stderr, out.stderr

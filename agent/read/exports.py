@@ -8,19 +8,36 @@ Retention writes raw rows it removes from the store as hive-partitioned Parquet:
 read on its own). `open_host` turns any glob of such files (local, or `s3://...`
 through DuckDB's httpfs extension where reachable) into an in-memory DuckDB
 connection with the store's tables and views, so every named query and analyzer
-runs on exports exactly as on a live store. DuckDB reads the files in place.
+runs on exports exactly as on a live store. DuckDB reads the files in place and
+never writes them. `export_glob` says which targets are exports (a folder, a glob
+of .parquet files, an s3:// prefix) for `open_reader`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 import duckdb
 
-from .schema import RUN_INFO_DDL, TABLES, VIEWS
+from ..sidecar.schema import RUN_INFO_DDL, TABLES, VIEWS
 
 HIVE = re.compile(r"(?:^|/)host=(?P<host>[^/]+)/date=(?P<date>[^/]+)/table=(?P<table>[^/]+)/[^/]+\.parquet$")
+
+
+def export_glob(target: str) -> str | None:
+    """The glob of export files `target` names, or None when it names no exports (a DuckDB file, a URL).
+
+    A local folder (the export_dir, or a host=/date= folder inside one) or an s3:// prefix: every
+    .parquet file under it; a glob or s3:// path ending in .parquet: itself."""
+    if target.startswith("s3://"):
+        return target if target.endswith(".parquet") else target.rstrip("/") + "/**/*.parquet"
+    if os.path.isdir(target):
+        return os.path.join(target, "**", "*.parquet")
+    if target.endswith(".parquet") and any(c in target for c in "*?["):
+        return target
+    return None
 
 
 def list_files(pattern: str, con: Any | None = None) -> list[tuple[str, str, str, str]]:
