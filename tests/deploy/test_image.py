@@ -145,18 +145,29 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
         st = sock.stat()
         assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (10001, 10001, 0o660)
 
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-        probe = attach(model, agent=f"unix:{sock}", run_id="img-test", flush_interval_s=0.05)
-        with torch.no_grad():
-            for _ in range(25):
-                model(torch.zeros(2, 8))
-        assert probe.flush(10)
-        probe.close()
+        # the "server" runs as the agent's uid (both containers runAsUser 10001): a probe connects only
+        # through a socket folder owned by its own uid (or root) and writable by no one else
+        # (agent/address.py check_private_folder); root keeps its saved uid to come back
+        os.setresgid(10001, 10001, 0)
+        os.setresuid(10001, 10001, 0)
+        try:
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+            probe = attach(model, agent=f"unix:{sock}", run_id="img-test", flush_interval_s=0.05)
+            with torch.no_grad():
+                for _ in range(25):
+                    model(torch.zeros(2, 8))
+            assert probe.flush(10)
+            probe.close()
+        finally:
+            os.setresuid(0, 0, 0)
+            os.setresgid(0, 0, 0)
         deadline = time.monotonic() + 20
         steps = 0
         while time.monotonic() < deadline:
             _, body = _get(f"http://127.0.0.1:{aport}/api/v1/query/phase_summary?run_id=img-test")
-            steps = sum(r["steps"] for r in json.loads(body)["rows"])
+            doc = json.loads(body)
+            assert "rows" in doc, (doc, (tmp_path / "agent.log").read_text()[-3000:])
+            steps = sum(r["steps"] for r in doc["rows"])
             if steps >= 25:
                 break
             time.sleep(0.2)
