@@ -48,6 +48,16 @@ def parse_address(text: str | None) -> Address:
 
 
 ENV_TOKEN = "PHASESCOPE_AGENT_TOKEN"  # shared secret a TCP sidecar may require (see events.Session)
+# "1": the socket's folder is a volume shared by the trusted containers of one pod (a Kubernetes
+# emptyDir, a compose volume), owned by one container's user and writable by the others' group:
+# the probe and the agent then skip the ownership/mode checks below (logged once). Set it on both
+# containers; never on a host where other users share the folder's parent.
+ENV_SHARED_FOLDER = "PHASESCOPE_SOCKET_SHARED"
+
+
+def shared_folder_declared() -> bool:
+    """Whether the operator declared the socket folder a pod-shared volume (see ENV_SHARED_FOLDER)."""
+    return os.environ.get(ENV_SHARED_FOLDER, "").strip().lower() in ("1", "true", "yes")
 
 
 def check_private_folder(folder: str, uid: int | None = None) -> str | None:
@@ -55,9 +65,12 @@ def check_private_folder(folder: str, uid: int | None = None) -> str | None:
 
     Safe: a real folder (not a symlink) owned by `uid` (default: ours) or by root, and
     writable by nobody else (no group/other write bit). Anything else lets another local
-    user squat the socket path and read what the probe sends.
+    user squat the socket path and read what the probe sends. With PHASESCOPE_SOCKET_SHARED=1
+    (a pod-shared volume) only "a real folder" is checked.
     """
     uid = os.getuid() if uid is None else uid
+    if shared_folder_declared():
+        return None if os.path.isdir(folder) and not os.path.islink(folder) else f"{folder} is not a folder"
     try:
         st = os.lstat(folder)
     except OSError as exc:
@@ -79,6 +92,8 @@ def make_private_folder(folder: str, uid: int | None = None) -> None:
         os.makedirs(folder, mode=0o700)
     except FileExistsError:
         pass
+    if shared_folder_declared():
+        return  # a pod-shared volume: its mode is the pod's (fsGroup), not ours to tighten
     try:
         st = os.lstat(folder)
         if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):

@@ -560,3 +560,19 @@ def test_disk_full_then_space_freed_writes_resume_and_nothing_is_lost_uncounted(
     assert sender.in_flight == 0
     assert sender.sent == sender.delivered + sender.lost + sender.rejected
     assert sender.delivered == stored
+
+
+def test_a_declared_pod_shared_folder_is_accepted_by_probe_and_agent(short_tmp, monkeypatch):
+    """A Kubernetes emptyDir (root-owned, 2777 under fsGroup) or a compose volume owned by the agent's
+    user: refused by default, accepted on both sides once PHASESCOPE_SOCKET_SHARED=1 declares it."""
+    folder = os.path.join(short_tmp, "pod")
+    os.mkdir(folder)
+    os.chmod(folder, 0o777)
+    other = os.getuid() + 4242
+    assert check_private_folder(folder) is not None
+    assert check_private_folder(folder, other) is not None
+    monkeypatch.setenv("PHASESCOPE_SOCKET_SHARED", "1")
+    assert check_private_folder(folder) is None and check_private_folder(folder, other) is None
+    make_private_folder(folder)  # the agent leaves the pod's mode alone
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o777
+    assert check_private_folder(os.path.join(folder, "missing")) is not None  # still a real folder
