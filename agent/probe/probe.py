@@ -459,6 +459,8 @@ class Probe:
         else:  # a deferred decode (padded_rel): the poller resolves it after the prefill it follows
             phase = 1
             self._pending.append((mono, step_id, host_ms, shape, None))
+        if self._pool is None:
+            return  # no GPU timing to budget (CPU, or cuda_timing=False): nothing to account
         last, self._last_mono = self._last_mono, mono
         self.sampler.account(phase, mono - last if last else 0, pre_cost + self._perf() - t1, timed)
 
