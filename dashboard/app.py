@@ -163,8 +163,8 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
     explain("Goodput counts only requests that met both SLOs. Good: attainment near 100% at the load you serve.")
     for metric, title, good in (("ttft", "TTFT", "tight, under the TTFT SLO; a long right tail is queueing or "
                                  "long prefills"), ("tpot", "TPOT", "one narrow peak; a second peak is decode "
-                                 "sharing steps with prefills"), ("itl", "Inter-token latency", "narrow; spikes "
-                                 "are stalls a user sees as a frozen stream")):
+                                 "sharing steps with prefills"), ("itl", "Inter-token latency", "narrow and left of the TPOT SLO line; "
+                                 "gaps right of it are stalls a user sees as a frozen stream")):
         h = df(q(reader, "latency_histogram", run_id=run, metric=metric, bins=30))
         st.subheader(f"{title} distribution")
         if not h.empty:
@@ -173,9 +173,11 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
                 x=alt.X("ms:Q", title=f"{title} (ms, log)", scale=alt.Scale(type="log")),
                 y=alt.Y("count:Q", title="requests" if metric != "itl" else "tokens"),
                 tooltip=["lo_s", "hi_s", "count"])
-            slo_ms = {"ttft": ttft_slo * 1e3, "tpot": tpot_slo * 1e3}.get(metric)
-            if slo_ms:  # the SLO set above, as a red rule
-                rule = alt.Chart(pd.DataFrame({"ms": [slo_ms], "label": [f"SLO {slo_ms:g} ms"]})).mark_rule(
+            # the SLO set above, as a red rule; a gap between two tokens is held to the TPOT SLO
+            slo_ms = {"ttft": ttft_slo, "tpot": tpot_slo, "itl": tpot_slo}[metric] * 1e3
+            label = f"{'TPOT ' if metric == 'itl' else ''}SLO {slo_ms:g} ms"
+            if slo_ms:
+                rule = alt.Chart(pd.DataFrame({"ms": [slo_ms], "label": [label]})).mark_rule(
                     color="red", strokeDash=[4, 3]).encode(x="ms:Q", tooltip=["label"])
                 chart = chart + rule
             st.altair_chart(chart, width="stretch")

@@ -35,10 +35,11 @@ import math
 import os
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (MetricExporter, MetricExportResult, MetricsData,
                                               PeriodicExportingMetricReader)
@@ -210,6 +211,13 @@ class OtlpExporter:
                                                    description="Prompt tokens of finished requests (server side).")
         self._generation_tokens = meter.create_counter(
             "phasescope.generation.tokens", unit="{token}", description="Generated tokens of finished requests.")
+        # what is in flight now, read at each export (the saturation and autoscaling signals)
+        meter.create_observable_up_down_counter(
+            "phasescope.requests.running", callbacks=[lambda o: self._in_flight(0)], unit="{request}",
+            description="Requests scheduled and not ended.")
+        meter.create_observable_up_down_counter(
+            "phasescope.requests.waiting", callbacks=[lambda o: self._in_flight(1)], unit="{request}",
+            description="Requests arrived or preempted and not (re)scheduled.")
         self.tracer_provider = TracerProvider(resource=self.resource)
         self.tracer_provider.add_span_processor(BatchSpanProcessor(
             _CountingSpanExporter(span_exporter, self.counts), max_queue_size=max_queue_size,
@@ -238,6 +246,11 @@ class OtlpExporter:
                                                           "phasescope.rank": rec.rank})
                 elif t is Hello:
                     src = sources.hello(source_id, rec)
+
+    def _in_flight(self, which: int) -> Iterable[Observation]:
+        """Running (`which`=0) or waiting (1) requests per model, from the request tracker."""
+        return [Observation(counts[which], {"gen_ai.request.model": model})
+                for model, counts in sorted(self.tracker.states().items())]
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Export what is pending now (tests, shutdown)."""

@@ -178,7 +178,7 @@ class RequestTracker:
         """Per model: (running, waiting) requests in flight now. Running: scheduled and not ended; waiting:
         arrived or preempted and not (re)scheduled. O(requests in flight), at scrape time."""
         out: dict[str, list[int]] = {}
-        for req in self._live.values():
+        for req in list(self._live.values()):  # one C-level copy: the sink thread may add meanwhile
             c = out.setdefault(req.model, [0, 0])
             c[1 if req.waiting else 0] += 1
         return {m: (c[0], c[1]) for m, c in out.items()}

@@ -41,7 +41,8 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("ts_ns", "BIGINT", "monotonic time of the event"),
         ("rank", "SMALLINT", "rank that reported it"),
         ("event", "VARCHAR", "arrival, scheduled, token, finished, aborted, preempted"),
-        ("request_id", "VARCHAR", "runtime's request id (<= 32 bytes); a label: runtimes reuse ids, view request_log keys arrivals"),
+        ("request_id", "VARCHAR", "runtime's request id (<= 32 bytes); a label: runtimes reuse ids. Each arrival's "
+         "events form one bracket [arrival .. finished|aborted] (the adapters close a stale one); view request_log keys arrivals"),
         ("tokens", "INTEGER", "arrival: prompt tokens; token: new tokens; finished: output tokens"),
         ("cached_tokens", "INTEGER", "scheduled: prompt tokens served from the prefix cache"),
     ],

@@ -215,3 +215,58 @@ def test_ttft_and_tpot_agree_with_the_callers_clock_within_1ms():
         tpot_caller = (got[-1][0] - got[0][0]) / 11
         assert abs(ttft_probe - ttft_caller) < 1e6, (rid, ttft_probe, ttft_caller)
         assert abs(tpot_probe - tpot_caller) < 1e6, (rid, tpot_probe, tpot_caller)
+
+
+@pytest.mark.slow
+def test_an_id_reused_after_its_manager_stopped_mid_request_starts_a_fresh_request():
+    """A manager stopped with requests in flight never ends them; the next call reuses their ids. The
+    adapter closes the stale arrival as aborted and reports the new one from its arrival: each
+    arrival's events form one bracket, and the second r0 is scheduled (and counted) afresh."""
+    model = _model()
+    records: list = []
+    p = attach(model, sink=records.extend, runtime="hf-cb")
+    adapter = HFContinuousBatching(p).instrument_model(model)
+    gc = GenerationConfig(max_new_tokens=1500, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(num_blocks=64, page_size=PAGE, max_batch_tokens=256)
+    prompts = [[5 + i] * 20 for i in range(2)]
+    forwards: list = []
+    counter = model.register_forward_hook(lambda m, a, o: forwards.append(1))
+    try:
+        manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+        manager.start()
+        for i, prompt in enumerate(prompts):
+            manager.add_request(prompt, request_id=f"req_{i}", max_new_tokens=1500)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(forwards) < 8:  # a few decode steps in
+            time.sleep(0.001)
+        manager.stop(block=True, timeout=30, hard_stop=True)  # r0, r1 mid-decode: their ends are never reported
+        cut = len(records)
+        assert not any(type(r) is RequestEvent and REQUEST_EVENTS[r.event] in ("finished", "aborted")
+                       for r in records[:cut])
+        outputs = model.generate_batch(inputs=prompts, generation_config=GenerationConfig(
+            max_new_tokens=3, do_sample=False, eos_token_id=-1), continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=64, page_size=PAGE, max_batch_tokens=256))
+    finally:
+        counter.remove()
+        adapter.detach()
+        p.close()
+    assert len(outputs) == 2
+    rids = sorted(outputs)  # generate_batch names its requests req_0, req_1: the ids the first manager used
+    by_rid: dict[str, list] = defaultdict(list)
+    for r in records:
+        if type(r) is RequestEvent:
+            by_rid[r.request_id].append(r)
+    for rid in rids:
+        kinds = [REQUEST_EVENTS[e.event] for e in by_rid[rid]]
+        # one bracket per arrival: an arrival only ever follows the previous arrival's end
+        opened = False
+        for k in kinds:
+            if k == "arrival":
+                assert not opened, (rid, kinds)
+                opened = True
+            elif k in ("finished", "aborted"):
+                assert opened, (rid, kinds)
+                opened = False
+        assert not opened and kinds[-1] == "finished" and kinds.count("scheduled") == kinds.count("arrival")
+        last = kinds[len(kinds) - 1 - kinds[::-1].index("arrival"):]
+        assert last.count("token") == 3 and by_rid[rid][-1].tokens == 3, (rid, last)

@@ -87,6 +87,28 @@ def test_requests_page_recomputes_slo_attainment_for_user_slos(stores, monkeypat
     assert att.value == "100.0%" and f"{finished} of {finished}" in att.delta
 
 
+def test_every_latency_histogram_marks_its_slo(stores, monkeypatch):
+    import json
+
+    import pyarrow as pa
+
+    at = _app(stores["demo"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Requests").run()
+    at.number_input[0].set_value(1234.0).run()  # TTFT SLO, ms
+    at.number_input[1].set_value(42.0).run()  # TPOT SLO, ms: per request and per inter-token gap
+    charts = at.get("vega_lite_chart")
+    rules = {}
+    for chart in charts:
+        spec = json.loads(chart.proto.spec)
+        marks = [layer["mark"]["type"] for layer in spec["layer"]]
+        assert marks == ["bar", "rule"], marks
+        title = spec["layer"][0]["encoding"]["x"]["title"]
+        rule_data = pa.ipc.open_stream(chart.proto.datasets[1].data.data).read_all().to_pylist()
+        rules[title.split(" (")[0]] = [(r["ms"], r["label"]) for r in rule_data]
+    assert rules == {"TTFT": [(1234.0, "SLO 1234 ms")], "TPOT": [(42.0, "SLO 42 ms")],
+                     "Inter-token latency": [(42.0, "TPOT SLO 42 ms")]}
+
+
 def test_ranks_and_hardware_pages_on_a_two_rank_run(stores, monkeypatch):
     at = _app(stores["two-rank"], monkeypatch)
     at.sidebar.radio(key="page").set_value("Ranks").run()

@@ -190,3 +190,32 @@ def test_unreachable_collector_never_blocks_ingestion_and_failures_are_counted(m
 def test_bad_arguments_are_loud():
     with pytest.raises(ValueError):
         OtlpExporter(export_interval_s=0)
+
+
+def test_running_and_waiting_requests_are_exported_as_they_change(otel_env):
+    from conftest import ev, hello
+
+    rx = otel_env
+    exp = OtlpExporter(export_interval_s=60)
+
+    def in_flight() -> dict:
+        assert exp.flush(10)
+        m = rx.last_metrics()
+        out = {}
+        for name in ("phasescope.requests.running", "phasescope.requests.waiting"):
+            assert m[name].unit == "{request}" and m[name].WhichOneof("data") == "sum", name
+            assert not m[name].sum.is_monotonic, name
+            (dp,) = m[name].sum.data_points
+            assert attrs(dp.attributes) == {"gen_ai.request.model": MODEL}
+            out[name.rsplit(".", 1)[1]] = dp.as_int
+        return out
+
+    exp.on_records([(1, [hello(0), ev("p", "arrival", 0, tokens=10), ev("p", "scheduled", 1),
+                         ev("q", "arrival", 0, tokens=10), ev("q", "scheduled", 1), ev("r", "arrival", 2, tokens=5)])])
+    assert in_flight() == {"running": 2, "waiting": 1}
+    exp.on_records([(1, [ev("p", "preempted", 5)])])
+    assert in_flight() == {"running": 1, "waiting": 2}
+    exp.on_records([(1, [ev("p", "scheduled", 9), ev("p", "token", 10, 1), ev("p", "finished", 10, tokens=1),
+                         ev("r", "scheduled", 11)])])
+    assert in_flight() == {"running": 2, "waiting": 0}
+    exp.close()

@@ -126,15 +126,30 @@ class HFContinuousBatching(RuntimeAdapter):
         self._lost: dict[str, int] = {}  # soft-reset rid -> tokens of computed KV it lost (to be recomputed)
         self._computed: dict[str, int] = {}  # rid -> tokens whose KV some forward has computed (max position)
         self._emitted: dict[str, int] = {}  # rid -> output tokens reported so far
+        self._open: set[str] = set()  # arrivals whose end (finished/aborted) has not been reported
         self.last_stats: PageStats | None = None
         self.supported = True  # False once a processor of an unsupported transformers version was seen
 
     def _forget(self, rid: str) -> None:
         """Drop the per-request state of a request that ended."""
+        self._open.discard(rid)
+        self._emitted.pop(rid, None)
         self._scheduled.discard(rid)
         self._computed.pop(rid, None)
         self._lost.pop(rid, None)
         self._lookup.pop(rid, None)
+
+    def _arrival(self, rid: str, ts: int, prompt_tokens: int) -> None:
+        """A request arrives. Runtime ids are labels that calls reuse (`generate_batch` names every call's
+        requests req_0, req_1, ...): an arrival starts a fresh request. If an earlier arrival under this
+        id never reported its end (its manager stopped with it in flight), it is closed as aborted first,
+        so each arrival's events are one bracket [arrival .. finished|aborted] and per-request state
+        (scheduled, cached tokens, output count) never carries over."""
+        if rid in self._open:
+            self.probe.request_event(rid, "aborted", ts, tokens=self._emitted.get(rid, 0))
+            self._forget(rid)
+        self._open.add(rid)
+        self.probe.request_event(rid, "arrival", ts, tokens=prompt_tokens)
 
     # --- entry points ---
 
@@ -165,7 +180,7 @@ class HFContinuousBatching(RuntimeAdapter):
                 ts = clock()
                 rid = orig(input_ids, *a, **k)
                 if rid is not None:
-                    emit(rid, "arrival", ts, tokens=len(input_ids))
+                    self._arrival(rid, ts, len(input_ids))
                 return rid
 
             return add_request
