@@ -162,8 +162,8 @@ def test_shared_two_page_prefix_gives_the_expected_hits():
 @pytest.mark.slow
 def test_ttft_and_tpot_agree_with_the_runtimes_own_clock_within_1ms():
     """The runtime's own timestamps (record_timestamps: perf_counter at request creation and at each
-    token, CLOCK_MONOTONIC like the probe's) are the reference; the caller, which receives each output
-    through a queue on another thread, sees every token after the probe does."""
+    token, CLOCK_MONOTONIC like the probe's) are the reference. The caller's clock is not: it receives
+    each output through a queue on another thread, late by that thread's wake-up on a busy machine."""
     model = _model()
     records: list = []
     p = attach(model, sink=records.extend, runtime="hf-cb")
@@ -225,10 +225,10 @@ def test_ttft_and_tpot_agree_with_the_runtimes_own_clock_within_1ms():
         tpot_runtime = (runtime.timestamps[-1] - runtime.timestamps[0]) * 1e9 / 11
         assert abs(ttft_probe - ttft_runtime) < 1e6, (rid, ttft_probe, ttft_runtime)
         assert abs(tpot_probe - tpot_runtime) < 1e6, (rid, tpot_probe, tpot_runtime)
-        # causality against the caller's clock: sent before the probe's arrival, each token received
-        # after the probe saw it
+        # one clock: the caller sent before the probe's arrival and received each token after the
+        # runtime stamped it (the probe stamps after update_batch returns, so a fast consumer may be earlier)
         assert t_sent <= arrival
-        assert all(t_got >= tokens[n - 1] for t_got, n in got if n > 0)
+        assert all(t_got >= runtime.timestamps[n - 1] * 1e9 for t_got, n in got if n > 0)
 
 
 @pytest.mark.slow
