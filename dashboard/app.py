@@ -105,6 +105,7 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
     c[3].metric("KV usage mean / max", pct(kv[0]["block_usage_mean"]) if kv else "–",
                 f"max {pct(kv[0]['block_usage_max'])} · prefix hit {pct(px['hit_rate'])}" if kv else "no KV data",
                 delta_color="off", delta_arrow="off")
+    telemetry_part(reader, run, findings)
     st.subheader(f"Findings ({len(findings)})")
     explain("What phasescope's analyzers conclude from this run, most severe first, each with what to change.")
     if not findings:
@@ -316,6 +317,26 @@ def page_hardware(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.subheader("Decode roofline")
         st.json(mbu[0].get("evidence", {}), expanded=False)
     host_part(reader, run, win, found)
+
+
+def telemetry_part(reader: Any, run: str, findings: list[dict[str, Any]]) -> None:
+    """Whether the figures on every page are still true: probe health and the silent-degradation findings."""
+    st.subheader("Telemetry")
+    h = q(reader, "probe_health", run_id=run)
+    degraded = [f for f in findings if str(f.get("id", "")).startswith("telemetry-")]
+    c = st.columns(4)
+    c[0].metric("Telemetry", f"degraded ({len(degraded)})" if degraded else "complete")
+    c[1].metric("Records dropped", f"{h['dropped_total']:,}", f"of {h['records_total']:,} produced",
+                delta_color="off", delta_arrow="off")
+    c[2].metric("Probe errors", f"{h['errors_total']:,}")
+    rate = h["gpu_sample_rate_min"]
+    c[3].metric("GPU-timed share (min)", "–" if rate is None else pct(rate), f"{h['gpu_timed_total']:,} steps timed",
+                delta_color="off", delta_arrow="off")
+    for f in degraded:
+        st.error(f"Do not trust what depends on it: {f.get('title')}. {f.get('expected_effect', '')}")
+    explain("Good: complete, no records dropped, no probe errors; KV snapshots and prefix counters flow until "
+            "the last step and the probes' clocks agree with the sidecar's. Degraded means some figures on the "
+            "other pages describe the past or are absent, not zero.")
 
 
 def host_part(reader: Any, run: str, win: dict[str, Any], found: list[dict[str, Any]]) -> None:

@@ -58,6 +58,14 @@ def test_overview_shows_the_run_figures_and_diagnose_findings(stores, name, monk
     ttft = next(m for m in at.metric if m.label.startswith("TTFT"))
     p50 = summary["ttft_p50_s"]
     assert ttft.value == ("–" if p50 is None else f"{p50:.1f} s" if p50 >= 10 else f"{p50 * 1e3:.1f} ms")
+    # the telemetry block: degraded exactly when a silent-degradation finding fires, one banner each
+    degraded = [f for f in findings if f["id"].startswith("telemetry-")]
+    tele = next(m for m in at.metric if m.label == "Telemetry")
+    assert tele.value == (f"degraded ({len(degraded)})" if degraded else "complete")
+    banners = [e.value for e in at.error if e.value.startswith("Do not trust")]
+    assert [b.split(": ", 1)[1].split(". ", 1)[0] for b in banners] == [f["title"] for f in degraded]
+    if name == "scenario:telemetry-silent":
+        assert {f["id"] for f in degraded} >= {"telemetry-kv-snapshots-stopped", "telemetry-prefix-counters-stuck"}
     # "<icon> <SEVERITY> · <title>": the severity is text too (fonts may lack the emoji)
     titles = [e.label.split(" · ", 1)[1] for e in at.expander]
     assert titles == [f.get("title", f.get("id")) for f in findings]  # same findings, same order
