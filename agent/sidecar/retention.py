@@ -266,11 +266,31 @@ class Retention:
             log.info("retention: rolled %s (%s) before %s; %d -> %d bytes", rows, reason, cut, before, after)
         return result
 
-    def _roll_raw(self, con: Any, cut: int) -> tuple[dict[str, int], list[str]]:
+    def _staged(self, con: Any,
+                move: Callable[[Any, str | None, dict[str, int]], None]) -> tuple[dict[str, int], list[str]]:
+        """Run `move(con, staging, rows)` in one transaction: it copies rows to the Parquet staging folder
+        (if any), deletes them and fills `rows` (table -> rows moved). The staging folder is recorded as
+        pending in the same transaction and published after the commit; on failure nothing moved."""
         staging = self._staging_dir()
         rows: dict[str, int] = {}
         con.execute("BEGIN TRANSACTION")
         try:
+            move(con, staging, rows)
+            if rows and staging is not None:
+                con.execute("INSERT OR REPLACE INTO meta VALUES ('retention_pending', ?)", [staging])
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        files = self._publish(con, staging) if rows and staging is not None else []
+        if staging is not None and not rows:
+            shutil.rmtree(staging, ignore_errors=True)
+        return rows, files
+
+    def _roll_raw(self, con: Any, cut: int) -> tuple[dict[str, int], list[str]]:
+        def move(con: Any, staging: str | None, rows: dict[str, int]) -> None:
             for table in RAW_TABLES:
                 src = f"{table} t JOIN sources s USING (source_id) WHERE {_WALL} < {int(cut)}"
                 n = con.execute(f"SELECT count(*) FROM {src}").fetchone()[0]
@@ -290,24 +310,13 @@ class Retention:
                                 f"WHERE source_id IN ({ids})", "sources", staging)
                 self._copy(con, f"SELECT *, {self._date_expr(str(int(cut) - 1))} AS date FROM run_info",
                            "run_info", staging)
-                con.execute("INSERT OR REPLACE INTO meta VALUES ('retention_pending', ?)", [staging])
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-        files = self._publish(con, staging) if rows and staging is not None else []
-        if staging is not None and not rows:
-            shutil.rmtree(staging, ignore_errors=True)
-        return rows, files
+
+        return self._staged(con, move)
 
     def _expire_rollups(self, con: Any, cut: int) -> tuple[dict[str, int], list[str]]:
-        staging = self._staging_dir()
-        rows: dict[str, int] = {}
         cut_ts = f"make_timestamp({int(cut)} // 1000)"
-        con.execute("BEGIN TRANSACTION")
-        try:
+
+        def move(con: Any, staging: str | None, rows: dict[str, int]) -> None:
             for name in ROLLUPS:
                 n = con.execute(f"SELECT count(*) FROM {name} WHERE minute < {cut_ts}").fetchone()[0]
                 if not n:
@@ -317,18 +326,8 @@ class Retention:
                     self._copy(con, f"SELECT *, strftime(minute, '%Y-%m-%d') AS date FROM {name} "
                                     f"WHERE minute < {cut_ts}", name, staging)
                 con.execute(f"DELETE FROM {name} WHERE minute < {cut_ts}")
-            if rows and staging is not None:
-                con.execute("INSERT OR REPLACE INTO meta VALUES ('retention_pending', ?)", [staging])
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-        files = self._publish(con, staging) if rows and staging is not None else []
-        if staging is not None and not rows:
-            shutil.rmtree(staging, ignore_errors=True)
-        return rows, files
+
+        return self._staged(con, move)
 
     # --- Parquet -----------------------------------------------------------------
 
