@@ -31,6 +31,7 @@ class DemoRequest:
     prompt: list[int]
     output_tokens: int
     arrival_offset_s: float
+    wait_idle: bool = False  # submit only once every earlier request has finished (closed-loop phases)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,11 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
     collector.start()
     try:
         start = time.monotonic()
-        for r in workload:
+        for i, r in enumerate(workload):
+            if r.wait_idle:
+                deadline = time.monotonic() + 600
+                while len(results) < i and collector.is_alive() and time.monotonic() < deadline:
+                    time.sleep(0.005)
             if realtime:
                 delay = start + r.arrival_offset_s - time.monotonic()
                 if delay > 0:

@@ -201,8 +201,41 @@ class ServerMetric(NamedTuple):
     value: float
 
 
+class PrefixLookup(NamedTuple):
+    """One prefix-cache lookup of one prompt, at a request's admission, with what the adapter's bounded
+    table of earlier prompts' page hashes says about it: the facts that split its missed tokens
+    (`prompt_tokens - hit_tokens`) into causes (analyzers/prefix_miss.py)."""
+
+    ts_ns: int
+    rank: int
+    request_id: str  # <= 32 bytes
+    kind: str  # <= 8 bytes: "first" (first admission), "readmit" (after a preemption), "disabled" (cache off)
+    page_size_tokens: int
+    prompt_tokens: int  # tokens looked up (the prompt, or the re-prefill of a re-admission)
+    cacheable_tokens: int  # the most the runtime can serve from the cache (whole pages; the last token is computed)
+    hit_tokens: int  # tokens served from the cache
+    shared_tokens: int  # longest common prefix with any earlier prompt the table remembers, tokens
+    evicted_tokens: int  # shared whole-page tokens not hit because their pages were cached, then evicted
+    evict_gap_ms: float  # eviction-to-reuse gap of the first missed shared page, ms; NaN when none was evicted
+    table_pages: int  # page hashes the adapter's table holds now
+    table_dropped_total: int  # page hashes that fell out of the table (its cap) so far: shared_tokens can miss them
+
+
+class PageEvent(NamedTuple):
+    """One event of a sampled KV page's life (the adapter follows one page id in `sample_every`)."""
+
+    ts_ns: int
+    rank: int
+    page_id: int
+    event: str  # <= 8 bytes: "reused" (a prefix hit took it from the cache), "evicted", "freed" (uncached)
+    age_ms: float  # since the page was allocated, ms (its lifetime when evicted or freed)
+    idle_ms: float  # since it became unreferenced and cached, ms (reused: the reuse gap); NaN: never cached
+    sample_every: int  # one page id in this many is followed
+    dropped_total: int  # page events the per-second cap dropped so far
+
+
 Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth, RunLabel,
-               ServerMetric, Session]
+               ServerMetric, Session, PrefixLookup, PageEvent]
 
 # type byte -> (class, struct); the order of fields equals the NamedTuple's
 _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
@@ -216,6 +249,8 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     8: (RunLabel, struct.Struct("<q32s96s")),
     9: (ServerMetric, struct.Struct("<qH64s64sd")),
     10: (Session, struct.Struct("<Q64s")),
+    11: (PrefixLookup, struct.Struct("<qH32s8sIIIIIIdIQ")),
+    12: (PageEvent, struct.Struct("<qHI8sddIQ")),
 }
 LAYOUTS = _LAYOUT  # read-only use by columnar decoders (agent/sidecar/columnar.py)
 _TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}

@@ -34,7 +34,7 @@ from phasescope.analyzers.runinfo import RUN_INFO_DDL, record_run_info
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
 TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples",
-          "probe_health", "process_samples", "host_samples", "run_info")
+          "probe_health", "process_samples", "host_samples", "prefix_lookups", "page_events", "run_info")
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,35 @@ def prefix_last_workload(cfg: Any) -> list[Any]:
         system = r.prompt[1:1 + cfg.system_prompt_tokens]
         user = r.prompt[1 + cfg.system_prompt_tokens:]
         out.append(DemoRequest(r.request_id, [1] + user + system, r.output_tokens, r.arrival_offset_s))
+    return out
+
+
+def miss_workload(cfg: Any) -> list[Any]:
+    """A crafted workload whose prefix misses have known causes, for pages of 16 tokens and a cache of 32.
+
+    Closed-loop phases (each request waits for all earlier ones to finish, except inside a burst), every
+    token fresh unless stated: m0, a 40-token prompt; m1..m6, a 12-token shared prefix (shorter than a
+    page) then 20 tokens of their own; m7, a 64-token (4-page) document then 20 tokens; m8, the document
+    again (4 pages hit); a burst m9, m10 of two 150-token prompts that fills the cache (cached pages
+    evicted); m11, the document again (its 4 pages evicted); then m12..m14, three 40-token prompts
+    generating 160 tokens each, more than the cache holds (preemption, re-admission).
+    """
+    from phasescope.agent.demo import DemoRequest
+
+    nxt = iter(range(2, cfg.vocab_size))
+
+    def fresh(n: int) -> list[int]:
+        return [next(nxt) for _ in range(n)]
+
+    short, doc = fresh(12), fresh(64)
+    out = [DemoRequest("m0", fresh(40), 4, 0.0, True)]
+    out += [DemoRequest(f"m{i}", short + fresh(20), 4, 0.0, True) for i in range(1, 7)]
+    out += [DemoRequest("m7", doc + fresh(20), 4, 0.0, True),
+            DemoRequest("m8", doc + fresh(20), 4, 0.0, True),
+            DemoRequest("m9", fresh(150), 8, 0.0, True),
+            DemoRequest("m10", fresh(150), 8, 0.0, False),
+            DemoRequest("m11", doc + fresh(20), 4, 0.0, True)]
+    out += [DemoRequest(f"m{12 + i}", fresh(40), 160, 0.0, i == 0) for i in range(3)]
     return out
 
 

@@ -31,7 +31,8 @@ REASONS = ("bad_enum", "out_of_range", "not_finite", "negative", "bad_utf8")
 _NP = {"q": "<i8", "Q": "<u8", "H": "<u2", "B": "u1", "I": "<u4", "d": "<f8", "f": "<f4"}
 _MAX_OF_SQL = {"SMALLINT": 2**15 - 1, "INTEGER": 2**31 - 1, "BIGINT": 2**63 - 1}
 NAN_ALLOWED = {("Step", "gpu_ms"), ("GpuSample", "util_pct"), ("GpuSample", "power_w"),
-               ("GpuSample", "temp_c"), ("GpuSample", "sm_clock_mhz"), ("ServerMetric", "value")}
+               ("GpuSample", "temp_c"), ("GpuSample", "sm_clock_mhz"), ("ServerMetric", "value"),
+               ("PrefixLookup", "evict_gap_ms"), ("PageEvent", "idle_ms")}
 ANY_FLOAT = {("ServerMetric", "value")}  # Prometheus values may be NaN or +-Inf
 ENUMS = {("Step", "phase"): len(PHASES), ("RequestEvent", "event"): len(REQUEST_EVENTS)}
 

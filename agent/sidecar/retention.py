@@ -42,7 +42,7 @@ GIB = 1 << 30
 
 # raw tables (columns as in schema.TABLES) with a per-source monotonic ts_ns
 RAW_TABLES = ("steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples", "probe_health",
-              "process_samples", "host_samples")
+              "process_samples", "host_samples", "prefix_lookups", "page_events")
 
 _WALL = "(t.ts_ns + s.wall_minus_mono_ns)"
 _MINUTE = f"date_trunc('minute', make_timestamp({_WALL} // 1000))"

@@ -38,6 +38,9 @@ STRATEGIES = {
     ev.RunLabel: st.builds(ev.RunLabel, i64, text(32), text(96)),
     ev.ServerMetric: st.builds(ev.ServerMetric, i64, u16, text(64), text(64), f64),
     ev.Session: st.builds(ev.Session, u64, text(64)),
+    ev.PrefixLookup: st.builds(ev.PrefixLookup, i64, u16, text(32), text(8), u32, u32, u32, u32, u32, u32, f64,
+                               u32, u64),
+    ev.PageEvent: st.builds(ev.PageEvent, i64, u16, u32, text(8), f64, f64, u32, u64),
 }
 
 

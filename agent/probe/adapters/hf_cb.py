@@ -16,7 +16,14 @@ What is recorded, and when:
   as prefix hits);
 - a KV snapshot and the prefix counters just before every `kv_every_steps`-th
   forward: the block tables are final for that step and `position_offset`
-  already counts the tokens the forward writes.
+  already counts the tokens the forward writes;
+- a `PrefixLookup` per admission lookup (emitted with its `scheduled` event):
+  the prompt's page-hash chain is computed once, in `search_prefix_match`,
+  against a bounded table of earlier prompts (`pagetrack.PrefixTable`);
+  evictions (`evict_cached_blocks`, and the uncached frees of a soft reset)
+  mark the hashes they drop;
+- `PageEvent`s of one page id in `page_sample_every` (allocation in the pool,
+  cached when its last request frees it, reused by a prefix hit, evicted, freed).
 
 HF's vocabulary: a "block" holds `page_size` tokens of every layer of one
 attention group (vLLM's block, our page); HF's "page" is one layer's share.
@@ -25,11 +32,13 @@ attention group (vLLM's block, our page); HF's "page" is one layer's share.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Callable
 
-from ...events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL
+from ...events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL, PrefixLookup, short_id
 from ..kvmath import PageStats, largest_run, page_stats_fast
+from ..pagetrack import PageLife, PrefixTable
 from ..phases import StepShape
 from ..probe import Probe
 from .base import RuntimeAdapter
@@ -107,13 +116,30 @@ class HFContinuousBatching(RuntimeAdapter):
         kv_every_steps: int = 1,
         free_run_every: int | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
+        prefix_table_pages: int = 16384,
+        page_sample_every: int | None = None,
+        page_events_per_s: int = 1000,
     ) -> None:
         """`kv_every_steps`: snapshot cadence in forwards. `free_run_every`: rescan the free
         list for the largest contiguous run every this many snapshots (the other
-        figures are exact at every snapshot); default 1 up to 4096 pages, else 16."""
+        figures are exact at every snapshot); default 1 up to 4096 pages, else 16.
+        `prefix_table_pages`: cap of the table of earlier prompts' page hashes (0: no
+        `PrefixLookup` records). `page_sample_every`: follow one page id in this many
+        (default: all up to 1024 pages, else about 1024 of them; 0: no `PageEvent`s);
+        `page_events_per_s`: cap on page events a second (the rest are counted as dropped)."""
         super().__init__(probe)
         if kv_every_steps < 1 or (free_run_every is not None and free_run_every < 1):
             raise ValueError("kv_every_steps and free_run_every must be >= 1")
+        if prefix_table_pages < 0 or (page_sample_every is not None and page_sample_every < 0) \
+                or page_events_per_s < 1:
+            raise ValueError("prefix_table_pages and page_sample_every must be >= 0, page_events_per_s >= 1")
+        self.prefix_table_pages = prefix_table_pages
+        self.page_sample_every = page_sample_every
+        self.page_events_per_s = page_events_per_s
+        self.prefix_table: PrefixTable | None = None
+        self.page_life: PageLife | None = None
+        self._chains: dict[str, tuple[int, list[int], int]] = {}  # rid -> (prompt length, page-hash chain, shared)
+        self._plookup: dict[str, tuple] = {}  # rid -> PrefixLookup fields of its latest lookup (ts first)
         self.kv_every_steps = kv_every_steps
         self.free_run_every = free_run_every
         self._snapshots = 0
@@ -138,6 +164,8 @@ class HFContinuousBatching(RuntimeAdapter):
         self._computed.pop(rid, None)
         self._lost.pop(rid, None)
         self._lookup.pop(rid, None)
+        self._chains.pop(rid, None)
+        self._plookup.pop(rid, None)
 
     def _arrival(self, rid: str, ts: int, prompt_tokens: int) -> None:
         """A request arrives. Runtime ids are labels that calls reuse (`generate_batch` names every call's
@@ -231,12 +259,52 @@ class HFContinuousBatching(RuntimeAdapter):
         clock = self._clock_ns
         prefix = self.prefix
         guarded = self.guarded
+        page = alloc.tokens_per_page
+        ledger = alloc.ledger
+        rank = self.probe.rank
+        table = life = None
+        if self.prefix_table_pages:
+            from transformers.generation.continuous_batching.cache_allocators.cache_allocator import (
+                compute_block_hash)
+
+            table = self.prefix_table = PrefixTable(page, compute_block_hash, self.prefix_table_pages)
+        every = self.page_sample_every
+        if every is None:
+            every = max(1, -(-alloc.num_blocks // 1024))
+        if every:
+            life = self.page_life = PageLife(self.probe.emit, rank, every, self.page_events_per_s)
+
+        def note_lookup(rid: str, prompt_ids: list[int], hit: int, ts: int) -> None:
+            readmit = rid in self._lost
+            n = len(prompt_ids)
+            known = self._chains.get(rid)
+            if known is None or known[0] != n:
+                chain = table.chain(prompt_ids)
+                shared = table.shared(prompt_ids, chain)
+                if not readmit:
+                    table.register(prompt_ids, chain)
+                self._chains[rid] = known = (n, chain, shared)
+            _, chain, shared = known
+            cacheable = (n - 1) // page * page if n else 0
+            stop = max(min(max(shared, hit) // page * page, cacheable), hit) // page
+            evicted, gap = table.evicted_run(chain, hit // page, stop, ts)
+            self._plookup[rid] = (ts, "readmit" if readmit else "first", page, n, cacheable, hit, shared,
+                                  evicted, gap, len(table.pages), table.dropped)
+
+        def after_search(rid: str, prompt_ids: list[int], hit: int) -> None:
+            ts = clock()
+            if life is not None and hit:
+                life.reused(alloc.block_table.get(rid, ())[:hit // page], ts)
+            if table is not None:
+                note_lookup(rid, prompt_ids, hit, ts)
 
         # prefix lookups: remembered per request, counted once it is actually scheduled
         def make_search(orig: Callable) -> Callable:
             def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
                 hit = orig(request_id, prompt_ids)
                 self._lookup[request_id] = (len(prompt_ids), hit)
+                if table is not None or life is not None:
+                    guarded(after_search)(request_id, prompt_ids, hit)
                 return hit
 
             return search_prefix_match
@@ -246,6 +314,8 @@ class HFContinuousBatching(RuntimeAdapter):
         def make_evict(orig: Callable) -> Callable:
             def evict_cached_blocks() -> bool:
                 before = len(alloc.ledger.cached_blocks)
+                if before and (table is not None or life is not None):
+                    guarded(before_evict)()
                 out = orig()
                 prefix.evicted_blocks += before - len(alloc.ledger.cached_blocks)
                 return out
@@ -254,6 +324,35 @@ class HFContinuousBatching(RuntimeAdapter):
 
         self.patch(cache, "evict_cached_blocks", make_evict)
 
+        def before_evict() -> None:
+            ts = clock()
+            cached = list(ledger.cached_blocks)
+            if table is not None:
+                table.mark_evicted([ledger.block_to_hash[b] for b in cached if b in ledger.block_to_hash], ts)
+            if life is not None:
+                life.evicted(cached, ts)
+
+        def after_free(blocks: list[int], hashes: list[int | None], no_cache: bool) -> None:
+            ts = clock()
+            if life is not None:
+                life.cached([b for b in blocks if b in ledger.cached_blocks], ts)
+            if table is not None and no_cache:
+                # a soft reset frees its pages uncached: hashes no other request holds are gone
+                table.mark_evicted([h for h in hashes if h is not None and h not in ledger.hash_to_block], ts)
+
+        def make_cache_free(orig: Callable) -> Callable:
+            def free_blocks(request_id: str, no_cache: bool = False) -> None:
+                blocks = list(alloc.block_table.get(request_id, ()))
+                hashes = [ledger.block_to_hash.get(b) for b in blocks] if no_cache else []
+                orig(request_id, no_cache)
+                if blocks:
+                    guarded(after_free)(blocks, hashes, no_cache)
+
+            return free_blocks
+
+        if table is not None or life is not None:
+            self.patch(cache, "free_blocks", make_cache_free)
+
         pool = cache.pool
 
         def make_get(orig: Callable) -> Callable:
@@ -261,6 +360,8 @@ class HFContinuousBatching(RuntimeAdapter):
                 out = orig(idx, num_blocks)
                 if idx == index:
                     self.pages_allocated += len(out)
+                    if life is not None:
+                        guarded(life.allocated)(out, clock())
                 return out
 
             return get_free_blocks
@@ -270,6 +371,8 @@ class HFContinuousBatching(RuntimeAdapter):
                 orig(idx, block_ids)
                 if idx == index:
                     self.pages_freed += len(block_ids)
+                    if life is not None:
+                        guarded(life.freed)(block_ids, clock())
 
             return free_blocks
 
@@ -306,6 +409,13 @@ class HFContinuousBatching(RuntimeAdapter):
                         prefix.queried_tokens += queried
                         prefix.hit_tokens += hit
                     emit(rid, "scheduled", ts, cached_tokens=hit)
+                    looked = self._plookup.pop(rid, None)
+                    if looked is not None:
+                        self.probe.emit(PrefixLookup(looked[0], rank, short_id(rid), *looked[1:]))
+                    elif table is not None and not cache.use_prefix_sharing and rid not in self._lost:
+                        n = len(state.initial_tokens)
+                        self.probe.emit(PrefixLookup(ts, rank, short_id(rid), "disabled", page, n, 0, 0, 0, 0,
+                                                     math.nan, 0, 0))
                 lost = self._lost.get(rid)
                 if lost is not None:
                     # recomputation as executed: the part of this chunk whose KV existed before the reset
