@@ -40,7 +40,7 @@ TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    kind: str  # "demo" | "prefix-last" | "synthetic"
+    kind: str  # "demo" | "prefix-last" | "miss" (miss_workload) | "synthetic"
     notes: str
     expect: tuple[str, ...]  # finding ids that must fire (none for healthy)
     demo: dict[str, Any] = field(default_factory=dict)  # DemoConfig overrides
@@ -263,6 +263,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                        long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
                        page_size=16, num_pages=512, max_batch_tokens=256, adapter_silent_after_s=4.0),
              labels=dict(shared_prefix_tokens=65, prefix_position="first"), nice=-20, torch_threads=1),
+    Scenario("prefix-miss-causes", "miss",
+             "The crafted miss workload (miss_workload): pages of 16 tokens, a cache of 32 pages. First-admission "
+             "misses: 716 tokens with no shared prefix, 60 shared inside a partly shared first page (5 x 12), 64 "
+             "of a 4-page document evicted by a burst before its reuse; hits 64; one re-admission after a "
+             "preemption re-prefills its 40-token prompt plus the tokens it had generated.",
+             expect=("prefix-miss-sub-page", "prefix-miss-evicted", "prefix-miss-readmission",
+                     "prefix-miss-no-shared-prefix", "kv-evicted-before-reuse"),
+             demo=dict(requests=15, page_size=16, num_pages=32, max_batch_tokens=256, vocab_size=4096,
+                       hidden_size=64, layers=2, heads=4, kv_heads=2),
+             labels=dict(shared_prefix_tokens=0, prefix_position="mixed")),
     Scenario("tp-imbalance", "synthetic",
              "Synthetic TP 4 run of a 32-layer model with 2 KV heads: rank 3 holds 140 MiB of KV vs 100 MiB, "
              "rank 2 takes 26 ms per step vs 20 ms; KV heads replicated 2x.",
@@ -292,7 +302,7 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
     if os.path.exists(db_path):
         os.remove(db_path)
     config: dict[str, Any] = {"scenario": name, "kind": sc.kind, "notes": sc.notes, "expect": list(sc.expect)}
-    if sc.kind in ("demo", "prefix-last"):
+    if sc.kind in ("demo", "prefix-last", "miss"):
         cfg = _demo_config(sc.demo)
         with contended(**sc.contention) if sc.contention else contextlib.nullcontext({}) as how, \
                 reniced(sc.nice, sc.torch_threads) as nice:
@@ -301,7 +311,8 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
 
                 run_id = run_demo(db_path, cfg, quiet=True)["run_id"]
             else:
-                run_id = run_workload(db_path, cfg, prefix_last_workload(cfg))
+                workload = prefix_last_workload(cfg) if sc.kind == "prefix-last" else miss_workload(cfg)
+                run_id = run_workload(db_path, cfg, workload)
         labels = {**_demo_labels(cfg), **sc.labels}
         if sc.contention:
             labels.update({f"contention_{k}": v for k, v in sc.contention.items()}, contention_cpu=how["cpu"])

@@ -24,6 +24,8 @@ from .kvcache import kv_external_fragmentation, kv_headroom_low, kv_internal_fra
 from .memory import gpu_memory_near_full, gpu_xid_errors, kv_budget_oom_risk
 from .prefill import prefill_stalls_decode
 from .prefix import prefix_hit_collapse
+from .prefix_miss import prefix_miss_causes
+from .residency import kv_evicted_before_reuse
 from .queueing import ttft_queueing
 from .telemetry import telemetry_degraded
 from .reliability import preemption_recompute, probe_dropping, survival_rate
@@ -37,7 +39,7 @@ ANALYZERS: tuple[Analyzer, ...] = (
     kv_near_cap, kv_headroom_low, kv_budget_oom_risk, kv_internal_fragmentation, kv_external_fragmentation,
     prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
     preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
-    host_bound, process_memory_growth, telemetry_degraded,
+    host_bound, process_memory_growth, telemetry_degraded, prefix_miss_causes, kv_evicted_before_reuse,
 )
 CONTEXT = ("model", "gpu", "labels")
 

@@ -36,6 +36,15 @@ THRESHOLDS: dict[str, Threshold] = {
     "min_rss_growth_mib_per_min": Threshold(8.0, "MiB/min", "steady server RSS growth worth a leak suspicion"),
     "telemetry_stale_s": Threshold(10, "s", "steps flowing this long without KV snapshots / prefix counter "
                                    "movement / GPU-timed steps: that telemetry has stopped being true"),
+    "prefix_miss_min_tokens": Threshold(256, "tokens", "missed prompt tokens a run needs before their causes are judged"),
+    "prefix_miss_cause_share": Threshold(0.05, "fraction", "share of the missed prompt tokens one avoidable cause "
+                                         "(sub-page, evicted, in-flight, re-admission, cache off) must explain"),
+    "min_sub_page_tokens": Threshold(4, "tokens", "mean shared tokens lost inside a partly shared page, per lookup "
+                                     "that loses any, worth a smaller page"),
+    "max_no_prefix_hit_rate": Threshold(0.1, "fraction", "first-admission hit rate below which misses with no "
+                                        "shared prefix at all are reported"),
+    "evicted_reuse_share": Threshold(0.05, "fraction", "share of the queried prompt tokens missed because their "
+                                     "pages were evicted before reuse, worth a larger cache"),
     "max_clock_skew_s": Threshold(1.0, "s", "a probe's wall clock this far from the sidecar's at connect is skewed"),
 }
 

@@ -1,0 +1,176 @@
+"""Why prefix lookups miss: every missed prompt token split into one cause (from `prefix_lookups`).
+
+Per lookup of a prompt of L tokens with h tokens hit, pages of P tokens, at most C tokens
+cacheable (whole pages; the runtime always computes the last token), s the longest prefix it
+shares with any earlier prompt (the adapter's table) and e the whole-page tokens it missed
+because those pages had been evicted:
+
+    s' = max(s, h)                               (a hit proves sharing)
+    r  = max(min(floor(s' / P) * P, C), h)       (shared tokens in cacheable whole pages)
+    no-shared-prefix = L - s'                    (a) nothing earlier starts like this
+    sub-page         = s' - r                    (b) shared, but not a whole cacheable page
+    evicted          = min(e, r - h)             (c) shared whole pages evicted before reuse
+    in-flight        = r - h - evicted           shared whole pages not cached yet (an earlier
+                                                 request was still computing them)
+
+so (a) + (b) + (c) + in-flight = L - h exactly. Lookups of a re-admission after preemption
+are (d) `readmission` (L - h, recomputation, never a miss of the first admission); prompts
+admitted with the prefix cache off are (e) `cache-disabled` (L).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasescope.agent.read.thresholds import T
+from .findings import Finding, ref
+from .queries import PREFIX_TOTALS, one
+
+CAUSES = ("no-shared-prefix", "sub-page", "evicted", "in-flight", "readmission", "cache-disabled")
+
+CAUSES_SQL = """WITH l AS (
+        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
+        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run),
+    c AS (SELECT *, greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens), hit_tokens) AS r
+          FROM l)
+    SELECT count(*) FILTER (WHERE kind = 'first') AS lookups,
+           count(*) FILTER (WHERE kind = 'readmit') AS readmissions,
+           count(*) FILTER (WHERE kind = 'disabled') AS disabled_lookups,
+           coalesce(sum(prompt_tokens) FILTER (WHERE kind = 'first'), 0) AS queried_tokens,
+           coalesce(sum(hit_tokens) FILTER (WHERE kind = 'first'), 0) AS hit_tokens,
+           coalesce(sum(prompt_tokens - hit_tokens) FILTER (WHERE kind = 'first'), 0) AS missed_tokens,
+           coalesce(sum(prompt_tokens - s2) FILTER (WHERE kind = 'first'), 0) AS "no-shared-prefix",
+           coalesce(sum(s2 - r) FILTER (WHERE kind = 'first'), 0) AS "sub-page",
+           coalesce(sum(least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0) AS evicted,
+           coalesce(sum(r - hit_tokens - least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0)
+               AS "in-flight",
+           coalesce(sum(prompt_tokens - hit_tokens) FILTER (WHERE kind = 'readmit'), 0) AS readmission,
+           coalesce(sum(prompt_tokens) FILTER (WHERE kind = 'disabled'), 0) AS "cache-disabled",
+           count(*) FILTER (WHERE kind = 'first' AND s2 > r) AS sub_page_lookups,
+           count(*) FILTER (WHERE kind = 'first' AND s2 > 0 AND s2 < page_size_tokens) AS below_one_page_lookups,
+           quantile_cont(s2, 0.5) FILTER (WHERE kind = 'first' AND s2 > r) AS sub_page_shared_tokens_p50,
+           quantile_cont(evict_gap_ms, 0.5) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_p50,
+           quantile_cont(evict_gap_ms, 0.9) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_p90,
+           max(evict_gap_ms) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_max,
+           max(page_size_tokens) AS page_size_tokens,
+           max(table_pages) AS table_pages, max(table_dropped_total) AS table_dropped_pages
+    FROM c"""
+
+# what a page of $p tokens would have hit among the sub-page misses (the same rule, P -> $p)
+SMALLER_PAGE_SQL = """WITH l AS (
+        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
+        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
+    SELECT coalesce(sum(greatest(0, least(s2 // $p * $p, (prompt_tokens - 1) // $p * $p)
+                                  - greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens),
+                                             hit_tokens))), 0) AS saved_tokens
+    FROM l"""
+
+
+def miss_causes(con: Any, run_id: str) -> dict[str, Any]:
+    """Per-cause missed prompt tokens of a run (keys: CAUSES) and the figures around them; `lookups` 0: no data."""
+    out = one(con, CAUSES_SQL, run_id)
+    out["query"] = CAUSES_SQL
+    return out
+
+
+def smaller_page_saving(con: Any, run_id: str, page: int) -> int:
+    """Prompt tokens a page of `page` tokens would have served from the cache on top of today's hits
+    (sub-page misses only; assumes the same pages stay cached)."""
+    return int(one(con, SMALLER_PAGE_SQL.replace("$p", str(int(page))), run_id)["saved_tokens"] or 0)
+
+
+def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["prefix_miss_min_tokens"],
+                       prefix_miss_cause_share: float = T["prefix_miss_cause_share"],
+                       min_sub_page_tokens: float = T["min_sub_page_tokens"],
+                       max_no_prefix_hit_rate: float = T["max_no_prefix_hit_rate"],
+                       labels: dict | None = None, **_: object) -> list[Finding]:
+    """One finding per cause that explains at least `prefix_miss_cause_share` of the missed prompt tokens
+    (first admissions, re-admissions and cache-off prompts together; at least `prefix_miss_min_tokens` of
+    them). Sub-page misses also need `min_sub_page_tokens` lost per affected lookup (a page that loses a
+    token or two is no case for smaller pages); misses with no shared prefix are reported (info) only when
+    the first-admission hit rate is below `max_no_prefix_hit_rate` (unique prompts are not a fault)."""
+    c = miss_causes(con, run_id)
+    if not (c["lookups"] or c["readmissions"] or c["disabled_lookups"]):
+        return []
+    total = c["missed_tokens"] + c["readmission"] + c["cache-disabled"]
+    if total < prefix_miss_min_tokens:
+        return []
+    counters = one(con, PREFIX_TOTALS, run_id)
+    cq, ch = counters.get("queried_tokens"), counters.get("hit_tokens")
+    page = int(c["page_size_tokens"] or 0)
+    hit_rate = c["hit_tokens"] / c["queried_tokens"] if c["queried_tokens"] else 0.0
+    e = {k: v for k, v in c.items() if k != "query"}
+    e.update({"total_missed_tokens": total, "hit_rate": hit_rate,
+              "counter_queried_tokens": cq, "counter_hit_tokens": ch,
+              "counter_missed_tokens": None if cq is None else cq - (ch or 0),
+              "shares": {k: c[k] / total for k in CAUSES},
+              "query": CAUSES_SQL + ";\n" + PREFIX_TOTALS})
+    thresholds = {"prefix_miss_min_tokens": prefix_miss_min_tokens, "prefix_miss_cause_share": prefix_miss_cause_share,
+                  "min_sub_page_tokens": min_sub_page_tokens, "max_no_prefix_hit_rate": max_no_prefix_hit_rate}
+    share = lambda k: c[k] / total  # noqa: E731
+    out: list[Finding] = []
+
+    def add(cause: str, severity: str, title: str, suggestion: str, effect: str, extra: dict | None = None) -> None:
+        out.append(Finding(id=f"prefix-miss-{cause}", title=title, severity=severity,
+                           evidence={**e, "cause": cause, "cause_tokens": c[cause], "cause_share": share(cause),
+                                     **(extra or {})},
+                           suggestion=suggestion, expected_effect=effect, reference=ref("Prefix cache"),
+                           run_id=run_id, thresholds=thresholds))
+
+    if c["sub-page"] and share("sub-page") >= prefix_miss_cause_share \
+            and c["sub-page"] / max(c["sub_page_lookups"], 1) >= min_sub_page_tokens:
+        best, saved = None, 0
+        for p in (8, 4, 2, 1):
+            if p < page:
+                s = smaller_page_saving(con, run_id, p)
+                if s > saved:
+                    best, saved = p, s
+                if s >= c["sub-page"] * 0.75:
+                    break
+        add("sub-page", "warning", "Shared prompt prefixes shorter than a KV page never hit",
+            f"{c['sub-page']} missed tokens ({share('sub-page'):.0%}) were shared with an earlier prompt but did not "
+            f"fill a whole cacheable page of {page} tokens ({c['below_one_page_lookups']} lookups shared less than "
+            f"one page, median shared prefix {c['sub_page_shared_tokens_p50'] or 0:.0f} tokens). "
+            + (f"Use a smaller page (vLLM --block-size {best}, HF page_size={best}) " if best else "Use a smaller page ")
+            + "or lengthen the common part (put more of the fixed instructions first) so it covers whole pages.",
+            f"A page of {best} tokens would have served ~{saved} more prompt tokens from the cache."
+            if best else "Shared tokens inside partly shared pages become hits.",
+            {"suggested_page_size_tokens": best, "smaller_page_saved_tokens": saved})
+    if c["evicted"] and share("evicted") >= prefix_miss_cause_share:
+        add("evicted", "warning", "Shared prefixes evicted before they were reused",
+            f"{c['evicted']} missed tokens ({share('evicted'):.0%}) were in pages another prompt had cached, evicted "
+            f"before this prompt came (eviction-to-reuse gap p50 {c['evict_gap_ms_p50'] or 0:.0f} ms, p90 "
+            f"{c['evict_gap_ms_p90'] or 0:.0f} ms). Give the cache more pages (vLLM --gpu-memory-utilization or "
+            "--num-gpu-blocks-override, HF num_blocks), or an eviction policy that keeps hot prefixes; see "
+            "kv-evicted-before-reuse for how many pages.",
+            f"Up to {c['evicted']} prompt tokens a run become hits instead of prefill.")
+    if c["in-flight"] and share("in-flight") >= prefix_miss_cause_share:
+        add("in-flight", "info", "Requests sharing a prefix arrive before it is cached",
+            f"{c['in-flight']} missed tokens ({share('in-flight'):.0%}) were shared whole pages an earlier request "
+            "was still computing. Send one request of a burst first (warm the prefix), or route requests with the "
+            "same prefix to the replica that already holds it (prefix-aware routing).",
+            f"Up to {c['in-flight']} prompt tokens become hits.")
+    if c["readmission"] and share("readmission") >= prefix_miss_cause_share:
+        add("readmission", "warning", "Preempted requests recompute their prompts on re-admission",
+            f"{c['readmission']} tokens ({share('readmission'):.0%} of all missed) were re-prefilled by "
+            f"{c['readmissions']} re-admissions after preemption (counted apart from the first admissions' misses). "
+            "Give the cache room for the running batch (more KV pages, a lower max batch / --max-num-seqs), or swap "
+            "to CPU instead of recomputing (HF cpu_offload_space).",
+            f"{c['readmission']} recomputed tokens saved.")
+    if c["cache-disabled"] and share("cache-disabled") >= prefix_miss_cause_share:
+        add("cache-disabled", "warning", "Prompts admitted with the prefix cache off",
+            f"{c['disabled_lookups']} prompts ({c['cache-disabled']} tokens) were admitted with prefix caching "
+            "disabled. Enable it (vLLM --enable-prefix-caching, HF allow_block_sharing=True).",
+            "Shared prefixes become hits.")
+    elif c["lookups"] and not cq:
+        add("cache-disabled", "warning", "Prefix lookups seen, prefix counters not wired",
+            f"The adapter reported {c['lookups']} lookups but the run's prefix counters show no queried tokens: "
+            "counters not wired (check the adapter version), so hit-rate panels and alerts read 0.",
+            "Hit-rate dashboards and alerts become true.")
+    if c["no-shared-prefix"] and share("no-shared-prefix") >= 0.5 and hit_rate < max_no_prefix_hit_rate:
+        add("no-shared-prefix", "info", "Most missed prompt tokens share no prefix with any earlier prompt",
+            f"{c['no-shared-prefix']} missed tokens ({share('no-shared-prefix'):.0%}) begin differently from every "
+            f"earlier prompt this replica saw; hit rate {hit_rate:.1%}. If prompts carry common content, put it "
+            "first and the variable part last; with several replicas, route by prefix so prompts that share one "
+            "meet in the same cache.", "Only prompts that really share a beginning can hit.")
+    return out

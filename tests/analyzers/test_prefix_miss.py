@@ -1,0 +1,150 @@
+"""Why prefix lookups miss, and KV residency: exact per-cause tokens on the crafted workload.
+
+The crafted workload (`scenarios.miss_workload`, pages of 16 tokens, 32 pages) implies, for the
+first admissions: m0 40 + m1 32 + m2..m6 5 x 20 + m7 84 + m8 20 + burst 2 x 150 + m11 20 + m12..m14
+3 x 40 = 716 tokens with no shared prefix; m2..m6 share the 12-token prefix of m1 inside their first
+page: 5 x 12 = 60 sub-page tokens; m11's 4 document pages were evicted by the burst: 64 tokens;
+m8 hits those 4 pages: 64 hit tokens of 904 queried. A preempted request re-prefills its prompt
+plus the tokens it had generated (its own pages were freed uncached): readmission tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import duckdb
+import pytest
+
+from phasescope.agent.events import PageEvent
+from phasescope.agent.probe.pagetrack import PageLife, PrefixTable
+from phasescope.analyzers.diagnose import diagnose
+from phasescope.analyzers.prefix_miss import CAUSES, miss_causes
+from phasescope.analyzers.residency import extra_pages_needed, residency
+
+FIRST = {"no-shared-prefix": 716, "sub-page": 60, "evicted": 64, "in-flight": 0, "cache-disabled": 0}
+
+
+def readmission_implied(con, run_id) -> tuple[int, int]:
+    """(re-admissions, tokens) the request events imply: each preempted request's prompt plus the tokens it
+    had produced before its preemption (its own pages are freed uncached and nothing else shares them)."""
+    rows = con.execute("""
+        SELECT r.runtime_request_id, p.ts_ns,
+               (SELECT max(tokens) FROM request_log a WHERE a.run_id = r.run_id AND a.request_id = r.request_id
+                AND a.event = 'arrival') AS prompt,
+               (SELECT coalesce(sum(tokens), 0) FROM request_log t WHERE t.run_id = r.run_id
+                AND t.request_id = r.request_id AND t.event = 'token' AND t.ts_ns < p.ts_ns) AS produced
+        FROM request_log p JOIN (SELECT DISTINCT run_id, request_id, runtime_request_id FROM request_log) r
+             USING (run_id, request_id)
+        WHERE p.run_id = $run AND p.event = 'preempted'""", {"run": run_id}).fetchall()
+    return len(rows), sum(prompt + produced for _, _, prompt, produced in rows)
+
+
+def check_causes(con, run_id) -> dict:
+    c = miss_causes(con, run_id)
+    assert {k: c[k] for k in FIRST} == FIRST
+    assert (c["queried_tokens"], c["hit_tokens"], c["lookups"]) == (904, 64, 15)
+    # the causes add up to the missed tokens exactly, and to what the runtime's own counters say
+    assert sum(c[k] for k in FIRST) == c["missed_tokens"] == 904 - 64
+    q, h = con.execute("SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters").fetchone()
+    assert (q, h) == (904, 64)
+    n, tokens = readmission_implied(con, run_id)
+    assert n >= 1 and (c["readmissions"], c["readmission"]) == (n, tokens)
+    assert sum(c[k] for k in CAUSES) == c["missed_tokens"] + c["readmission"]
+    return c
+
+
+def test_committed_fixture_exact_causes_and_findings(scenario):
+    con, run_id = scenario("prefix-miss-causes")
+    c = check_causes(con, run_id)
+    assert c["readmission"] == 161  # m14: 40-token prompt + 121 tokens generated before its preemption
+    assert (c["sub_page_lookups"], c["below_one_page_lookups"], c["sub_page_shared_tokens_p50"]) == (5, 5, 12)
+    found = {f.id: f for f in diagnose(con, run_id)}
+    sub = found["prefix-miss-sub-page"]
+    # a page of 8 tokens would hit 8 of the 12 shared tokens, a page of 4 all 12: 5 x 12
+    assert (sub.evidence["suggested_page_size_tokens"], sub.evidence["smaller_page_saved_tokens"]) == (4, 60)
+    assert "--block-size 4" in sub.suggestion
+    assert found["prefix-miss-evicted"].evidence["cause_tokens"] == 64
+    assert found["prefix-miss-readmission"].evidence["cause_tokens"] == 161
+    assert found["prefix-miss-no-shared-prefix"].severity == "info"
+    res = found["kv-evicted-before-reuse"].evidence
+    assert (res["evicted_reuse_lookups"], res["evicted_reuse_tokens"], res["evicted_reuse_pages"],
+            res["extra_pages_needed"], res["total_pages"]) == (1, 64, 4, 4, 32)
+    assert math.isclose(res["evicted_reuse_share"], 64 / 904)
+    assert "4 more KV pages (+12% of its 32 pages)" in found["kv-evicted-before-reuse"].suggestion
+    # every page was followed (32 pages <= 1024): its evictions are the runtime's evicted blocks
+    r = residency(con, run_id)
+    ev = con.execute("SELECT max(evicted_blocks_total) FROM prefix_counters").fetchone()[0]
+    assert (r["sample_every"], r["dropped_events"], r["evictions"]) == (1, 0, ev)
+    assert r["reuses"] == 4  # m8 took m7's 4 document pages from the cache
+    assert not any(f.startswith("prefix-miss-in-flight") or f == "prefix-miss-cache-disabled" for f in found)
+
+
+def test_healthy_and_other_fixtures_without_lookups_fire_none(scenario):
+    con, run_id = scenario("healthy")
+    assert miss_causes(con, run_id)["lookups"] == 0
+    assert not [f for f in diagnose(con, run_id) if f.id.startswith("prefix-miss") or f.id == "kv-evicted-before-reuse"]
+
+
+@pytest.mark.slow
+def test_real_hf_cb_run_attributes_every_missed_token(tmp_path):
+    from phasescope.agent.scenarios import build_db
+
+    path = str(tmp_path / "run.duckdb")
+    run_id, _ = build_db("prefix-miss-causes", path)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        check_causes(con, run_id)
+        gaps = con.execute("SELECT evict_gap_ms FROM prefix_lookups WHERE kind = 'first' AND evicted_tokens > 0"
+                           ).fetchall()
+        assert len(gaps) == 1 and gaps[0][0] > 0
+    finally:
+        con.close()
+
+
+# --- the bounded structures the adapter drives ---
+
+def _hash(parent, tokens):
+    return hash((parent, tuple(tokens))) & (2**63 - 1)
+
+
+def test_prefix_table_shares_to_the_token_and_counts_what_falls_out():
+    t = PrefixTable(4, _hash, cap_pages=3)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    ca = t.chain(a)
+    assert len(ca) == 2 and t.shared(a, ca) == 0
+    t.register(a, ca)
+    b = [1, 2, 3, 4, 5, 6, 70, 80]
+    assert t.shared(b, t.chain(b)) == 6  # one whole page + 2 tokens of the next
+    c = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11]
+    assert t.shared(c, t.chain(c)) == 9  # the partial last page of a is remembered too
+    t.mark_evicted([ca[0]], 1_000_000)
+    assert t.evicted_run(ca, 0, 2, 3_500_000) == (8, 2.5)
+    assert t.evicted_run(ca, 1, 2, 3_500_000)[0] == 0  # page 1 was not evicted
+    for i in range(3):
+        p = [100 + i] * 4
+        t.register(p, t.chain(p))
+    assert len(t.pages) == 3 and t.dropped == 2  # a's two pages fell out, counted
+    assert t.shared(a, ca) == 4  # only the tokens of a's first page, still among the first pages seen
+
+
+def test_page_life_samples_and_caps():
+    out: list = []
+    life = PageLife(out.append, 0, sample_every=2, max_events_per_s=2)
+    life.allocated([0, 1, 2, 3], 0)
+    assert set(life.alloc_ns) == {0, 2}
+    life.cached([0, 2], 1_000_000)
+    life.reused([0], 3_000_000)
+    life.evicted([2], 5_000_000)
+    life.freed([0], 6_000_000)  # third event in the same second: dropped, counted
+    assert [(e.page_id, e.event, e.age_ms, e.idle_ms) for e in out] == [(0, "reused", 3.0, 2.0),
+                                                                        (2, "evicted", 5.0, 4.0)]
+    assert life.dropped == 1 and all(type(e) is PageEvent for e in out)
+    life.allocated([4], 2_000_000_000)
+    life.freed([4], 2_000_000_001)
+    assert out[-1].event == "freed" and math.isnan(out[-1].idle_ms) and out[-1].dropped_total == 1
+
+
+def test_extra_pages_is_the_peak_overlap():
+    assert extra_pages_needed([]) == 0
+    assert extra_pages_needed([(0, 10, 4), (5, 20, 3), (11, 30, 2)]) == 7
+    assert extra_pages_needed([(0, 10, 4), (10, 20, 3)]) == 7  # ends are inclusive
