@@ -22,61 +22,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from phasescope.agent.read.queries import MISS_CAUSES, MISS_CAUSES_SQL, smaller_page_saving
+from phasescope.agent.read.queries import prefix_miss_causes as prefix_miss_causes_query
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .queries import PREFIX_TOTALS, one
 
-CAUSES = ("no-shared-prefix", "sub-page", "evicted", "in-flight", "readmission", "cache-disabled")
-
-CAUSES_SQL = """WITH l AS (
-        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
-        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run),
-    c AS (SELECT *, greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens), hit_tokens) AS r
-          FROM l)
-    SELECT count(*) FILTER (WHERE kind = 'first') AS lookups,
-           count(*) FILTER (WHERE kind = 'readmit') AS readmissions,
-           count(*) FILTER (WHERE kind = 'disabled') AS disabled_lookups,
-           coalesce(sum(prompt_tokens) FILTER (WHERE kind = 'first'), 0) AS queried_tokens,
-           coalesce(sum(hit_tokens) FILTER (WHERE kind = 'first'), 0) AS hit_tokens,
-           coalesce(sum(prompt_tokens - hit_tokens) FILTER (WHERE kind = 'first'), 0) AS missed_tokens,
-           coalesce(sum(prompt_tokens - s2) FILTER (WHERE kind = 'first'), 0) AS "no-shared-prefix",
-           coalesce(sum(s2 - r) FILTER (WHERE kind = 'first'), 0) AS "sub-page",
-           coalesce(sum(least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0) AS evicted,
-           coalesce(sum(r - hit_tokens - least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0)
-               AS "in-flight",
-           coalesce(sum(prompt_tokens - hit_tokens) FILTER (WHERE kind = 'readmit'), 0) AS readmission,
-           coalesce(sum(prompt_tokens) FILTER (WHERE kind = 'disabled'), 0) AS "cache-disabled",
-           count(*) FILTER (WHERE kind = 'first' AND s2 > r) AS sub_page_lookups,
-           count(*) FILTER (WHERE kind = 'first' AND s2 > 0 AND s2 < page_size_tokens) AS below_one_page_lookups,
-           quantile_cont(s2, 0.5) FILTER (WHERE kind = 'first' AND s2 > r) AS sub_page_shared_tokens_p50,
-           quantile_cont(evict_gap_ms, 0.5) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_p50,
-           quantile_cont(evict_gap_ms, 0.9) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_p90,
-           max(evict_gap_ms) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_max,
-           max(page_size_tokens) AS page_size_tokens,
-           max(table_pages) AS table_pages, max(table_dropped_total) AS table_dropped_pages
-    FROM c"""
-
-# what a page of $p tokens would have hit among the sub-page misses (the same rule, P -> $p)
-SMALLER_PAGE_SQL = """WITH l AS (
-        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
-        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
-    SELECT coalesce(sum(greatest(0, least(s2 // $p * $p, (prompt_tokens - 1) // $p * $p)
-                                  - greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens),
-                                             hit_tokens))), 0) AS saved_tokens
-    FROM l"""
+CAUSES = MISS_CAUSES
 
 
 def miss_causes(con: Any, run_id: str) -> dict[str, Any]:
     """Per-cause missed prompt tokens of a run (keys: CAUSES) and the figures around them; `lookups` 0: no data."""
-    out = one(con, CAUSES_SQL, run_id)
-    out["query"] = CAUSES_SQL
+    out = prefix_miss_causes_query(con, run_id)
+    out["query"] = MISS_CAUSES_SQL
     return out
-
-
-def smaller_page_saving(con: Any, run_id: str, page: int) -> int:
-    """Prompt tokens a page of `page` tokens would have served from the cache on top of today's hits
-    (sub-page misses only; assumes the same pages stay cached)."""
-    return int(one(con, SMALLER_PAGE_SQL.replace("$p", str(int(page))), run_id)["saved_tokens"] or 0)
 
 
 def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["prefix_miss_min_tokens"],
@@ -104,7 +63,7 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
               "counter_queried_tokens": cq, "counter_hit_tokens": ch,
               "counter_missed_tokens": None if cq is None else cq - (ch or 0),
               "shares": {k: c[k] / total for k in CAUSES},
-              "query": CAUSES_SQL + ";\n" + PREFIX_TOTALS})
+              "query": MISS_CAUSES_SQL + ";\n" + PREFIX_TOTALS})
     thresholds = {"prefix_miss_min_tokens": prefix_miss_min_tokens, "prefix_miss_cause_share": prefix_miss_cause_share,
                   "min_sub_page_tokens": min_sub_page_tokens, "max_no_prefix_hit_rate": max_no_prefix_hit_rate}
     share = lambda k: c[k] / total  # noqa: E731

@@ -17,61 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 from phasescope.agent.read.thresholds import T
+from phasescope.agent.read.queries import (CAPACITY_SQL, EVICTED_REUSE_SQL, RESIDENCY_SQL,  # noqa: F401
+                                           extra_pages_needed, kv_residency)
 from .findings import Finding, ref
-from .queries import one
-
-RESIDENCY_SQL = """SELECT count(*) AS page_events, max(sample_every) AS sample_every, max(dropped_total) AS dropped_events,
-           count(*) FILTER (WHERE event = 'evicted') AS evictions,
-           count(*) FILTER (WHERE event = 'reused') AS reuses,
-           count(*) FILTER (WHERE event = 'freed') AS frees,
-           quantile_cont(age_ms, 0.5) FILTER (WHERE event IN ('evicted', 'freed')) AS lifetime_ms_p50,
-           quantile_cont(age_ms, 0.9) FILTER (WHERE event IN ('evicted', 'freed')) AS lifetime_ms_p90,
-           quantile_cont(idle_ms, 0.5) FILTER (WHERE event = 'evicted' AND NOT isnan(idle_ms)) AS idle_before_evict_ms_p50,
-           quantile_cont(idle_ms, 0.9) FILTER (WHERE event = 'evicted' AND NOT isnan(idle_ms)) AS idle_before_evict_ms_p90,
-           quantile_cont(idle_ms, 0.5) FILTER (WHERE event = 'reused') AS reuse_gap_ms_p50,
-           quantile_cont(idle_ms, 0.9) FILTER (WHERE event = 'reused') AS reuse_gap_ms_p90,
-           max(idle_ms) FILTER (WHERE event = 'reused') AS reuse_gap_ms_max
-    FROM page_events e JOIN sources s USING (source_id) WHERE s.run_id = $run"""
-
-EVICTED_REUSE_SQL = """SELECT l.ts_ns, l.evict_gap_ms, l.evicted_tokens, l.page_size_tokens
-    FROM prefix_lookups l JOIN sources s USING (source_id)
-    WHERE s.run_id = $run AND l.kind = 'first' AND l.evicted_tokens > 0 AND NOT isnan(l.evict_gap_ms)
-    ORDER BY l.ts_ns"""
-
-CAPACITY_SQL = """SELECT max(k.total_pages) AS total_pages, max(k.page_size_tokens) AS page_size_tokens,
-           (SELECT sum(prompt_tokens) FROM prefix_lookups l JOIN sources s2 USING (source_id)
-            WHERE s2.run_id = $run AND l.kind = 'first') AS queried_tokens
-    FROM kv_snapshots k JOIN sources s USING (source_id) WHERE s.run_id = $run"""
-
-
-def extra_pages_needed(intervals: list[tuple[int, int, int]]) -> int:
-    """Most pages held at once by intervals (start_ns, end_ns, pages), ends inclusive."""
-    points = sorted([(a, 0, n) for a, _, n in intervals] + [(b, 1, -n) for _, b, n in intervals])
-    best = cur = 0
-    for _, _, n in points:
-        cur += n
-        best = max(best, cur)
-    return best
 
 
 def residency(con: Any, run_id: str) -> dict[str, Any]:
     """Page-lifecycle distributions and the evicted-then-reused figures of a run (`page_events` 0: no data)."""
-    out = one(con, RESIDENCY_SQL, run_id)
-    rows = con.execute(EVICTED_REUSE_SQL, {"run": run_id}).fetchall()
-    intervals = [(ts - int(gap * 1e6), ts, tokens // max(page, 1)) for ts, gap, tokens, page in rows]
-    gaps = sorted(r[1] for r in rows)
-    cap = one(con, CAPACITY_SQL, run_id)
-    out.update({
-        "evicted_reuse_lookups": len(rows),
-        "evicted_reuse_tokens": sum(r[2] for r in rows),
-        "evicted_reuse_pages": sum(n for _, _, n in intervals),
-        "evict_to_reuse_gap_ms_min": gaps[0] if gaps else None,
-        "evict_to_reuse_gap_ms_max": gaps[-1] if gaps else None,
-        "extra_pages_needed": extra_pages_needed(intervals),
-        "total_pages": cap["total_pages"], "page_size_tokens": cap["page_size_tokens"],
-        "queried_tokens": cap["queried_tokens"] or 0,
-        "query": RESIDENCY_SQL + ";\n" + EVICTED_REUSE_SQL + ";\n" + CAPACITY_SQL,
-    })
+    out = kv_residency(con, run_id)
+    out["query"] = RESIDENCY_SQL + ";\n" + EVICTED_REUSE_SQL + ";\n" + CAPACITY_SQL
     return out
 
 

@@ -244,7 +244,13 @@ def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
               until_s=win["until_s"]))
     if tl.empty:
         st.info("No prefix-cache counters in this run.")
-        return
+    else:
+        prefix_timeline_view(tl)
+    prefix_miss_view(reader, run)
+    residency_view(reader, run)
+
+
+def prefix_timeline_view(tl: pd.DataFrame) -> None:
     st.subheader("Hit rate over time")
     st.altair_chart(alt.Chart(tl).mark_line(point=True).encode(
         x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("hit_rate:Q", axis=alt.Axis(format="%")),
@@ -258,6 +264,48 @@ def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
         color="kind:N", xOffset="kind:N"), width="stretch")
     explain("Recomputation after preemption is counted apart, never as a hit. Good: near zero; steady evictions "
             "mean the cache is too small for the working set of prefixes.")
+
+
+MISS_CAUSE_DOC = {
+    "no-shared-prefix": "starts unlike any earlier prompt", "sub-page": "shared, but not a whole cacheable page",
+    "evicted": "shared pages evicted before reuse", "in-flight": "shared pages still being computed",
+    "readmission": "re-prefill after preemption (apart)", "cache-disabled": "prefix cache off",
+}
+
+
+def prefix_miss_view(reader: Any, run: str) -> None:
+    c = q(reader, "prefix_miss_causes", run_id=run)
+    st.subheader("Why prefix lookups miss")
+    if not (c["lookups"] or c["readmissions"] or c["disabled_lookups"]):
+        st.caption("No per-lookup records in this run (the adapter predates them or the runtime has none).")
+        return
+    rows = df([{"cause": k, "tokens": c[k], "what": MISS_CAUSE_DOC[k]} for k in MISS_CAUSE_DOC])
+    st.altair_chart(alt.Chart(rows).mark_bar().encode(
+        x=alt.X("tokens:Q", title="missed prompt tokens"), y=alt.Y("cause:N", sort=list(MISS_CAUSE_DOC), title=None),
+        tooltip=["cause", "tokens", "what"]), width="stretch")
+    cols = st.columns(3)
+    cols[0].metric("Missed (first admissions)", f"{c['missed_tokens']} of {c['queried_tokens']}")
+    cols[1].metric("Eviction-to-reuse gap p50", "–" if c["evict_gap_ms_p50"] is None else f"{c['evict_gap_ms_p50']:.0f} ms")
+    cols[2].metric("Page hashes dropped (table cap)", f"{c['table_dropped_pages'] or 0}")
+    explain("Every missed token has one cause; they add up to queried − hit. Good: misses are mostly "
+            "no-shared-prefix (truly unique text); sub-page, evicted and in-flight tokens are avoidable.")
+
+
+def residency_view(reader: Any, run: str) -> None:
+    r = q(reader, "kv_residency", run_id=run)
+    st.subheader("KV residency")
+    if not r["page_events"]:
+        st.caption("No sampled page events in this run.")
+        return
+    cols = st.columns(4)
+    fmt = lambda v: "–" if v is None else f"{v:.0f} ms"  # noqa: E731
+    cols[0].metric("Page lifetime p50 / p90", f"{fmt(r['lifetime_ms_p50'])} / {fmt(r['lifetime_ms_p90'])}")
+    cols[1].metric("Idle before eviction p50", fmt(r["idle_before_evict_ms_p50"]))
+    cols[2].metric("Reuse gap p50 / p90", f"{fmt(r['reuse_gap_ms_p50'])} / {fmt(r['reuse_gap_ms_p90'])}")
+    cols[3].metric("Extra pages to keep evicted reuses", f"{r['extra_pages_needed']}",
+                   f"{r['evicted_reuse_tokens']} tokens missed", delta_color="off", delta_arrow="off")
+    explain(f"One page id in {r['sample_every']} followed ({r['dropped_events'] or 0} events over the cap dropped). "
+            "Good: reuse gaps shorter than the idle time before eviction, and 0 extra pages needed.")
 
 
 def page_ranks(reader: Any, run: str, win: dict[str, Any]) -> None:

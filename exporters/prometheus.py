@@ -30,7 +30,8 @@ from prometheus_client.registry import Collector
 
 from phasescope.agent.probe import kvmath
 from phasescope.agent.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
-                                     PrefixCounters, ProbeHealth, RequestEvent, Step)
+                                     PageEvent, PrefixCounters, PrefixLookup, ProbeHealth, RequestEvent, Step)
+from phasescope.agent.read.queries import split_lookup
 from phasescope.agent.sidecar import Batch, SidecarStats
 
 from . import buckets
@@ -118,6 +119,21 @@ class PrometheusExporter:
         self.tp_slowest = Counter("phasescope_tp_slowest_rank_steps",
                                   "Steps in which this rank was the slowest of its tensor-parallel group.",
                                   ["model", "rank"], registry=r)
+        # --- prefix misses by cause and KV residency (issue 13; page events are sampled by the adapter) ---
+        self.prefix_missed = Counter("phasescope_prefix_missed_tokens",
+                                     "Missed prompt tokens of prefix-cache lookups by cause (no-shared-prefix, "
+                                     "sub-page, evicted, in-flight, readmission, cache-disabled).",
+                                     ["model", "cause"], registry=r)
+        self.evict_reuse = Histogram("phasescope_prefix_evict_to_reuse_seconds",
+                                     "Eviction-to-reuse gap of lookups that missed shared pages evicted before, s.",
+                                     ["model"], buckets=buckets.REQUEST_DURATION_S, registry=r)
+        self.page_idle = Histogram("phasescope_kv_page_idle_seconds",
+                                   "Time a sampled KV page sat unreferenced in the cache before it was reused "
+                                   "(event=reused: the reuse gap) or evicted (event=evicted), s.",
+                                   ["model", "event"], buckets=buckets.REQUEST_DURATION_S, registry=r)
+        self.page_life = Histogram("phasescope_kv_page_lifetime_seconds",
+                                   "Allocation to eviction or free of a sampled KV page, s.",
+                                   ["model"], buckets=buckets.REQUEST_DURATION_S, registry=r)
         # latest snapshot per key, with the monotonic time it was received
         self.kv: dict[tuple[str, int], tuple[float, KVSnapshot]] = {}
         self.prefix: dict[tuple[str, int], tuple[float, PrefixCounters]] = {}
@@ -163,6 +179,18 @@ class PrometheusExporter:
             self.probe[(src.model, self.rank_cap(str(rec.rank)))] = (now, rec)
         elif t is GpuSample:
             self.gpu[rec.gpu_index] = (now, rec)
+        elif t is PrefixLookup:
+            for cause, n in split_lookup(rec.kind, rec.page_size_tokens, rec.prompt_tokens, rec.cacheable_tokens,
+                                         rec.hit_tokens, rec.shared_tokens, rec.evicted_tokens).items():
+                if n > 0:
+                    self.prefix_missed.labels(src.model, cause).inc(n)
+            if rec.kind == "first" and rec.evicted_tokens > 0 and not math.isnan(rec.evict_gap_ms):
+                self.evict_reuse.labels(src.model).observe(rec.evict_gap_ms * 1e-3)
+        elif t is PageEvent:
+            if rec.event in ("reused", "evicted") and not math.isnan(rec.idle_ms):
+                self.page_idle.labels(src.model, rec.event).observe(rec.idle_ms * 1e-3)
+            if rec.event != "reused" and not math.isnan(rec.age_ms):
+                self.page_life.labels(src.model).observe(rec.age_ms * 1e-3)
         elif t is Hello:
             src = self.sources.hello(source_id, rec)
         return src

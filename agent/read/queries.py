@@ -496,6 +496,137 @@ def run_compare(con: duckdb.DuckDBPyConnection, run_a: str, run_b: str) -> list[
     return out
 
 
+# --- issue 13: why prefix lookups miss, KV residency (analyzers/prefix_miss.py, analyzers/residency.py) ---
+
+MISS_CAUSES = ("no-shared-prefix", "sub-page", "evicted", "in-flight", "readmission", "cache-disabled")
+
+# per lookup: s' = max(shared, hit), r = max(min(floor(s'/P)*P, cacheable), hit); no-shared-prefix L - s',
+# sub-page s' - r, evicted min(e, r - hit), in-flight the rest of r - hit (sum: L - hit exactly)
+MISS_CAUSES_SQL = """WITH l AS (
+        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
+        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run),
+    c AS (SELECT *, greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens), hit_tokens) AS r
+          FROM l)
+    SELECT count(*) FILTER (WHERE kind = 'first') AS lookups,
+           count(*) FILTER (WHERE kind = 'readmit') AS readmissions,
+           count(*) FILTER (WHERE kind = 'disabled') AS disabled_lookups,
+           coalesce(sum(prompt_tokens) FILTER (WHERE kind = 'first'), 0) AS queried_tokens,
+           coalesce(sum(hit_tokens) FILTER (WHERE kind = 'first'), 0) AS hit_tokens,
+           coalesce(sum(prompt_tokens - hit_tokens) FILTER (WHERE kind = 'first'), 0) AS missed_tokens,
+           coalesce(sum(prompt_tokens - s2) FILTER (WHERE kind = 'first'), 0) AS "no-shared-prefix",
+           coalesce(sum(s2 - r) FILTER (WHERE kind = 'first'), 0) AS "sub-page",
+           coalesce(sum(least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0) AS evicted,
+           coalesce(sum(r - hit_tokens - least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0)
+               AS "in-flight",
+           coalesce(sum(prompt_tokens - hit_tokens) FILTER (WHERE kind = 'readmit'), 0) AS readmission,
+           coalesce(sum(prompt_tokens) FILTER (WHERE kind = 'disabled'), 0) AS "cache-disabled",
+           count(*) FILTER (WHERE kind = 'first' AND s2 > r) AS sub_page_lookups,
+           count(*) FILTER (WHERE kind = 'first' AND s2 > 0 AND s2 < page_size_tokens) AS below_one_page_lookups,
+           quantile_cont(s2, 0.5) FILTER (WHERE kind = 'first' AND s2 > r) AS sub_page_shared_tokens_p50,
+           quantile_cont(evict_gap_ms, 0.5) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_p50,
+           quantile_cont(evict_gap_ms, 0.9) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_p90,
+           max(evict_gap_ms) FILTER (WHERE kind = 'first' AND evicted_tokens > 0) AS evict_gap_ms_max,
+           max(page_size_tokens) AS page_size_tokens,
+           max(table_pages) AS table_pages, max(table_dropped_total) AS table_dropped_pages
+    FROM c"""
+
+# what a page of $p tokens would have hit among the sub-page misses (the same rule, P -> $p)
+SMALLER_PAGE_SQL = """WITH l AS (
+        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
+        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
+    SELECT coalesce(sum(greatest(0, least(s2 // $p * $p, (prompt_tokens - 1) // $p * $p)
+                                  - greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens),
+                                             hit_tokens))), 0) AS saved_tokens
+    FROM l"""
+
+RESIDENCY_SQL = """SELECT count(*) AS page_events, max(sample_every) AS sample_every, max(dropped_total) AS dropped_events,
+           count(*) FILTER (WHERE event = 'evicted') AS evictions,
+           count(*) FILTER (WHERE event = 'reused') AS reuses,
+           count(*) FILTER (WHERE event = 'freed') AS frees,
+           quantile_cont(age_ms, 0.5) FILTER (WHERE event IN ('evicted', 'freed')) AS lifetime_ms_p50,
+           quantile_cont(age_ms, 0.9) FILTER (WHERE event IN ('evicted', 'freed')) AS lifetime_ms_p90,
+           quantile_cont(idle_ms, 0.5) FILTER (WHERE event = 'evicted' AND NOT isnan(idle_ms)) AS idle_before_evict_ms_p50,
+           quantile_cont(idle_ms, 0.9) FILTER (WHERE event = 'evicted' AND NOT isnan(idle_ms)) AS idle_before_evict_ms_p90,
+           quantile_cont(idle_ms, 0.5) FILTER (WHERE event = 'reused') AS reuse_gap_ms_p50,
+           quantile_cont(idle_ms, 0.9) FILTER (WHERE event = 'reused') AS reuse_gap_ms_p90,
+           max(idle_ms) FILTER (WHERE event = 'reused') AS reuse_gap_ms_max
+    FROM page_events e JOIN sources s USING (source_id) WHERE s.run_id = $run"""
+
+EVICTED_REUSE_SQL = """SELECT l.ts_ns, l.evict_gap_ms, l.evicted_tokens, l.page_size_tokens
+    FROM prefix_lookups l JOIN sources s USING (source_id)
+    WHERE s.run_id = $run AND l.kind = 'first' AND l.evicted_tokens > 0 AND NOT isnan(l.evict_gap_ms)
+    ORDER BY l.ts_ns"""
+
+CAPACITY_SQL = """SELECT max(k.total_pages) AS total_pages, max(k.page_size_tokens) AS page_size_tokens,
+           (SELECT sum(prompt_tokens) FROM prefix_lookups l JOIN sources s2 USING (source_id)
+            WHERE s2.run_id = $run AND l.kind = 'first') AS queried_tokens
+    FROM kv_snapshots k JOIN sources s USING (source_id) WHERE s.run_id = $run"""
+
+
+def split_lookup(kind: str, page: int, prompt: int, cacheable: int, hit: int, shared: int,
+                 evicted: int) -> dict[str, int]:
+    """One lookup's missed tokens per cause, exactly as MISS_CAUSES_SQL splits them (the live exporters' form)."""
+    if kind == "readmit":
+        return {"readmission": prompt - hit}
+    if kind == "disabled":
+        return {"cache-disabled": prompt}
+    s2 = max(shared, hit)
+    r = max(min(s2 // max(page, 1) * page, cacheable), hit)
+    ev = min(evicted, r - hit)
+    return {"no-shared-prefix": prompt - s2, "sub-page": s2 - r, "evicted": ev, "in-flight": r - hit - ev}
+
+
+def prefix_miss_causes(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
+    """Missed prompt tokens of a run per cause (keys: MISS_CAUSES) and the figures around them, from the
+    `prefix_lookups` the adapter wrote; `lookups` 0 when it wrote none. Tokens of first admissions, except
+    `readmission` (re-admissions after preemption) and `cache-disabled` (prompts admitted with it off)."""
+    run_id = run_id or latest_run(con)
+    cur = con.execute(MISS_CAUSES_SQL, {"run": run_id})
+    return dict(zip([d[0] for d in cur.description], cur.fetchone()))
+
+
+def smaller_page_saving(con: duckdb.DuckDBPyConnection, run_id: str, page: int) -> int:
+    """Prompt tokens pages of `page` tokens would have served from the cache on top of today's hits
+    (sub-page misses only; the same pages assumed cached)."""
+    sql = SMALLER_PAGE_SQL.replace("$p", str(int(page)))
+    return int(con.execute(sql, {"run": run_id}).fetchone()[0] or 0)
+
+
+def extra_pages_needed(intervals: list[tuple[int, int, int]]) -> int:
+    """Most pages held at once by intervals (start_ns, end_ns, pages), ends inclusive."""
+    points = sorted([(a, 0, n) for a, _, n in intervals] + [(b, 1, -n) for _, b, n in intervals])
+    best = cur = 0
+    for _, _, n in points:
+        cur += n
+        best = max(best, cur)
+    return best
+
+
+def kv_residency(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
+    """Sampled page lifetime / idle-before-eviction / reuse-gap percentiles (ms), and the lookups that missed
+    pages evicted before their reuse: their tokens, pages, eviction-to-reuse gaps (ms) and the extra pages
+    a cache would have needed to keep them, max_t sum(pages_i : ts_i - gap_i <= t <= ts_i)."""
+    run_id = run_id or latest_run(con)
+    cur = con.execute(RESIDENCY_SQL, {"run": run_id})
+    out = dict(zip([d[0] for d in cur.description], cur.fetchone()))
+    rows = con.execute(EVICTED_REUSE_SQL, {"run": run_id}).fetchall()
+    intervals = [(ts - int(gap * 1e6), ts, tokens // max(page, 1)) for ts, gap, tokens, page in rows]
+    gaps = sorted(r[1] for r in rows)
+    cur = con.execute(CAPACITY_SQL, {"run": run_id})
+    cap = dict(zip([d[0] for d in cur.description], cur.fetchone()))
+    out.update({
+        "evicted_reuse_lookups": len(rows),
+        "evicted_reuse_tokens": sum(r[2] for r in rows),
+        "evicted_reuse_pages": sum(n for _, _, n in intervals),
+        "evict_to_reuse_gap_ms_min": gaps[0] if gaps else None,
+        "evict_to_reuse_gap_ms_max": gaps[-1] if gaps else None,
+        "extra_pages_needed": extra_pages_needed(intervals),
+        "total_pages": cap["total_pages"], "page_size_tokens": cap["page_size_tokens"],
+        "queried_tokens": cap["queried_tokens"] or 0,
+    })
+    return out
+
+
 QUERIES: dict[str, Any] = {
     "runs": runs,
     "phase_summary": phase_summary,
@@ -520,6 +651,8 @@ QUERIES: dict[str, Any] = {
     "memory_budget": memory_budget,
     "run_span": run_span,
     "run_labels": run_labels,
+    "prefix_miss_causes": prefix_miss_causes,
+    "kv_residency": kv_residency,
 }
 
 

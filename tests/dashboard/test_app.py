@@ -154,3 +154,15 @@ def test_hardware_page_shows_the_host_and_the_server_process(stores, monkeypatch
     at = _app(stores["scenario:healthy"], monkeypatch)
     at.sidebar.radio(key="page").set_value("Hardware").run()
     assert not at.exception and "Server process" in [h.value for h in at.subheader] and not at.warning
+
+
+def test_prefix_page_shows_why_lookups_miss_and_kv_residency(stores, monkeypatch):
+    at = _app(stores["scenario:prefix-miss-causes"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Prefix cache").run()
+    assert not at.exception
+    subs = [s.value for s in at.subheader]
+    assert "Why prefix lookups miss" in subs and "KV residency" in subs
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Missed (first admissions)"] == "840 of 904"
+    assert metrics["Extra pages to keep evicted reuses"] == "4"
+    assert any("add up to queried − hit" in c.value for c in at.caption)
