@@ -317,6 +317,14 @@ def test_offline_llm_counters_equal_get_metrics(vllm_env, short_tmp, mode):
     con, m = _llm_run(vllm_env, short_tmp, "--blocks", "24", **env_extra)
     q, h, = _q(con, "SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters")[0]
     assert (q, h) == (m["vllm:prefix_cache_queries"], m["vllm:prefix_cache_hits"]) and h > 0
+    # issue 13: one PrefixLookup per lookup; the first admissions' are vLLM's counters, and their missed tokens
+    # split into causes that add up exactly
+    from phasescope.agent.read.queries import MISS_CAUSES, prefix_miss_causes
+
+    c = prefix_miss_causes(con)
+    assert (c["queried_tokens"], c["hit_tokens"]) == (q, h)
+    assert sum(c[k] for k in MISS_CAUSES if k not in ("readmission", "cache-disabled")) == c["missed_tokens"] == q - h
+    assert c["no-shared-prefix"] > 0 and c["readmissions"] == m["vllm:num_preemptions"]
     events = dict((e, (n, t)) for e, n, t in _q(con, "SELECT event, count(*), sum(tokens) FROM request_events "
                                                      "GROUP BY event"))
     assert events["finished"][0] == m["vllm:request_success"]

@@ -8,7 +8,9 @@ Where each figure comes from (see docs: vLLM section of the README):
   lookups kept apart, exactly as vLLM's `/metrics` counts), KV snapshots from the
   block pool after every step (cost O(used pages): gaps between used ids, never a
   free-list walk), page churn (`get_new_blocks`, `touch`, `free_blocks`) and
-  evictions (`_maybe_evict_cached_block`).
+  evictions (`_maybe_evict_cached_block`); one `PrefixLookup` per lookup, from
+  vLLM's own per-request block hashes against a bounded table of earlier
+  prompts' (evictions mark the hashes they drop). No `PageEvent`s yet.
 - Worker process, one per TP rank (`Worker` instance): one `Step` per engine step
   timed around `execute_model` + `sample_tokens` (host time; on CUDA also events
   recorded on the current stream and completed by a poller thread, which also
@@ -27,6 +29,7 @@ import atexit
 import collections
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -34,9 +37,11 @@ import uuid
 from typing import Any, Callable
 
 from ...events import (
-    PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, KVSnapshot, PrefixCounters, RequestEvent, Step,
+    PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, KVSnapshot, PrefixCounters, PrefixLookup, RequestEvent,
+    Step,
     REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
 )
+from ..pagetrack import PrefixTable
 from ..probe import Probe
 from ..phases import StepShape
 
@@ -45,6 +50,7 @@ log = logging.getLogger("phasescope.vllm")
 ENV_RUN_ID = "PHASESCOPE_RUN_ID"
 ENV_TOKENS_AT = "PHASESCOPE_VLLM_TOKENS_AT"  # "frontend": the frontend records token/finish events
 ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine steps (default 1)
+ENV_PREFIX_TABLE = "PHASESCOPE_PREFIX_TABLE_PAGES"  # cap of the table of earlier prompts' block hashes (0: off)
 RUNTIME = "vllm"
 NAN = float("nan")
 
@@ -314,6 +320,10 @@ class EngineHooks:
         self.allocated = self.freed = 0
         self.snapshot_ns_total = 0
         self.snapshots = 0
+        # issue 13: per-lookup miss facts against a bounded table of earlier prompts' block hashes (vLLM's own,
+        # `request.block_hashes`, computed at arrival: nothing is hashed here)
+        self.table: PrefixTable | None = None
+        self.caching = True
         self._last_prefix: tuple | None = None
         self.pool = None
         self.page_size = 0
@@ -342,10 +352,15 @@ class EngineHooks:
             return
         self.probe.label(kv_page_bytes_per_rank=self.page_bytes, kv_total_pages=self.pool.num_gpu_blocks - 1,
                          kv_dtype=self.kv_dtype)
+        self.caching = bool(getattr(kvm, "enable_caching", True))
+        cap = int(os.environ.get(ENV_PREFIX_TABLE, "16384") or 0)
+        if cap > 0 and self.page_size > 0:
+            self.table = PrefixTable(self.page_size, lambda parent, tokens: 0, cap)  # chains come from vLLM
         wrap(self.pool, "get_new_blocks", self._after_new_blocks, ref)
         wrap(self.pool, "touch", lambda r, *a, **k: None, ref, before=self._before_touch)
         wrap(self.pool, "free_blocks", self._after_free, ref, before=self._before_free)
-        wrap(self.pool, "_maybe_evict_cached_block", self._after_evict, ref)
+        wrap(self.pool, "_maybe_evict_cached_block", self._after_evict, ref,
+             before=self._before_evict if self.table is not None else None)
 
     # lifecycle
     def _mono_of_wall(self, wall_s: float) -> int:
@@ -375,6 +390,11 @@ class EngineHooks:
                 if cached is None or cached < 0:
                     cached = int(nr.num_computed_tokens)
                 self._event(now, REQ_SCHEDULED, rid, 0, int(cached))
+                if not self.caching and self.table is not None and req is not None \
+                        and not getattr(req, "num_preemptions", 0):
+                    n = int(req.num_prompt_tokens)
+                    self.probe.emit(PrefixLookup(now, self.rank0, short_id(rid), "disabled", self.page_size, n, 0, 0,
+                                                 0, 0, math.nan, 0, 0))
 
     def _after_update(self, outputs: Any, so: Any, *a: Any, **k: Any) -> None:
         now = time.monotonic_ns()
@@ -419,6 +439,8 @@ class EngineHooks:
         if callable(enabled) and not enabled(request):
             return
         q, h = int(request.num_tokens), int(num_hits)
+        if self.table is not None:
+            self._lookup(request, q, h)
         if getattr(request, "num_preemptions", 0) > 0:
             self.resumed_queried += q
             self.resumed_hits += h
@@ -428,6 +450,21 @@ class EngineHooks:
         else:
             self.queried += q
             self.hits += h
+
+    def _lookup(self, request: Any, n: int, hit: int) -> None:
+        """One PrefixLookup: vLLM's block hashes of the request against the table of earlier prompts'."""
+        now, P, table = time.monotonic_ns(), self.page_size, self.table
+        readmit = getattr(request, "num_preemptions", 0) > 0
+        chain = [bytes(h) for h in list(request.block_hashes)[: n // P]]
+        tokens = list(request.all_token_ids[: (len(chain) + 1) * P])
+        shared = table.shared(tokens, chain)
+        if not readmit:
+            table.register(tokens[:n], chain)
+        cacheable = (n - 1) // P * P if n else 0  # vLLM always computes the last token
+        stop = max(min(max(shared, hit) // P * P, cacheable), hit) // P
+        evicted, gap = table.evicted_run(chain, hit // P, stop, now)
+        self.probe.emit(PrefixLookup(now, self.rank0, short_id(request.request_id), "readmit" if readmit else "first",
+                                     P, n, cacheable, hit, shared, evicted, gap, len(table.pages), table.dropped))
 
     def _emit_prefix(self, now: int) -> None:
         state = (self.queried, self.hits, self.recomputed, self.evicted)
@@ -454,6 +491,11 @@ class EngineHooks:
     def _after_free(self, _res: Any, *a: Any, **k: Any) -> None:
         blocks, self._freeing = getattr(self, "_freeing", ()), ()
         self.freed += sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def _before_evict(self, block: Any, *a: Any, **k: Any) -> None:
+        key = block.block_hash  # BlockHashWithGroupId: the block hash and a 4-byte group id; None if not cached
+        if key is not None:
+            self.table.mark_evicted((bytes(key[:-4]),), time.monotonic_ns())
 
     def _after_evict(self, evicted: Any, *a: Any, **k: Any) -> None:
         if evicted:
