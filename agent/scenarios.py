@@ -194,8 +194,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              labels=dict(shared_prefix_tokens=65, prefix_position="first"), nice=-20, torch_threads=1),
     Scenario("prefill-interference", "demo",
              "Long prompts (1-1.5k tokens) prefilled whole (token budget 4096, so never chunked) while "
-             "other requests decode long outputs: decode steps share the forward with long prefills.",
-             expect=("prefill-stalls-decode",),
+             "other requests decode long outputs: decode steps share the forward with long prefills, and the decodes "
+             "that share them are the whole ITL tail.",
+             expect=("prefill-stalls-decode", "itl-spikes-prefill"),
              demo=dict(requests=20, arrival_rate_per_s=3.0, system_prompt_tokens=32, short_prompt=[8, 32],
                        long_prompt=[1024, 1536], long_prompt_share=0.5, short_output=[32, 64],
                        long_output=[96, 160], long_output_share=0.5, page_size=32, num_pages=1024,

@@ -20,6 +20,7 @@ from .findings import Finding, sort_findings
 from .geometry import ModelGeometry, geometry_from_labels
 from .gpus import GpuSpec, lookup
 from .host import host_bound, process_memory_growth
+from .itl import itl_spikes
 from .kvcache import kv_external_fragmentation, kv_headroom_low, kv_internal_fragmentation, kv_near_cap
 from .memory import gpu_memory_near_full, gpu_xid_errors, kv_budget_oom_risk
 from .prefill import prefill_stalls_decode
@@ -35,7 +36,7 @@ from .tp import tp_kv_head_replication, tp_kv_imbalance, tp_straggler
 Analyzer = Callable[..., list[Finding]]
 
 ANALYZERS: tuple[Analyzer, ...] = (
-    prefill_stalls_decode, ttft_queueing, decode_roofline,
+    prefill_stalls_decode, itl_spikes, ttft_queueing, decode_roofline,
     kv_near_cap, kv_headroom_low, kv_budget_oom_risk, kv_internal_fragmentation, kv_external_fragmentation,
     prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
     preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
@@ -89,8 +90,8 @@ def reconcile(findings: list[Finding]) -> list[Finding]:
     """Make one report's advice agree: where two findings pull one knob opposite ways, the one that
     protects stability wins and the other's suggestion says so instead.
 
-    - decode stalled by long prefills (lower the per-step token budget) vs TTFT queueing (raise it):
-      queueing gets capacity without larger steps;
+    - decode stalled by long prefills, or the ITL tail made of them (lower the per-step token budget) vs
+      TTFT queueing (raise it): queueing gets capacity without larger steps;
     - KV memory at risk (lower the KV budget) vs a KV cache at its cap or a batch too small for the
       bandwidth roofline (more KV): neither may ask for more KV memory; fp8 KV and admission control do.
     """
@@ -99,7 +100,7 @@ def reconcile(findings: list[Finding]) -> list[Finding]:
     memory_tight = bool({"kv-budget-oom-risk", "gpu-memory-near-full"} & set(by_id))
     kv_full = bool({"kv-near-cap", "kv-headroom-low"} & set(by_id))
     for f in findings:
-        if f.id == "ttft-queueing" and "prefill-stalls-decode" in by_id:
+        if f.id == "ttft-queueing" and {"prefill-stalls-decode", "itl-spikes-prefill"} & set(by_id):
             from .queueing import queueing_suggestion
 
             old = queueing_suggestion(f.evidence, raise_budget=True)

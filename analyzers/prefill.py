@@ -55,6 +55,18 @@ def chunked_prefill(labels: dict | None) -> tuple[bool | None, int | None]:
     return None, budget_i
 
 
+def chunk_plan(con, run_id: str, stall: dict, long_prefill_tokens: int, target_ratio: float,
+               min_chunk_tokens: int) -> tuple[float, int, int]:
+    """(ms per prefill token of the co-scheduled steps (>= 0), page size, suggested chunk in tokens) for
+    `stall`, the row of STALL_SQL: the one chunk every finding about long prefills names."""
+    slope = one(con, EXTRA_SQL, run_id, decode_ms=stall["pure_decode_p50_ms"],
+                long=long_prefill_tokens)["ms_per_prefill_token"]
+    page = page_size(con, run_id) or 16
+    chunk = suggest_chunk(stall["pure_decode_p50_ms"], slope, target_ratio, page,
+                          stall["max_prefill_tokens_per_step"], min_chunk_tokens)
+    return max(slope or 0.0, 0.0), page, chunk
+
+
 def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefill_tokens"]),
                           stall_ratio: float = 3.0, critical_ratio: float = 10.0, min_steps: int = 5,
                           target_ratio: float = 2.0, min_chunk_tokens: int = 64, labels: dict | None = None,
@@ -67,11 +79,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
     ratio = e["cosched_p50_ms"] / e["pure_decode_p50_ms"]
     if ratio < stall_ratio:
         return []
-    slope = one(con, EXTRA_SQL, run_id, decode_ms=e["pure_decode_p50_ms"], long=long_prefill_tokens)["ms_per_prefill_token"]
-    page = page_size(con, run_id) or 16
-    chunk = suggest_chunk(e["pure_decode_p50_ms"], slope, target_ratio, page,
-                          e["max_prefill_tokens_per_step"], min_chunk_tokens)
-    slope = max(slope or 0.0, 0.0)
+    slope, page, chunk = chunk_plan(con, run_id, e, long_prefill_tokens, target_ratio, min_chunk_tokens)
     expected_ms = e["pure_decode_p50_ms"] + slope * chunk
     tpot = one(con, TPOT_SQL, run_id)
     evidence = {
@@ -86,7 +94,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
         title="Long prefills stall decode steps",
         severity="critical" if ratio >= critical_ratio else "warning",
         evidence=evidence,
-        suggestion=_suggestion(chunk, *chunked_prefill(labels)),
+        suggestion=chunk_suggestion(chunk, *chunked_prefill(labels)),
         expected_effect=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran next to a prefill of "
                          f">= {long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x the "
                          f"{e['pure_decode_p50_ms']:.1f} ms of a pure decode step; at {slope:.3f} ms per prefill "
@@ -101,7 +109,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
     )]
 
 
-def _suggestion(chunk: int, chunked: bool | None, budget: int | None) -> str:
+def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None) -> str:
     """What to change, given whether the run already chunks its prefills (its labels) and its budget."""
     tail = (" Cost: slightly lower prefill efficiency. If TTFT is the tighter SLO, consider prefill/decode "
             "disaggregation instead.")

@@ -183,6 +183,34 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
                 chart = chart + rule
             st.altair_chart(chart, width="stretch")
         explain(f"Good: {good}.")
+    itl_tail(reader, run, tpot_slo)
+
+
+def itl_tail(reader: Any, run: str, tpot_slo_s: float) -> None:
+    """Which steps made the slowest tokens slow: the ITL tail (>= p99) by cause (analyzers/itl.py)."""
+    a = q(reader, "itl_attribution", run_id=run, tpot_slo_s=tpot_slo_s)
+    st.subheader("ITL tail: what the slowest tokens waited for")
+    if not a.get("itl_samples"):
+        st.info("No inter-token gaps in this run (requests with two or more token events).")
+        return
+    c = st.columns(3)
+    c[0].metric("ITL p50 / p99", f"{a['itl_p50_ms']:.1f} ms", f"p99 {a['itl_p99_ms']:.1f} ms "
+                f"({a['itl_p99_ms'] / a['itl_p50_ms']:.1f}x)" if a["itl_p50_ms"] else None,
+                delta_color="off", delta_arrow="off")
+    c[1].metric("Tail samples (>= p99)", f"{a['tail_samples']}", f"of {a['itl_samples']} tokens",
+                delta_color="off", delta_arrow="off")
+    c[2].metric("TPOT-SLO violations", f"{a['tpot_violations']}",
+                f"{a['tpot_violations_explained_prefill']} explained by prefills alone", delta_color="off",
+                delta_arrow="off")
+    causes = df(a["causes"])
+    st.altair_chart(alt.Chart(causes).mark_bar().encode(
+        x=alt.X("tail_share:Q", title="share of the tail's time over the median ITL", axis=alt.Axis(format="%")),
+        y=alt.Y("cause:N", sort=list(causes["cause"])),
+        tooltip=["cause", "tail_samples", "tail_share", "tpot_violations_explained"]), width="stretch")
+    explain(f"Each gap is charged to the step(s) it waited on: a prefill of >= {T['long_prefill_tokens']:g} tokens "
+            "in the same step, a preemption, steps it sat out (queueing), or host time >= "
+            f"{T['host_stall_ratio']:g}x the step's compute. Good: p99 within ~{T['itl_spike_ratio']:g}x the median; "
+            "a tail of 'prefill' means a smaller per-step token budget (chunked prefill) would steady the stream.")
 
 
 def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:

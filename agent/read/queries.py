@@ -627,6 +627,116 @@ def kv_residency(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> d
     return out
 
 
+# --- ITL tail attribution: which step made each inter-token gap long (analyzers/itl.py) ---
+
+# steps of one run on its lowest rank, with `ms` the step time (GPU time when timed, else host time)
+_LOWEST_RANK_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+    WHERE s.run_id = $run AND t.rank = (SELECT min(t2.rank) FROM steps t2 JOIN sources s2 USING (source_id)
+                                        WHERE s2.run_id = $run)"""
+
+ITL_CAUSES = ("prefill", "preemption", "queueing", "host", "other", "unattributed")
+
+# one row per token event after a request's first: the gap, its steps and its cause
+ITL_GAPS = f"""st AS ({_LOWEST_RANK_STEPS}),
+    ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns, ms AS step_ms, prefill_tokens, decode_tokens,
+                    row_number() OVER (ORDER BY ts_ns, step_id) AS step_no FROM st),
+    tok AS (SELECT request_id, ts_ns, tokens FROM request_log
+            WHERE run_id = $run AND event = 'token' AND tokens > 0),
+    ts AS (SELECT t.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens
+           FROM tok t ASOF LEFT JOIN ends e ON t.ts_ns >= e.end_ns),
+    g AS (SELECT *, lag(ts_ns) OVER w AS prev_ns, step_no - lag(step_no) OVER w AS steps_in_gap
+          FROM ts WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
+    pre AS (SELECT request_id, ts_ns FROM request_log WHERE run_id = $run AND event = 'preempted'),
+    gaps AS (
+        SELECT g.request_id, g.ts_ns, g.tokens, g.steps_in_gap, g.step_ms, g.prefill_tokens, g.decode_tokens,
+               (g.ts_ns - g.prev_ns) / 1e6 AS gap_ms, (g.ts_ns - g.prev_ns) / 1e6 / g.tokens AS itl_ms,
+               CASE WHEN EXISTS (SELECT 1 FROM pre p WHERE p.request_id = g.request_id
+                                 AND p.ts_ns > g.prev_ns AND p.ts_ns <= g.ts_ns) THEN 'preemption'
+                    WHEN g.steps_in_gap IS NULL OR g.steps_in_gap < 1 THEN 'unattributed'
+                    WHEN g.steps_in_gap > g.tokens THEN 'queueing'
+                    WHEN g.prefill_tokens >= $long THEN 'prefill'
+                    WHEN (g.ts_ns - g.prev_ns) / 1e6 >= $host_ratio * g.step_ms THEN 'host'
+                    ELSE 'other' END AS cause
+        FROM g WHERE g.prev_ns IS NOT NULL),
+    samples AS (SELECT gaps.* FROM gaps, range(gaps.tokens)),
+    q AS (SELECT count(*) AS n, quantile_cont(itl_ms, 0.5) AS p50, quantile_cont(itl_ms, $quantile) AS p99
+          FROM samples)"""
+
+ITL_SUMMARY_SQL = f"""WITH {ITL_GAPS}
+    SELECT q.n AS itl_samples, q.p50 AS itl_p50_ms, q.p99 AS itl_p99_ms,
+           (SELECT count(*) FROM gaps) AS gaps,
+           (SELECT count(*) FROM samples, q WHERE itl_ms >= q.p99) AS tail_samples,
+           (SELECT sum(itl_ms - q.p50) FROM samples, q WHERE itl_ms >= q.p99) AS tail_excess_ms
+    FROM q"""
+
+ITL_TAIL_SQL = f"""WITH {ITL_GAPS}
+    SELECT cause, count(*) AS samples, sum(itl_ms - q.p50) AS excess_ms, max(prefill_tokens) AS max_prefill_tokens
+    FROM samples, q WHERE itl_ms >= q.p99 GROUP BY cause ORDER BY cause"""
+
+# per request over the TPOT SLO: its TPOT with one cause's excess removed (its gaps brought to the median)
+ITL_TPOT_SQL = f"""WITH {ITL_GAPS},
+    r AS (SELECT request_id, tpot_s, output_tokens FROM requests WHERE run_id = $run AND tpot_s > $slo_s),
+    per AS (SELECT gaps.request_id, cause, sum(greatest(gap_ms - q.p50 * tokens, 0)) AS excess_ms
+            FROM gaps JOIN r USING (request_id), q GROUP BY ALL)
+    SELECT c.cause, count(DISTINCT r.request_id) AS violations,
+           count(DISTINCT r.request_id) FILTER (
+               WHERE r.tpot_s - coalesce(per.excess_ms, 0) / 1e3 / (r.output_tokens - 1) <= $slo_s) AS explained
+    FROM r CROSS JOIN (SELECT unnest($causes) AS cause) c
+    LEFT JOIN per ON per.request_id = r.request_id AND per.cause = c.cause
+    GROUP BY c.cause ORDER BY c.cause"""
+
+
+
+def itl_attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+                    long_prefill_tokens: int = int(T["long_prefill_tokens"]),
+                    host_stall_ratio: float = T["host_stall_ratio"], tpot_slo_s: float = T["tpot_slo_s"],
+                    quantile: float = 0.99) -> dict[str, Any]:
+    """The ITL tail of a run (default: the latest) and its causes, ms: p50 / p99 ITL; per cause (`ITL_CAUSES`,
+    defined in analyzers/itl.py) the tail samples (>= p99) and their share of the tail's excess over the
+    median; TPOT-SLO violations and how many each cause explains alone."""
+    params = {"long": long_prefill_tokens, "host_ratio": host_stall_ratio, "quantile": quantile}
+    if run_id is None:
+        run_id = latest_run(con)
+    e = _one(con, ITL_SUMMARY_SQL, {"run": run_id, **params})
+    tail = {r["cause"]: r for r in _dicts(con, ITL_TAIL_SQL, {"run": run_id, **params})}
+    total = e["tail_excess_ms"] or 0.0
+    for c in ITL_CAUSES:
+        r = tail.get(c, {})
+        e[f"tail_{c}_samples"] = r.get("samples", 0)
+        e[f"tail_{c}_share"] = (r.get("excess_ms") or 0.0) / total if total > 0 else 0.0
+    e["tail_max_prefill_tokens"] = max((r["max_prefill_tokens"] or 0 for r in tail.values()), default=0)
+    viol = {r["cause"]: r for r in _dicts(con, ITL_TPOT_SQL, {"run": run_id, **params, "slo_s": tpot_slo_s,
+                                                                "causes": list(ITL_CAUSES)})}
+    e["tpot_violations"] = max((r["violations"] for r in viol.values()), default=0)
+    for c in ITL_CAUSES:
+        e[f"tpot_violations_explained_{c}"] = viol.get(c, {}).get("explained", 0)
+    e["causes"] = [{"cause": c, "tail_samples": e[f"tail_{c}_samples"], "tail_share": e[f"tail_{c}_share"],
+                    "tpot_violations_explained": e[f"tpot_violations_explained_{c}"]} for c in ITL_CAUSES]
+    e["query"] = sql_text(ITL_SUMMARY_SQL + ";\n" + ITL_TAIL_SQL + ";\n" + ITL_TPOT_SQL,
+                          {**params, "slo_s": tpot_slo_s, "causes": str(list(ITL_CAUSES))})
+    return e
+
+
+def _one(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> dict[str, Any]:
+    cur = con.execute(sql, params)
+    names = [d[0] for d in cur.description]
+    row = cur.fetchone()
+    return dict(zip(names, row)) if row else {n: None for n in names}
+
+
+def _dicts(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    cur = con.execute(sql, params)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r)) for r in cur.fetchall()]
+
+
+def sql_text(text: str, params: dict[str, Any]) -> str:
+    """`text` with its $parameters written in (longest names first), for a finding to cite."""
+    for k, v in sorted(params.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace("$" + k, str(v))
+    return text
+
+
 QUERIES: dict[str, Any] = {
     "runs": runs,
     "phase_summary": phase_summary,
@@ -637,6 +747,7 @@ QUERIES: dict[str, Any] = {
     "step_timeline": step_timeline,
     "step_sample": step_sample,
     "interference": interference,
+    "itl_attribution": itl_attribution,
     "latency_histogram": latency_histogram,
     "slo_attainment": slo_attainment,
     "kv_timeline": kv_timeline,
@@ -688,7 +799,8 @@ def run_named(con: duckdb.DuckDBPyConnection, name: str, params: dict[str, str |
 
 # bounds of every numeric parameter (inclusive); strings are bounded in length
 PARAM_BOUNDS: dict[str, tuple[float, float]] = {
-    "bins": (1, 1000), "bucket_s": (1e-3, 86400.0 * 366), "limit": (1, 1_000_000),
+    "bins": (1, 1000), "bucket_s": (1e-3, 86400.0 * 366), "limit": (1, 1_000_000), "host_stall_ratio": (0, 1e6),
+    "quantile": (0.5, 1.0),
     "long_prefill_tokens": (0, 10_000_000), "max_rows": (1, 100_000_000),
     "since_s": (-1e12, 1e12), "until_s": (-1e12, 1e12), "tpot_slo_s": (1e-6, 3600.0), "ttft_slo_s": (1e-6, 3600.0),
 }

@@ -21,6 +21,13 @@ THRESHOLDS: dict[str, Threshold] = {
     "ttft_slo_s": Threshold(2.5, "s", "TTFT service-level objective: a request's first token within this time"),
     "tpot_slo_s": Threshold(0.1, "s", "TPOT service-level objective: at most this time per output token"),
     "long_prefill_tokens": Threshold(128, "tokens", "a prefill of at least this many tokens in one step is long"),
+    "host_stall_ratio": Threshold(2.0, "ratio", "an inter-token gap this many times its step's compute time (GPU "
+                                  "time, else the forward's host time) is a host stall"),
+    "itl_spike_ratio": Threshold(3.0, "ratio", "p99 ITL this many times the median ITL is a tail worth explaining"),
+    "min_cause_share": Threshold(0.5, "fraction", "share of the ITL tail's time over the median one cause must hold "
+                                 "to be named"),
+    "fit_min_prefill_tokens": Threshold(32, "tokens", "steps prefilling at least this many tokens fit the ms per "
+                                        "prefill token"),
     "near_cap": Threshold(0.9, "fraction", "KV block usage at which the cache counts as at its cap"),
     "max_internal_fragmentation": Threshold(0.25, "fraction", "slack inside allocated KV pages worth a finding"),
     "max_external_fragmentation": Threshold(0.25, "fraction", "scattered free KV pages worth a finding"),

@@ -1,0 +1,179 @@
+"""Which step made an inter-token gap long: ITL tail attribution and what a chunk size would have saved.
+
+Every gap between two token events of a request (the `itl` view's samples: a gap bringing k tokens
+gives k samples of gap/k) is tied to the engine steps that ended inside it (steps of the run's
+lowest rank; a token is handed out after the step that computed it ends, on one host's monotonic
+clock, so the frontend's token times of vLLM join the workers' steps too). Each gap gets one cause,
+the first that holds:
+
+- `preemption`: the request was preempted inside the gap (it waited, then was recomputed);
+- `queueing`: more steps ended in the gap than it brought tokens: the request sat out steps;
+- `prefill`: its step computed >= `long_prefill_tokens` prompt tokens next to the decodes;
+- `host`: the gap is >= `host_stall_ratio` x its step's compute time (GPU time when CUDA-timed,
+  else the forward's host time): host work between forwards, or a CPU-starved engine;
+- `other` (larger decode batches, longer contexts, noise) and `unattributed` (no step ended in it).
+
+The tail is every sample >= the p99 ITL; a cause's share is its part of the tail's excess over the
+median ITL, sum(itl - p50) over its tail samples / the same over all tail samples. A TPOT-SLO
+violation is explained by a cause when removing that cause's excess from the request's gaps (each
+such gap brought down to the median ITL) brings its TPOT within the SLO.
+
+Prefill cost is fit from the run's own steps: `ms = pure_decode_p50 + m * prefill_tokens`, with m
+the median of (ms - pure_decode_p50) / prefill_tokens over steps that decode and prefill at least
+`fit_min_prefill_tokens` tokens (robust to the odd slow step; least squares is reported beside it).
+A per-step token budget B caps a step's prefill at c = max(B - decode_tokens, 1) tokens: a gap
+whose step prefilled p > c tokens becomes ceil(p / c) gaps, one per chunk of q tokens, each
+`gap - step_ms + pure_decode_p50 + m * q + r * q / p`, where r = step_ms - pure_decode_p50 - m * p is
+that step's residual off the fit (attention over the prompt's own context, noise), spread over its
+chunks like its tokens. The predicted p99 ITL is the p99 of the samples so rewritten (the extra
+chunk gaps included), the saving the measured p99 minus it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phasescope.agent.read.queries import ITL_GAPS, itl_attribution, sql_text
+from phasescope.agent.read.thresholds import T
+
+from .findings import Finding, ref
+from .prefill import STALL_SQL, chunk_plan, chunk_suggestion, chunked_prefill
+from .queries import RUN_STEPS, one
+
+# the prefill cost fit from the run's steps (intercept: the median pure decode step)
+FIT_SQL = f"""WITH st AS ({RUN_STEPS}),
+    base AS (SELECT quantile_cont(ms, 0.5) AS b FROM st WHERE prefill_tokens = 0 AND decode_tokens > 0)
+    SELECT (SELECT b FROM base) AS pure_decode_p50_ms,
+           quantile_cont((ms - (SELECT b FROM base)) / prefill_tokens, 0.5)
+               FILTER (WHERE prefill_tokens >= $fit_min) AS ms_per_prefill_token,
+           count(*) FILTER (WHERE prefill_tokens >= $fit_min) AS fit_steps,
+           regr_slope(ms, prefill_tokens) AS ols_ms_per_prefill_token,
+           regr_intercept(ms, prefill_tokens) AS ols_intercept_ms, regr_r2(ms, prefill_tokens) AS ols_r2
+    FROM st WHERE decode_tokens > 0"""
+
+# the p99 ITL had each step's prefill been capped at max($budget - decode_tokens, 1) tokens per step
+PREDICT_SQL = f"""WITH {ITL_GAPS},
+    s AS (SELECT *, greatest($budget - decode_tokens, 1) AS c,
+                 cause NOT IN ('preemption', 'queueing', 'unattributed') AND prefill_tokens > $budget - decode_tokens
+                     AS split
+          FROM samples),
+    pred AS (
+        SELECT itl_ms FROM s WHERE NOT split
+        UNION ALL
+        SELECT (gap_ms - step_ms + $base_ms + ($slope + (step_ms - $base_ms - $slope * prefill_tokens) / prefill_tokens)
+                * least(c, prefill_tokens - j * c)) / tokens
+        FROM s, range(CAST(ceil(prefill_tokens / c) AS BIGINT)) AS r(j) WHERE split)
+    SELECT quantile_cont(itl_ms, $quantile) AS itl_p99_ms, count(*) AS itl_samples FROM pred"""
+
+
+def prefill_fit(con: Any, run_id: str, fit_min_prefill_tokens: int = int(T["fit_min_prefill_tokens"])) -> dict:
+    """ms per prefill token of the run's decode-carrying steps (median ratio over the pure-decode median;
+    least squares beside it), with the SQL."""
+    e = one(con, FIT_SQL, run_id, fit_min=fit_min_prefill_tokens)
+    e["query"] = FIT_SQL.replace("$fit_min", str(fit_min_prefill_tokens))
+    return e
+
+
+def predict_p99(con: Any, run_id: str, budget_tokens: int, ms_per_prefill_token: float, pure_decode_ms: float,
+                *, long_prefill_tokens: int = int(T["long_prefill_tokens"]),
+                host_stall_ratio: float = T["host_stall_ratio"], quantile: float = 0.99) -> float | None:
+    """Predicted p99 ITL (ms) of this run had every step held at most `budget_tokens` tokens (prefill chunks
+    of max(budget - decode tokens, 1)), at `ms_per_prefill_token`; see the module doc."""
+    r = one(con, PREDICT_SQL, run_id, long=long_prefill_tokens, host_ratio=host_stall_ratio, quantile=quantile,
+            budget=int(budget_tokens), slope=float(ms_per_prefill_token), base_ms=float(pure_decode_ms))
+    return r["itl_p99_ms"]
+
+
+LADDER = (64, 128, 256, 512, 1024, 2048)  # token budgets the evidence predicts p99 ITL for
+
+
+def itl_spikes(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefill_tokens"]),
+               host_stall_ratio: float = T["host_stall_ratio"], itl_spike_ratio: float = T["itl_spike_ratio"],
+               min_cause_share: float = T["min_cause_share"], tpot_slo_s: float = T["tpot_slo_s"],
+               fit_min_prefill_tokens: int = int(T["fit_min_prefill_tokens"]), min_itl_samples: int = 500,
+               target_ratio: float = 2.0, min_chunk_tokens: int = 64, labels: dict | None = None,
+               **_: object) -> list[Finding]:
+    """`itl-spikes-<cause>` when the p99 ITL is >= `itl_spike_ratio` x the median and one cause holds
+    >= `min_cause_share` of the tail's excess (causes: prefill, preemption, queueing, host); silent below
+    `min_itl_samples` tokens (a p99 of fewer than 500 rests on fewer than 5 samples)."""
+    e = itl_attribution(con, run_id, long_prefill_tokens=long_prefill_tokens, host_stall_ratio=host_stall_ratio,
+                 tpot_slo_s=tpot_slo_s)
+    if (e["itl_samples"] or 0) < min_itl_samples or not e["itl_p50_ms"]:
+        return []
+    ratio = e["itl_p99_ms"] / e["itl_p50_ms"]
+    cause = max(("prefill", "preemption", "queueing", "host"), key=lambda c: e[f"tail_{c}_share"])
+    share = e[f"tail_{cause}_share"]
+    if ratio < itl_spike_ratio or share < min_cause_share:
+        return []
+    e["itl_spike_ratio"] = ratio
+    e["cause"] = cause
+    th = {"long_prefill_tokens": long_prefill_tokens, "host_stall_ratio": host_stall_ratio,
+          "itl_spike_ratio": itl_spike_ratio, "min_cause_share": min_cause_share, "tpot_slo_s": tpot_slo_s,
+          "fit_min_prefill_tokens": fit_min_prefill_tokens, "min_itl_samples": min_itl_samples,
+          "target_ratio": target_ratio, "min_chunk_tokens": min_chunk_tokens}
+    n, tail = e["tail_samples"], e[f"tail_{cause}_samples"]
+    viol, expl = e["tpot_violations"], e[f"tpot_violations_explained_{cause}"]
+    head = (f"p99 ITL {e['itl_p99_ms']:.1f} ms is {ratio:.1f}x the {e['itl_p50_ms']:.1f} ms median; {tail} of the "
+            f"{n} tail samples, {share:.0%} of the tail's time over the median, ")
+    slo = (f" {expl} of {viol} requests over the {tpot_slo_s * 1e3:.0f} ms TPOT SLO would meet it without them."
+           if viol else "")
+    severity = "critical" if viol and expl else "warning"
+    if cause == "prefill":
+        return [_prefill_finding(con, run_id, e, th, head, slo, severity, labels)]
+    texts = {
+        "preemption": ("ITL spikes come from preemptions",
+                       "span a preemption and the recompute that followed.",
+                       "Admit fewer concurrent sequences than the KV cache holds at peak (vLLM --max-num-seqs) and "
+                       "shed load when KV usage nears its cap, so running requests are not preempted and "
+                       "recomputed mid-stream (see preemption-recompute).", "Overload and preemption"),
+        "queueing": ("ITL spikes come from requests sitting out steps",
+                     "span steps that ran without them: the request was ready but not scheduled.",
+                     "Every running sequence should decode in every step: cap concurrent sequences (vLLM "
+                     "--max-num-seqs) at what one step holds next to the prefill chunks, and keep the scheduler "
+                     "serving running requests before admitting new ones.", "Queueing"),
+        "host": ("ITL spikes are host stalls, not compute",
+                 f"took >= {host_stall_ratio:g}x their step's compute time: the host, not the model, made them "
+                 "long.",
+                 "Find what holds the engine's host thread between forwards: CPU starvation (give the server "
+                 "dedicated cores; see host-bound), Python work per step (sampling, detokenization; vLLM "
+                 "--async-scheduling overlaps it with the GPU), garbage-collection pauses, and launch overhead "
+                 "(CUDA graphs).", "Host"),
+    }
+    title, why, suggestion, section = texts[cause]
+    return [Finding(id=f"itl-spikes-{cause}", title=title, severity=severity, evidence=e, suggestion=suggestion,
+                    expected_effect=head + why + slo, reference=ref(section), run_id=run_id, thresholds=th)]
+
+
+def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, severity: str,
+                     labels: dict | None) -> Finding:
+    long = th["long_prefill_tokens"]
+    fit = prefill_fit(con, run_id, th["fit_min_prefill_tokens"])
+    stall = one(con, STALL_SQL, run_id, long=long)
+    base = fit["pure_decode_p50_ms"] or stall["pure_decode_p50_ms"] or 0.0
+    stall["pure_decode_p50_ms"] = stall["pure_decode_p50_ms"] or base
+    _, page, chunk = chunk_plan(con, run_id, stall, long, th["target_ratio"], th["min_chunk_tokens"])
+    slope = max(fit["ms_per_prefill_token"] or 0.0, 0.0)
+    chunked, budget = chunked_prefill(labels)
+    kw = {"long_prefill_tokens": long, "host_stall_ratio": th["host_stall_ratio"]}
+    predicted = predict_p99(con, run_id, chunk, slope, base, **kw)
+    ladder = {b: predict_p99(con, run_id, b, slope, base, **kw)
+              for b in LADDER if b < (stall["max_prefill_tokens_per_step"] or 0)}
+    e.update({k: v for k, v in fit.items() if k != "query"})
+    e.update({"page_size": page, "suggested_chunk_tokens": chunk, "budget_tokens": budget,
+              "chunked_prefill": chunked, "max_prefill_tokens_per_step": stall["max_prefill_tokens_per_step"],
+              "predicted_itl_p99_ms": predicted,
+              "predicted_saving_ms": e["itl_p99_ms"] - predicted if predicted is not None else None,
+              "predicted_itl_p99_ms_by_budget": ladder})
+    e["query"] = e["query"] + ";\n" + fit["query"] + ";\n" + sql_text(PREDICT_SQL, {
+        "long": long, "host_ratio": th["host_stall_ratio"], "quantile": 0.99, "budget": chunk,
+        "slope": slope, "base_ms": base})
+    effect = (head + f"ran next to a prefill of >= {long} tokens (the largest {e['tail_max_prefill_tokens']})." + slo
+              + f" Fit from {fit['fit_steps']} steps: {slope:.3f} ms per prefill token over a "
+              f"{base:.1f} ms pure decode step; with at most {chunk} tokens per step the p99 ITL would have been "
+              f"~{predicted:.1f} ms ({e['predicted_saving_ms']:.1f} ms saved).")
+    return Finding(
+        id="itl-spikes-prefill",
+        title="ITL spikes come from prefills sharing the step",
+        severity=severity, evidence=e,
+        suggestion=chunk_suggestion(chunk, chunked, budget),
+        expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th)
