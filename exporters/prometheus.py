@@ -32,6 +32,7 @@ from phasescope.agent.probe import kvmath
 from phasescope.agent.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
                                      PageEvent, PrefixCounters, PrefixLookup, ProbeHealth, RequestEvent, Step)
 from phasescope.agent.read.queries import split_lookup
+from phasescope.agent.read.thresholds import T
 from phasescope.agent.sidecar import Batch, SidecarStats
 
 from . import buckets
@@ -56,8 +57,11 @@ class PrometheusExporter:
         clock: Callable[[], float] = time.monotonic,
         max_models: int = 16,
         max_ranks: int = 64,
+        long_prefill_tokens: int = int(T["long_prefill_tokens"]),
     ) -> None:
-        """`max_models`, `max_ranks`: distinct `model` / `rank` label values kept; later ones become `other`."""
+        """`max_models`, `max_ranks`: distinct `model` / `rank` label values kept; later ones become `other`.
+        `long_prefill_tokens`: a step prefilling this many prompt tokens puts the gaps it ends in
+        `phasescope_inter_token_latency_long_prefill_seconds` too."""
         if registry is None:
             raise ValueError("pass a CollectorRegistry (the global one is never used implicitly)")
         if max_pending_steps <= 0 or stale_after_s <= 0:
@@ -94,6 +98,14 @@ class PrometheusExporter:
         self.itl = Histogram("phasescope_inter_token_latency_seconds",
                              "Gap between consecutive output tokens (a chunk of k gives k samples of gap/k), s.",
                              ["model"], buckets=buckets.ITL_S, registry=r)
+        # the ITL samples whose gap ended with a step that prefilled >= long_prefill_tokens prompt tokens (the
+        # model's latest lowest-rank step when the token arrives): the part of the ITL tail long prefills cause
+        self.itl_long_prefill = Histogram(
+            "phasescope_inter_token_latency_long_prefill_seconds",
+            f"Inter-token gaps ended by a step that prefilled >= {long_prefill_tokens} prompt tokens next to the "
+            "decodes (a chunk of k gives k samples of gap/k), s.", ["model"], buckets=buckets.ITL_S, registry=r)
+        self.long_prefill_tokens = long_prefill_tokens
+        self._last_prefill: dict[str, int] = {}  # model -> prompt tokens of its latest lowest-rank step
         self.queue = Histogram("phasescope_request_queue_time_seconds", "Arrival to scheduled, s.",
                                ["model"], buckets=buckets.PHASE_TIME_S, registry=r)
         self.prefill = Histogram("phasescope_request_prefill_time_seconds", "Scheduled to first token, s.",
@@ -207,6 +219,10 @@ class PrometheusExporter:
         child = self.itl.labels(source.model)
         for _ in range(count):
             child.observe(gap_s)
+        if self._last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
+            child = self.itl_long_prefill.labels(source.model)
+            for _ in range(count):
+                child.observe(gap_s)
 
     def finished(self, t: RequestTiming) -> None:
         model = t.source.model
@@ -223,6 +239,8 @@ class PrometheusExporter:
     def _step(self, src: Source, s: Step) -> None:
         phase = PHASES[s.phase] if s.phase < len(PHASES) else "other"
         rank = self.rank_cap(str(s.rank))
+        if s.rank == 0:  # the step a token event that follows was computed in (one rank is enough)
+            self._last_prefill[src.model] = s.prefill_tokens
         self.step_host.labels(src.model, rank, phase).observe(s.host_ms * 1e-3)
         if not math.isnan(s.gpu_ms):
             self.step_gpu.labels(src.model, rank, phase).observe(s.gpu_ms * 1e-3)

@@ -210,3 +210,26 @@ def test_no_created_series_are_exposed():
     text = generate_latest(reg).decode()
     assert "phasescope_requests_finished_total" in text
     assert "_created" not in text
+
+
+def test_gaps_ended_by_a_long_prefill_step_are_counted_apart():
+    from phasescope.agent.events import PHASE_DECODE, PHASE_MIXED, REQ_ARRIVAL, REQ_TOKEN, RequestEvent, Step
+
+    e = PrometheusExporter(CollectorRegistry(), long_prefill_tokens=128)
+    nan = float("nan")
+
+    def step(i: int, prefill: int, rank: int = 0) -> Step:
+        return Step(i * 10**8, i, rank, PHASE_MIXED if prefill else PHASE_DECODE, 2, prefill, 1, 0, 5.0, nan)
+
+    def tok(i: int, n: int = 1) -> RequestEvent:
+        return RequestEvent(i * 10**8 + 6 * 10**6, 0, REQ_TOKEN, "r", n, 0)
+
+    e.on_records([(1, [hello(0), RequestEvent(0, 0, REQ_ARRIVAL, "r", 10, 0),
+                       step(1, 0), tok(1),                      # first token
+                       step(2, 0), tok(2),                      # 100 ms after a pure decode step
+                       step(3, 300), step(3, 0, rank=1), tok(3, 2),  # 2 tokens after a 300-token prefill (rank 0)
+                       step(4, 127), tok(4)])])                 # a short prefill: not counted apart
+    m = {"model": MODEL}
+    assert val(e, "phasescope_inter_token_latency_seconds_count", **m) == 4
+    assert val(e, "phasescope_inter_token_latency_long_prefill_seconds_count", **m) == 2
+    assert val(e, "phasescope_inter_token_latency_long_prefill_seconds_sum", **m) == pytest.approx(0.1)
