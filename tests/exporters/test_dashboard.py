@@ -47,8 +47,14 @@ def metric_names(expr: str) -> set[str]:
 
 def exposed_names() -> set[str]:
     """Every sample name the exporters expose after the crafted workload (histogram series included)."""
+    from phasescope.agent.events import PageEvent, PrefixLookup
+
     reg = CollectorRegistry()
-    PrometheusExporter(reg).on_records(crafted_batch())
+    exp = PrometheusExporter(reg)
+    exp.on_records(crafted_batch())
+    # issue 13's per-lookup and sampled page records (an evicted-then-reused lookup, a reuse, an eviction)
+    exp.on_records([(1, [PrefixLookup(10, 0, "r9", "first", 16, 100, 96, 16, 64, 48, 250.0, 8, 0),
+                         PageEvent(11, 0, 3, "reused", 40.0, 5.0, 1, 0), PageEvent(12, 0, 4, "evicted", 90.0, 30.0, 1, 0)])])
     reg.register(SidecarStatsCollector(SidecarStats()))
     reg.register(OtlpCountsCollector(ExportCounts()))
     return {s.name for m in reg.collect() for s in m.samples}
@@ -72,7 +78,8 @@ def test_dashboard_is_grafana_json_with_a_datasource_variable():
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Requests", "Phases", "KV cache", "Prefix cache", "Tensor-parallel ranks", "GPU", "Agent health"]
+    assert rows == ["Requests", "Phases", "KV cache", "Prefix cache", "Tensor-parallel ranks", "GPU", "Agent health",
+                    "Prefix misses and KV residency"]
     for p in d["panels"]:
         g = p["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0
