@@ -7,7 +7,9 @@ clock, so the frontend's token times of vLLM join the workers' steps too). Each 
 the first that holds:
 
 - `preemption`: the request was preempted inside the gap (it waited, then was recomputed);
-- `queueing`: more steps ended in the gap than it brought tokens: the request sat out steps;
+- `queueing`: more steps ended in the gap than it brought tokens: the request sat out steps (but a token
+  stamped after the next step already ended, as vLLM's frontend may, gives one step too many and then a gap
+  of none: that pair is charged to its steps);
 - `prefill`: its step computed >= `long_prefill_tokens` prompt tokens next to the decodes;
 - `host`: the gap is >= `host_stall_ratio` x its step's compute time (GPU time when CUDA-timed,
   else the forward's host time): host work between forwards, or a CPU-starved engine;
@@ -97,7 +99,7 @@ def itl_spikes(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefi
     >= `min_cause_share` of the tail's excess (causes: prefill, preemption, queueing, host); silent below
     `min_itl_samples` tokens (a p99 of fewer than 500 rests on fewer than 5 samples)."""
     e = itl_attribution(con, run_id, long_prefill_tokens=long_prefill_tokens, host_stall_ratio=host_stall_ratio,
-                 tpot_slo_s=tpot_slo_s)
+                        tpot_slo_s=tpot_slo_s)
     if (e["itl_samples"] or 0) < min_itl_samples or not e["itl_p50_ms"]:
         return []
     ratio = e["itl_p99_ms"] / e["itl_p50_ms"]

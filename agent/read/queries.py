@@ -644,16 +644,22 @@ ITL_GAPS = f"""st AS ({_LOWEST_RANK_STEPS}),
             WHERE run_id = $run AND event = 'token' AND tokens > 0),
     ts AS (SELECT t.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens
            FROM tok t ASOF LEFT JOIN ends e ON t.ts_ns >= e.end_ns),
-    g AS (SELECT *, lag(ts_ns) OVER w AS prev_ns, step_no - lag(step_no) OVER w AS steps_in_gap
-          FROM ts WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
+    g0 AS (SELECT *, lag(ts_ns) OVER w AS prev_ns, step_no - lag(step_no) OVER w AS steps_in_gap
+           FROM ts WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
+    -- a token stamped after the next step already ended (vLLM's frontend stamps tokens as it receives them)
+    -- gives a gap of one step too many and then one of none: that pair is its steps' doing, not queueing
+    g AS (SELECT *, lead(steps_in_gap) OVER w AS next_steps, lag(steps_in_gap) OVER w AS prev_steps
+          FROM g0 WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
     pre AS (SELECT request_id, ts_ns FROM request_log WHERE run_id = $run AND event = 'preempted'),
     gaps AS (
         SELECT g.request_id, g.ts_ns, g.tokens, g.steps_in_gap, g.step_ms, g.prefill_tokens, g.decode_tokens,
                (g.ts_ns - g.prev_ns) / 1e6 AS gap_ms, (g.ts_ns - g.prev_ns) / 1e6 / g.tokens AS itl_ms,
                CASE WHEN EXISTS (SELECT 1 FROM pre p WHERE p.request_id = g.request_id
                                  AND p.ts_ns > g.prev_ns AND p.ts_ns <= g.ts_ns) THEN 'preemption'
-                    WHEN g.steps_in_gap IS NULL OR g.steps_in_gap < 1 THEN 'unattributed'
-                    WHEN g.steps_in_gap > g.tokens THEN 'queueing'
+                    WHEN g.steps_in_gap IS NULL OR (g.steps_in_gap < 1 AND coalesce(g.prev_steps, 0) < 2)
+                        THEN 'unattributed'
+                    WHEN g.steps_in_gap > g.tokens AND NOT (g.steps_in_gap = g.tokens + 1 AND g.next_steps = 0)
+                        THEN 'queueing'
                     WHEN g.prefill_tokens >= $long THEN 'prefill'
                     WHEN (g.ts_ns - g.prev_ns) / 1e6 >= $host_ratio * g.step_ms THEN 'host'
                     ELSE 'other' END AS cause

@@ -292,6 +292,28 @@ def test_diagnose_names_vllm_flags_with_run_values(server_run):
     assert "(now " in text and "--" in text, text
 
 
+
+def test_server_itl_gaps_are_charged_to_worker_steps(server_run):
+    # token events come from the frontend process, steps from the worker: one host's monotonic clock joins them
+    from phasescope.agent.read.queries import ITL_GAPS, itl_attribution
+
+    con, _ = server_run
+    run_id = _q(con, "SELECT run_id FROM sources WHERE runtime = 'vllm-engine'")[0][0]
+    rows = con.execute(f"WITH {ITL_GAPS} SELECT cause, steps_in_gap, tokens FROM gaps",
+                       {"run": run_id, "long": 128, "host_ratio": 2.0, "quantile": 0.99}).fetchall()
+    n = len(rows)
+    events = _q(con, "SELECT count(*) - count(DISTINCT request_id) FROM request_log WHERE event = 'token' "
+                     "AND run_id = ?", run_id)[0][0]
+    by = {c: sum(r[0] == c for r in rows) for c in {r[0] for r in rows}}
+    print("vLLM gaps by cause", by, "steps per gap", sorted({r[1] for r in rows}))
+    assert n == events > 0
+    assert by.get("unattributed", 0) <= 0.05 * n, by  # every gap but a few has the step that ended in it
+    # running requests decode in every step (vLLM schedules them first); a frontend stamp that lands after the
+    # next step ended is not queueing
+    assert by.get("queueing", 0) <= 0.02 * n, by
+    e = itl_attribution(con, run_id)
+    assert e["itl_samples"] >= n and e["itl_p99_ms"] >= e["itl_p50_ms"] > 0
+
 # --- the offline LLM API ---------------------------------------------------------------
 
 def _llm_run(vllm_env, tmp: str, *extra: str, **env_extra: str) -> tuple[object, dict]:

@@ -166,3 +166,15 @@ def test_prefix_page_shows_why_lookups_miss_and_kv_residency(stores, monkeypatch
     assert metrics["Missed (first admissions)"] == "840 of 904"
     assert metrics["Extra pages to keep evicted reuses"] == "4"
     assert any("add up to queried − hit" in c.value for c in at.caption)
+
+
+def test_requests_page_charges_the_itl_tail_to_its_causes(stores, monkeypatch):
+    at = _app(stores["scenario:prefill-interference"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Requests").run()
+    assert not at.exception
+    assert "ITL tail: what the slowest tokens waited for" in [h.value for h in at.subheader]
+    metrics = {m.label: m for m in at.metric}
+    # the recorded run: 15 of 1457 tokens over the p99, all next to prompts of 1201-1473 tokens
+    assert metrics["Tail samples (>= p99)"].value == "15"
+    assert metrics["ITL p50 / p99"].value == "9.6 ms"
+    assert any("smaller per-step token budget" in c.value for c in at.caption)
