@@ -55,6 +55,12 @@ def exposed_names() -> set[str]:
     # issue 13's per-lookup and sampled page records (an evicted-then-reused lookup, a reuse, an eviction)
     exp.on_records([(1, [PrefixLookup(10, 0, "r9", "first", 16, 100, 96, 16, 64, 48, 250.0, 8, 0),
                          PageEvent(11, 0, 3, "reused", 40.0, 5.0, 1, 0), PageEvent(12, 0, 4, "evicted", 90.0, 30.0, 1, 0)])])
+    # a decode token right after a step that prefilled a long prompt (phasescope_inter_token_latency_long_prefill_*)
+    from phasescope.agent.events import PHASE_MIXED, REQ_ARRIVAL, REQ_TOKEN, RequestEvent, Step
+
+    exp.on_records([(1, [RequestEvent(20, 0, REQ_ARRIVAL, "r8", 4, 0), RequestEvent(21, 0, REQ_TOKEN, "r8", 1, 0),
+                         Step(22, 99, 0, PHASE_MIXED, 2, 512, 1, 4, 50.0, float("nan")),
+                         RequestEvent(23, 0, REQ_TOKEN, "r8", 1, 0)])])
     reg.register(SidecarStatsCollector(SidecarStats()))
     reg.register(OtlpCountsCollector(ExportCounts()))
     return {s.name for m in reg.collect() for s in m.samples}
