@@ -187,6 +187,17 @@ def test_server_prefix_requests_tokens_preemptions_equal_metrics(server_run):
     assert events["preempted"][0] == d["vllm:num_preemptions_total"] >= 1
     # a resumed request's lookup is kept apart from vLLM's counters, as recomputation
     assert recomputed > 0
+    # issue 13: per-lookup records; first admissions equal vLLM's counters, re-admissions one per preemption, and the
+    # missed tokens split into causes that add up exactly
+    from phasescope.agent.read.queries import MISS_CAUSES, prefix_miss_causes
+
+    run = _q(con, "SELECT run_id FROM sources WHERE runtime = 'vllm-engine'")[0][0]
+    c = prefix_miss_causes(con, run)
+    assert (c["queried_tokens"], c["hit_tokens"]) == (q, h)
+    assert c["readmissions"] == events["preempted"][0]
+    assert sum(c[k] for k in MISS_CAUSES if k not in ("readmission", "cache-disabled")) == c["missed_tokens"] == q - h
+    resumed = dict(_q(con, "SELECT key, value FROM run_info WHERE run_id = ?", run))
+    assert c["readmission"] == int(resumed["prefix_resumed_queried_tokens"]) - int(resumed["prefix_resumed_hit_tokens"])
 
 
 def test_server_ttft_e2e_within_5pct_of_vllm_histograms(server_run):
@@ -347,6 +358,13 @@ def test_offline_llm_counters_equal_get_metrics(vllm_env, short_tmp, mode):
     assert (c["queried_tokens"], c["hit_tokens"]) == (q, h)
     assert sum(c[k] for k in MISS_CAUSES if k not in ("readmission", "cache-disabled")) == c["missed_tokens"] == q - h
     assert c["no-shared-prefix"] > 0 and c["readmissions"] == m["vllm:num_preemptions"]
+    # sampled page lifecycles (24 blocks: every block followed): one lifetime per block freed or evicted, every
+    # reuse of a cached block, and the evictions the adapter's own counter saw
+    ev = dict(_q(con, "SELECT event, count(*) FROM page_events GROUP BY event"))
+    evicted_blocks = _q(con, "SELECT max(evicted_blocks_total) FROM prefix_counters")[0][0]
+    assert ev.get("evicted", 0) == evicted_blocks and ev.get("freed", 0) > 0
+    assert _q(con, "SELECT max(sample_every), max(dropped_total), min(age_ms) >= 0 FROM page_events")[0] == \
+        (1, 0, True)
     events = dict((e, (n, t)) for e, n, t in _q(con, "SELECT event, count(*), sum(tokens) FROM request_events "
                                                      "GROUP BY event"))
     assert events["finished"][0] == m["vllm:request_success"]

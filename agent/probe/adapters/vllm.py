@@ -10,7 +10,9 @@ Where each figure comes from (see docs: vLLM section of the README):
   free-list walk), page churn (`get_new_blocks`, `touch`, `free_blocks`) and
   evictions (`_maybe_evict_cached_block`); one `PrefixLookup` per lookup, from
   vLLM's own per-request block hashes against a bounded table of earlier
-  prompts' (evictions mark the hashes they drop). No `PageEvent`s yet.
+  prompts' (evictions mark the hashes they drop); `PageEvent`s of one block id
+  in `PHASESCOPE_PAGE_SAMPLE_EVERY` (allocated by `get_new_blocks`, cached when
+  freed with a hash, reused by `touch`, evicted, freed unhashed).
 - Worker process, one per TP rank (`Worker` instance): one `Step` per engine step
   timed around `execute_model` + `sample_tokens` (host time; on CUDA also events
   recorded on the current stream and completed by a poller thread, which also
@@ -41,7 +43,7 @@ from ...events import (
     Step,
     REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
 )
-from ..pagetrack import PrefixTable
+from ..pagetrack import PageLife, PrefixTable
 from ..probe import Probe
 from ..phases import StepShape
 
@@ -51,6 +53,7 @@ ENV_RUN_ID = "PHASESCOPE_RUN_ID"
 ENV_TOKENS_AT = "PHASESCOPE_VLLM_TOKENS_AT"  # "frontend": the frontend records token/finish events
 ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine steps (default 1)
 ENV_PREFIX_TABLE = "PHASESCOPE_PREFIX_TABLE_PAGES"  # cap of the table of earlier prompts' block hashes (0: off)
+ENV_PAGE_SAMPLE = "PHASESCOPE_PAGE_SAMPLE_EVERY"  # follow one KV page id in N (0: no PageEvents; default ~1024 pages)
 RUNTIME = "vllm"
 NAN = float("nan")
 
@@ -323,6 +326,7 @@ class EngineHooks:
         # issue 13: per-lookup miss facts against a bounded table of earlier prompts' block hashes (vLLM's own,
         # `request.block_hashes`, computed at arrival: nothing is hashed here)
         self.table: PrefixTable | None = None
+        self.life: PageLife | None = None  # sampled page lifecycles (PageEvent)
         self.caching = True
         self._last_prefix: tuple | None = None
         self.pool = None
@@ -356,11 +360,15 @@ class EngineHooks:
         cap = int(os.environ.get(ENV_PREFIX_TABLE, "16384") or 0)
         if cap > 0 and self.page_size > 0:
             self.table = PrefixTable(self.page_size, lambda parent, tokens: 0, cap)  # chains come from vLLM
+        every = os.environ.get(ENV_PAGE_SAMPLE, "")
+        every = int(every) if every.strip() else max(1, -(-(self.pool.num_gpu_blocks - 1) // 1024))
+        if every > 0:
+            self.life = PageLife(self.probe.emit, self.rank0, every)
         wrap(self.pool, "get_new_blocks", self._after_new_blocks, ref)
         wrap(self.pool, "touch", lambda r, *a, **k: None, ref, before=self._before_touch)
         wrap(self.pool, "free_blocks", self._after_free, ref, before=self._before_free)
         wrap(self.pool, "_maybe_evict_cached_block", self._after_evict, ref,
-             before=self._before_evict if self.table is not None else None)
+             before=self._before_evict if self.table is not None or self.life is not None else None)
 
     # lifecycle
     def _mono_of_wall(self, wall_s: float) -> int:
@@ -479,9 +487,14 @@ class EngineHooks:
     # block pool counters
     def _after_new_blocks(self, blocks: Any, *a: Any, **k: Any) -> None:
         self.allocated += len(blocks)
+        if self.life is not None:
+            self.life.allocated([b.block_id for b in blocks], time.monotonic_ns())
 
     def _before_touch(self, blocks: Any, *a: Any, **k: Any) -> None:
-        self.allocated += sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+        idle = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]  # cached blocks a prefix hit takes back
+        self.allocated += len(idle)
+        if self.life is not None and idle:
+            self.life.reused([b.block_id for b in idle], time.monotonic_ns())
 
     def _before_free(self, ordered_blocks: Any, *a: Any, **k: Any) -> tuple:
         blocks = list(ordered_blocks)  # vLLM passes iterators: copy so both sides see every block
@@ -490,12 +503,22 @@ class EngineHooks:
 
     def _after_free(self, _res: Any, *a: Any, **k: Any) -> None:
         blocks, self._freeing = getattr(self, "_freeing", ()), ()
-        self.freed += sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+        idle = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
+        self.freed += len(idle)
+        if self.life is not None and idle:
+            now = time.monotonic_ns()
+            # a hashed block stays cached (evictable) until reused or evicted; an unhashed one is simply free
+            self.life.cached([b.block_id for b in idle if b.block_hash is not None], now)
+            self.life.freed([b.block_id for b in idle if b.block_hash is None], now)
 
     def _before_evict(self, block: Any, *a: Any, **k: Any) -> None:
         key = block.block_hash  # BlockHashWithGroupId: the block hash and a 4-byte group id; None if not cached
         if key is not None:
-            self.table.mark_evicted((bytes(key[:-4]),), time.monotonic_ns())
+            now = time.monotonic_ns()
+            if self.table is not None:
+                self.table.mark_evicted((bytes(key[:-4]),), now)
+            if self.life is not None:
+                self.life.evicted((block.block_id,), now)
 
     def _after_evict(self, evicted: Any, *a: Any, **k: Any) -> None:
         if evicted:
