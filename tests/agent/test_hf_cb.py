@@ -284,3 +284,49 @@ def test_an_id_reused_after_its_manager_stopped_mid_request_starts_a_fresh_reque
         assert not opened and kinds[-1] == "finished" and kinds.count("scheduled") == kinds.count("arrival")
         last = kinds[len(kinds) - 1 - kinds[::-1].index("arrival"):]
         assert last.count("token") == 3 and by_rid[rid][-1].tokens == 3, (rid, last)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharing", [True, False])
+def test_prefix_lookups_of_a_burst_are_in_flight_or_cache_disabled(sharing):
+    """Three prompts sharing a 2-page prefix, queued before the manager starts: one scheduling pass looks them all
+    up, so the 2nd and 3rd find the prefix shared but not cached yet (in-flight); with sharing off, every prompt
+    is admitted with the cache disabled. Per-cause tokens from the records add up to the missed tokens."""
+    from phasescope.agent.events import PrefixLookup
+    from phasescope.agent.read.queries import split_lookup
+
+    model = _model()
+    records: list = []
+    p = attach(model, sink=records.extend, runtime="hf-cb")
+    adapter = HFContinuousBatching(p).instrument_model(model)
+    gc = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(num_blocks=32, page_size=PAGE, max_batch_tokens=512, allow_block_sharing=sharing)
+    manager = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    prompts = [SYSTEM + [100 + i] * 10 for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        manager.add_request(prompt, request_id=f"b{i}", max_new_tokens=4)
+    manager.start()
+    done, deadline = 0, time.monotonic() + 60
+    try:
+        while done < 3 and time.monotonic() < deadline:
+            r = manager.get_result(timeout=5)
+            done += r is not None and r.is_finished()
+    finally:
+        manager.stop(block=True, timeout=30)
+        adapter.detach()
+        p.close()
+    looks = sorted((r for r in records if type(r) is PrefixLookup), key=lambda r: r.request_id)
+    assert [r.request_id for r in looks] == ["b0", "b1", "b2"]
+    causes: Counter = Counter()
+    for r in looks:
+        causes.update(split_lookup(r.kind, r.page_size_tokens, r.prompt_tokens, r.cacheable_tokens, r.hit_tokens,
+                                   r.shared_tokens, r.evicted_tokens))
+    causes = +causes
+    missed = sum(r.prompt_tokens - r.hit_tokens for r in looks)
+    assert sum(causes.values()) == missed == 3 * 74
+    if sharing:
+        assert [(r.kind, r.shared_tokens, r.hit_tokens) for r in looks] == [("first", 0, 0), ("first", 64, 0),
+                                                                           ("first", 64, 0)]
+        assert causes == {"in-flight": 2 * 2 * PAGE, "no-shared-prefix": 74 + 10 + 10}
+    else:
+        assert {r.kind for r in looks} == {"disabled"} and causes == {"cache-disabled": 3 * 74}
