@@ -43,6 +43,8 @@ from phasescope.agent.sidecar import Batch
 class HostMetricsExporter(Collector):
     """Sidecar sink + registry collector for ProcessSample / HostSample."""
 
+    record_types = frozenset({ProcessSample, HostSample})  # what the sidecar hands this sink
+
     def __init__(self, registry: CollectorRegistry, stale_after_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if registry is None:

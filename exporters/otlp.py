@@ -168,6 +168,8 @@ def default_resource() -> Resource:
 class OtlpExporter:
     """Sidecar sink exporting OTLP metrics and per-request traces (HTTP/protobuf by default)."""
 
+    record_types = frozenset({Hello, RequestEvent, Step})  # what the sidecar hands this sink
+
     def __init__(
         self,
         registry: CollectorRegistry | None = None,

@@ -220,10 +220,12 @@ def to_records(t: _Type, arr: np.ndarray) -> list[Record]:
     return out
 
 
-def records_of(arrays: dict[int, list[np.ndarray]]) -> list[Record]:
-    """Every record of a batch's arrays, as NamedTuples (grouped by type)."""
+def records_of(arrays: dict[int, list[np.ndarray]], types: set[type] | None = None) -> list[Record]:
+    """The records of a batch's arrays (only those of `types`, when given), as NamedTuples (grouped by type)."""
     out: list[Record] = []
     for code, parts in arrays.items():
+        if types is not None and TYPES[code].cls not in types:
+            continue
         for arr in parts:
             out.extend(to_records(TYPES[code], arr))
     return out
@@ -234,25 +236,39 @@ _NP_OF_SQL = {"SMALLINT": np.int16, "INTEGER": np.int32, "BIGINT": np.int64, "DO
 _ENUM_NAMES = {("Step", "phase"): PHASES, ("RequestEvent", "event"): REQUEST_EVENTS}
 
 
-def columns(code: int, source_ids: np.ndarray, arr: np.ndarray, arrow: Any = None) -> tuple[str, dict[str, Any], str]:
-    """(table, {column: array}, SELECT list) to insert the rows of `arr` into their table.
+def _gather(parts: list[np.ndarray], name: str, dtype: Any = None) -> np.ndarray:
+    """Field `name` of every part in one contiguous array (one copy; cast to `dtype` on the way)."""
+    if len(parts) == 1:
+        col = parts[0][name]
+        return np.ascontiguousarray(col) if dtype is None else col.astype(dtype)
+    return np.concatenate([p[name] for p in parts], dtype=dtype, casting="unsafe")
+
+
+def columns(code: int, source_ids: np.ndarray, parts: np.ndarray | list[np.ndarray],
+            arrow: Any = None) -> tuple[str, dict[str, Any], str]:
+    """(table, {column: array}, SELECT list) to insert the rows of `parts` (structured arrays of one record
+    type, in order) into their table. Each column is gathered from the parts in one copy.
 
     With `arrow` (the pyarrow module) the columns already have the table's types (enums as dictionary
     arrays), so DuckDB appends them without casting; without it, numpy arrays and casts in SQL."""
     t = TYPES[code]
     assert t.table is not None
+    if isinstance(parts, np.ndarray):
+        parts = [parts]
     cols: dict[str, Any] = {"source_id": source_ids.astype(np.int32, copy=False)}
     select = []
     for name, typ, _ in TABLES[t.table]:
         if name == "source_id":
             select.append("source_id")
             continue
-        col = arr[name]
+        kind = parts[0].dtype[name].kind
         enum = _ENUM_NAMES.get((t.name, name))
-        if col.dtype.kind == "O":
+        if kind == "O":
+            col = _gather(parts, name)
             cols[name] = col if arrow is None else arrow.array(col, arrow.string())
             select.append(name if arrow is not None else f"{name}::{typ} AS {name}")
-        elif col.dtype.kind == "S":
+        elif kind == "S":
+            col = _gather(parts, name)
             try:
                 col = np.char.rstrip(col, b"\0").astype(str)
             except UnicodeDecodeError:  # validated UTF-8 but not ASCII: the slow path
@@ -261,16 +277,16 @@ def columns(code: int, source_ids: np.ndarray, arr: np.ndarray, arrow: Any = Non
             select.append(name)
         elif enum is not None:
             if arrow is not None:
-                cols[name] = arrow.DictionaryArray.from_arrays(col.astype(np.int8), list(enum))
+                cols[name] = arrow.DictionaryArray.from_arrays(_gather(parts, name, np.int8), list(enum))
                 select.append(f"{name}::VARCHAR AS {name}")
             else:
-                cols[name] = np.ascontiguousarray(col)
+                cols[name] = _gather(parts, name)
                 select.append("[" + ", ".join(f"'{e}'" for e in enum) + f"][{name} + 1] AS {name}")
         elif arrow is not None and typ in _NP_OF_SQL:
-            cols[name] = col.astype(_NP_OF_SQL[typ])  # validated to fit
+            cols[name] = _gather(parts, name, _NP_OF_SQL[typ])  # validated to fit
             select.append(name)
         else:
-            cols[name] = np.ascontiguousarray(col)
+            cols[name] = _gather(parts, name)
             select.append(f"{name}::{typ} AS {name}")
     return t.table, cols, ", ".join(select)
 

@@ -50,6 +50,8 @@ NAN = math.nan
 class HostCollector:
     """One HostSample and one ProcessSample per watched process per `sample()`."""
 
+    record_types = frozenset({Hello})  # as a sink it reads only Hello (the sidecar converts nothing else for it)
+
     def __init__(self, psutil: Any = None, clock_ns: Callable[[], int] = time.monotonic_ns,
                  pids: Iterable[int] = (), proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup",
                  host: bool = True, batch: int = 1) -> None:

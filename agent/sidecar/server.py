@@ -37,6 +37,7 @@ from ..address import Address, make_private_folder, parse_address
 from ..events import (ACK_COMMIT, ACK_WELCOME, HEADER, SEQ, Ack, FrameError, Hello, Record, RunLabel, Session,
                       encode_ack, read_header)
 from . import columnar
+from .connio import Reader, Writer
 from .store import Part, Store, is_store_failure
 
 log = logging.getLogger("phasescope.sidecar")
@@ -46,7 +47,11 @@ Batch = list[tuple[int, list[Record]]]  # (source_id, records) in arrival order;
 
 
 class RecordSink(Protocol):
-    """A consumer of everything the sidecar stores (exporters): called on the sinks' thread."""
+    """A consumer of everything the sidecar stores (exporters): called on the sinks' thread.
+
+    A sink may have `record_types` (a set of record classes): the sidecar then turns only records of those
+    types (and of the types other sinks want) into NamedTuples for it; Hello and RunLabel always come.
+    Without it, every record comes (turning columns back into records costs ~1 us each)."""
 
     def on_records(self, batch: Batch) -> None: ...
 
@@ -58,8 +63,6 @@ class Collector(Protocol):
 
     def sample(self) -> Sequence[Record]: ...
 
-
-_READ_LIMIT = 128 << 10  # StreamReader buffer: reads ahead at most 2x this per connection (x max_connections)
 
 SIDECAR_SOURCE_ID = 0  # source of the records the sidecar's own collectors produce
 
@@ -143,7 +146,7 @@ class _Conn:
 
     __slots__ = ("writer", "version", "nonce", "source_id", "pending", "last_seq", "drained", "closed")
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: Writer) -> None:
         self.writer = writer
         self.version = 1
         self.nonce: int | None = None
@@ -185,6 +188,7 @@ class Sidecar:
         token: str | None = None,
         write_threshold_bytes: int = 8 << 20,
         sink_queue_batches: int = 64,
+        sink_budget_bytes: int = 32 << 20,
     ) -> None:
         """`read_api`: "HOST:PORT" (loopback; port 0 picks one) to serve named queries to live readers;
         `findings`: (connection, run_id) -> findings served at /api/v1/findings (the CLI injects diagnose).
@@ -193,7 +197,9 @@ class Sidecar:
         `idle_timeout_s`: a connection that sends nothing this long is closed (probes send health every 1 s);
         `frame_timeout_s`: a frame must arrive whole within this once it starts;
         `token`: shared secret every v2 sender must present (TCP has no other authentication);
-        `write_threshold_bytes`: write at once (before `batch_interval_s`) when this much is queued."""
+        `write_threshold_bytes`: write at once (before `batch_interval_s`) when this much is queued;
+        `sink_budget_bytes`: committed records waiting for the sinks (exporters) held at most; past it the
+        sinks miss them (counted in `sink_dropped_records_total`), ingestion never waits for a sink."""
         if batch_interval_s <= 0 or checkpoint_interval_s <= 0:
             raise ValueError("intervals must be > 0")
         if memory_budget_bytes < (2 << 20) or partial_budget_bytes < (1 << 20) or max_connections < 1:
@@ -225,6 +231,15 @@ class Sidecar:
         self._nonce_idle: dict[int, asyncio.Event] = {}
         self._live_by_nonce: dict[int, set[_Conn]] = {}
         self._sink_queue: queue.Queue = queue.Queue(maxsize=sink_queue_batches)
+        self._sink_budget = sink_budget_bytes
+        self._sink_bytes = 0  # bytes of the records in _sink_queue (only the types the sinks read)
+        self._sink_want: set[type] | None = set()  # record classes some sink reads; None: every type
+        for sink in sinks:
+            types = getattr(sink, "record_types", None)
+            if types is None or self._sink_want is None:
+                self._sink_want = None
+            else:
+                self._sink_want |= set(types)
         self._sink_thread: threading.Thread | None = None
         self.read_api_addr = read_api
         self.read_api = None
@@ -354,13 +369,14 @@ class Sidecar:
                 _prepare_unix_path(addr.path)
                 old_umask = os.umask(0o177)  # socket file created 0600
                 try:
-                    server = await asyncio.start_unix_server(self._handle, path=addr.path, limit=_READ_LIMIT)
+                    server = await self._loop.create_unix_server(lambda: Reader(self._connected), path=addr.path)
                 finally:
                     os.umask(old_umask)
                 os.chmod(addr.path, 0o600)
                 self.bound.append(addr)
             else:
-                server = await asyncio.start_server(self._handle, host=addr.path, port=addr.port, limit=_READ_LIMIT)
+                server = await self._loop.create_server(lambda: Reader(self._connected), host=addr.path,
+                                                        port=addr.port)
                 port = server.sockets[0].getsockname()[1]
                 self.bound.append(Address("tcp", addr.path, port))
             self._servers.append(server)
@@ -377,7 +393,11 @@ class Sidecar:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _read(self, reader: asyncio.StreamReader, n: int, deadline: float) -> bytes:
+    def _connected(self, reader: Reader, writer: Writer) -> asyncio.Task:
+        assert self._loop is not None
+        return self._loop.create_task(self._handle(reader, writer))
+
+    async def _read(self, reader: Reader, n: int, deadline: float) -> bytes | bytearray:
         assert self._loop is not None
         left = deadline - self._loop.time()
         if left <= 0:
@@ -387,7 +407,7 @@ class Sidecar:
         except asyncio.TimeoutError:
             raise _Timeout() from None
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: Reader, writer: Writer) -> None:
         st = self.stats
         if st.open_connections >= self.max_connections:
             st.connections_refused_total += 1
@@ -704,24 +724,54 @@ class Sidecar:
             except RuntimeError:
                 pass
         if self.sinks:
-            try:
-                self._sink_queue.put_nowait(items)
-            except queue.Full:
-                st.sink_dropped_records_total += sum(it.part.rows() for it in items)
+            self._to_sinks(items)
         return None
+
+    def _to_sinks(self, items: list[_Item]) -> None:
+        """Queue what the sinks read of a committed batch (views of its frames: nothing is copied; what no
+        sink reads is not kept), within `sink_budget_bytes`."""
+        want, st = self._sink_want, self.stats
+        out, nbytes, rows = [], 0, 0
+        for it in items:
+            p = it.part
+            arrays = {code: arrs for code, arrs in p.arrays.items()
+                      if want is None or columnar.TYPES[code].cls in want}
+            n = sum(a.nbytes for arrs in arrays.values() for a in arrs)
+            if arrays or p.labels or it.hello is not None:
+                out.append((p.source_id, it.hello, arrays, p.labels))
+                nbytes += n
+                rows += sum(len(a) for arrs in arrays.values() for a in arrs)
+        if not out:
+            return
+        with self._budget._lock:
+            over = self._sink_bytes and self._sink_bytes + nbytes > self._sink_budget
+            if not over:
+                self._sink_bytes += nbytes
+        if not over:
+            try:
+                self._sink_queue.put_nowait((out, nbytes))
+                return
+            except queue.Full:
+                with self._budget._lock:
+                    self._sink_bytes -= nbytes
+        st.sink_dropped_records_total += rows
 
     def _sink_loop(self) -> None:
         while True:
-            items = self._sink_queue.get()
-            if items is None:
+            got = self._sink_queue.get()
+            if got is None:
                 break
+            parts, nbytes = got
             batch: Batch = []
-            for it in items:
-                recs: list[Record] = [it.hello] if it.hello is not None else []
-                recs.extend(columnar.records_of(it.part.arrays))
-                recs.extend(it.part.labels)
+            for source_id, hello, arrays, labels in parts:
+                recs: list[Record] = [hello] if hello is not None else []
+                recs.extend(columnar.records_of(arrays))
+                recs.extend(labels)
                 if recs:
-                    batch.append((it.part.source_id, recs))
+                    batch.append((source_id, recs))
+            del parts, got
+            with self._budget._lock:
+                self._sink_bytes -= nbytes
             for sink in self.sinks:
                 try:
                     sink.on_records(batch)

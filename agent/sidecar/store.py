@@ -152,7 +152,7 @@ class Store:
                 for a in arrs:
                     if len(a):
                         by_code[code][0].append(a)
-                        by_code[code][1].append(np.full(len(a), p.source_id, dtype=np.int32))
+                        by_code[code][1].append((p.source_id, len(a)))
             for r in p.labels:
                 labels[(self._run_of.get(p.source_id, ""), r.key)] = r.value
             if p.nonce is not None:
@@ -169,11 +169,11 @@ class Store:
                         self.con.executemany("INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                              new_sources)
                     for code, (arrs, sids) in by_code.items():
-                        arr = arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
-                        sid = sids[0] if len(sids) == 1 else np.concatenate(sids)
-                        table, cols, select = columnar.columns(code, sid, arr, _pa)
+                        ids, lens = zip(*sids)
+                        sid = np.repeat(np.array(ids, dtype=np.int32), lens)
+                        table, cols, select = columnar.columns(code, sid, arrs, _pa)
                         _insert(self.con, table, cols, select)
-                        n += len(arr)
+                        n += len(sid)
                     for (run_id, key), value in labels.items():
                         self.con.execute("INSERT OR REPLACE INTO run_info VALUES (?, ?, ?)", [run_id, key, value])
                         n += 1
