@@ -40,7 +40,7 @@ def _frames(n_records: int, frame_records: int, rank: int) -> list[bytes]:
     return out
 
 
-def _producer(sock: str, n_records: int, rank: int, go, results) -> None:
+def _producer(sock: str, n_records: int, rank: int, ready, go, results) -> None:
     from phasescope.agent import events as ev
     from phasescope.agent.address import parse_address
     from phasescope.agent.probe.sender import Sender
@@ -50,11 +50,12 @@ def _producer(sock: str, n_records: int, rank: int, go, results) -> None:
     s = Sender(parse_address(f"unix:{sock}"), hello, window_bytes=16 << 20, drain_s=60)
     while not s.ready():
         time.sleep(0.01)
+    ready.put(rank)
     go.wait()
     t0 = time.perf_counter()
     for f in frames:
         while not s.send(f):  # the window is full: wait for acks (a probe would drop and count here)
-            time.sleep(0.0005)
+            s.wait_room(0.05)
     s.close()  # waits for the last acknowledgements
     results.put((t0, time.perf_counter(), s.sent, s.delivered, s.lost))
 
@@ -92,18 +93,21 @@ def run_once(n_records: int, producers: int, metrics: bool) -> dict:
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         ctx = mp.get_context("spawn")
-        go, results = ctx.Event(), ctx.Queue()
+        ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
         per = n_records // producers
-        ps = [ctx.Process(target=_producer, args=(sock, per, r, go, results)) for r in range(producers)]
+        ps = [ctx.Process(target=_producer, args=(sock, per, r, ready, go, results)) for r in range(producers)]
         for p in ps:
             p.start()
-        time.sleep(1.0 + 0.1 * producers)  # every producer connected and its frames built
+        for _ in ps:  # every producer connected and its frames built
+            ready.get(timeout=600)
+        time.sleep(0.5)
         go.set()
         out = [results.get(timeout=600) for _ in ps]
         for p in ps:
             p.join(30)
         stop.set()
         watcher.join(5)
+        cpu = proc.cpu_times()
         agent.terminate()
         agent.wait(60)
         t0, t1 = min(o[0] for o in out), max(o[1] for o in out)
@@ -115,6 +119,7 @@ def run_once(n_records: int, producers: int, metrics: bool) -> dict:
         base = bulk_append_rate(stored, os.path.join(tmp, "bulk.duckdb"))
         return {"producers": producers, "records": stored, "seconds": t1 - t0, "records_per_s": rate,
                 "duckdb_bulk_records_per_s": base, "ratio": rate / base, "peak_rss_mib": peak[0] / 2**20,
+                "agent_cpu_us_per_record": (cpu.user + cpu.system) / stored * 1e6,
                 "sent": sent, "delivered": delivered, "lost": lost, "delivered_equals_stored": delivered == stored}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

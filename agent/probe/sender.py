@@ -232,6 +232,18 @@ class Sender:
         except FrameError as exc:
             self._lost_connection(exc)
 
+    def wait_room(self, timeout_s: float) -> bool:
+        """Block until the window has room (acks arrived) or `timeout_s` passes; True if `send` may go.
+        For callers that would rather wait than drop (benchmarks, offline replays): the probe never waits."""
+        sock = self._sock
+        if sock is None or self._v1 or self._inflight_bytes < self._window:
+            return self.ready()
+        try:
+            select.select([sock], [], [], timeout_s)
+        except (OSError, ValueError):
+            pass
+        return self.ready()
+
     def _apply(self, ack: Ack) -> None:
         last_seq, stored, rejected = self._acked
         if ack.kind == ACK_WELCOME:

@@ -236,12 +236,19 @@ _NP_OF_SQL = {"SMALLINT": np.int16, "INTEGER": np.int32, "BIGINT": np.int64, "DO
 _ENUM_NAMES = {("Step", "phase"): PHASES, ("RequestEvent", "event"): REQUEST_EVENTS}
 
 
-def _gather(parts: list[np.ndarray], name: str, dtype: Any = None) -> np.ndarray:
-    """Field `name` of every part in one contiguous array (one copy; cast to `dtype` on the way)."""
-    if len(parts) == 1:
-        col = parts[0][name]
-        return np.ascontiguousarray(col) if dtype is None else col.astype(dtype)
-    return np.concatenate([p[name] for p in parts], dtype=dtype, casting="unsafe")
+def _gather(parts: list[np.ndarray], names: list[tuple[str, Any]]) -> dict[str, np.ndarray]:
+    """Fields `names` ((name, dtype or None to keep the field's)) of every part, each in one contiguous
+    array: one copy, part by part (a frame is read once from memory and its columns copied while it is in
+    cache), cast on the way."""
+    n = sum(len(p) for p in parts)
+    out = {name: np.empty(n, parts[0].dtype[name] if dt is None else dt) for name, dt in names}
+    off = 0
+    for p in parts:
+        k = len(p)
+        for name, col in out.items():
+            col[off:off + k] = p[name]
+        off += k
+    return out
 
 
 def columns(code: int, source_ids: np.ndarray, parts: np.ndarray | list[np.ndarray],
@@ -257,18 +264,29 @@ def columns(code: int, source_ids: np.ndarray, parts: np.ndarray | list[np.ndarr
         parts = [parts]
     cols: dict[str, Any] = {"source_id": source_ids.astype(np.int32, copy=False)}
     select = []
+    want = []  # (field, dtype of its column or None: as received)
+    for name, typ, _ in TABLES[t.table]:
+        if name == "source_id":
+            continue
+        kind = parts[0].dtype[name].kind
+        if (t.name, name) in _ENUM_NAMES and arrow is not None:
+            want.append((name, np.int8))
+        elif arrow is not None and kind not in "OS" and typ in _NP_OF_SQL:
+            want.append((name, _NP_OF_SQL[typ]))
+        else:
+            want.append((name, None))
+    got = _gather(parts, want)
     for name, typ, _ in TABLES[t.table]:
         if name == "source_id":
             select.append("source_id")
             continue
         kind = parts[0].dtype[name].kind
         enum = _ENUM_NAMES.get((t.name, name))
+        col = got[name]
         if kind == "O":
-            col = _gather(parts, name)
             cols[name] = col if arrow is None else arrow.array(col, arrow.string())
             select.append(name if arrow is not None else f"{name}::{typ} AS {name}")
         elif kind == "S":
-            col = _gather(parts, name)
             try:
                 col = np.char.rstrip(col, b"\0").astype(str)
             except UnicodeDecodeError:  # validated UTF-8 but not ASCII: the slow path
@@ -277,16 +295,16 @@ def columns(code: int, source_ids: np.ndarray, parts: np.ndarray | list[np.ndarr
             select.append(name)
         elif enum is not None:
             if arrow is not None:
-                cols[name] = arrow.DictionaryArray.from_arrays(_gather(parts, name, np.int8), list(enum))
+                cols[name] = arrow.DictionaryArray.from_arrays(col, list(enum))
                 select.append(f"{name}::VARCHAR AS {name}")
             else:
-                cols[name] = _gather(parts, name)
+                cols[name] = col
                 select.append("[" + ", ".join(f"'{e}'" for e in enum) + f"][{name} + 1] AS {name}")
         elif arrow is not None and typ in _NP_OF_SQL:
-            cols[name] = _gather(parts, name, _NP_OF_SQL[typ])  # validated to fit
+            cols[name] = col  # cast to the column's type (validated to fit)
             select.append(name)
         else:
-            cols[name] = _gather(parts, name)
+            cols[name] = col
             select.append(f"{name}::{typ} AS {name}")
     return t.table, cols, ", ".join(select)
 
