@@ -59,7 +59,8 @@ class PrometheusExporter:
         max_ranks: int = 64,
         long_prefill_tokens: int = int(T["long_prefill_tokens"]),
     ) -> None:
-        """`max_models`, `max_ranks`: distinct `model` / `rank` label values kept; later ones become `other`.
+        """`max_models`, `max_ranks`: distinct `model` / `rank` label values kept (the most active ones,
+        by records; see LabelCap); the others are exported as `other`.
         `long_prefill_tokens`: a step prefilling this many prompt tokens puts the gaps it ends in
         `phasescope_inter_token_latency_long_prefill_seconds` too."""
         if registry is None:
@@ -153,6 +154,10 @@ class PrometheusExporter:
         self.gpu: dict[int, tuple[float, GpuSample]] = {}
         self._pending_steps: OrderedDict[tuple[str, str, int], dict[int, tuple[float, float]]] = OrderedDict()
         self.step_groups_evicted_total = 0
+        # a model or rank that loses its place among the most active (LabelCap) loses its series
+        self._labelled = [m for m in vars(self).values() if isinstance(m, (Counter, Histogram))]
+        self.sources.model_cap.on_evict.append(lambda v: self._evict(0, "model", v))
+        self.rank_cap.on_evict.append(lambda v: self._evict(1, "rank", v))
         r.register(_SnapshotCollector(self))
 
     # --- RecordSink ---------------------------------------------------------
@@ -160,7 +165,7 @@ class PrometheusExporter:
     def on_records(self, batch: Batch) -> None:
         now = self._clock()
         for source_id, records in batch:
-            src = self.sources.get(source_id)
+            src = self.sources.get(source_id, len(records))
             for rec in records:
                 try:
                     src = self._record(now, source_id, src, rec)
@@ -210,22 +215,45 @@ class PrometheusExporter:
     def close(self) -> None:
         """Nothing to release: the registry and the HTTP server belong to the caller."""
 
+    def _evict(self, key_pos: int, label: str, value: str) -> None:
+        """Remove every series whose `label` is `value`, and the snapshots keyed by it (position `key_pos`
+        of their (model, rank) key): the value was folded into `other`."""
+        for m in self._labelled:
+            names = m._labelnames  # prometheus_client keeps children by label-value tuple
+            if label not in names:
+                continue
+            i = names.index(label)
+            for values in [k for k in list(m._metrics) if k[i] == value]:
+                try:
+                    m.remove(*values)
+                except KeyError:
+                    pass
+        for table in (self.kv, self.prefix, self.probe):
+            for k in [k for k in list(table) if k[key_pos] == value]:
+                table.pop(k, None)
+        if label == "model":
+            self._last_prefill.pop(value, None)
+
+    def _model(self, source: Source) -> str:
+        """The model label of a source remembered earlier (a request's): `other` if it lost its place since."""
+        return self.sources.model_cap.peek(source.model)
+
     # --- RequestListener ------------------------------------------------------
 
     def first_token(self, source: Source, ttft_s: float) -> None:
-        self.ttft.labels(source.model).observe(ttft_s)
+        self.ttft.labels(self._model(source)).observe(ttft_s)
 
     def inter_token(self, source: Source, gap_s: float, count: int) -> None:
-        child = self.itl.labels(source.model)
+        child = self.itl.labels(self._model(source))
         for _ in range(count):
             child.observe(gap_s)
         if self._last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
-            child = self.itl_long_prefill.labels(source.model)
+            child = self.itl_long_prefill.labels(self._model(source))
             for _ in range(count):
                 child.observe(gap_s)
 
     def finished(self, t: RequestTiming) -> None:
-        model = t.source.model
+        model = self._model(t.source)
         self.requests.labels(model, "aborted" if t.aborted else "finished").inc()
         if t.aborted:
             return  # latency histograms describe successful responses (OpenTelemetry's definition)
@@ -314,7 +342,12 @@ class _SnapshotCollector(Collector):
         waiting = GaugeMetricFamily("phasescope_requests_waiting",
                                     "Requests arrived or preempted and not (re)scheduled (the autoscaling signal).",
                                     labels=["model"])
-        for model, (n_run, n_wait) in sorted(exp.tracker.states().items()):
+        states: dict[str, list[int]] = {}
+        for model, (n_run, n_wait) in exp.tracker.states().items():
+            c = states.setdefault(exp.sources.model_cap.peek(model), [0, 0])
+            c[0] += n_run
+            c[1] += n_wait
+        for model, (n_run, n_wait) in sorted(states.items()):
             running.add_metric([model], n_run)
             waiting.add_metric([model], n_wait)
         yield running
@@ -331,10 +364,17 @@ class _SnapshotCollector(Collector):
         re_.add_metric([], exp.record_errors_total + self.row_errors_total)
         yield re_
         fo = CounterMetricFamily("phasescope_exporter_label_values_folded",
-                                 "Label values past the cap, exported as `other`, by label (kind).", labels=["kind"])
+                                 "Records whose label value is exported as `other` (not among the most active), "
+                                 "by label (kind).", labels=["kind"])
         fo.add_metric(["model"], exp.sources.model_cap.folded_total)
         fo.add_metric(["rank"], exp.rank_cap.folded_total)
         yield fo
+        evi = CounterMetricFamily("phasescope_exporter_label_values_evicted",
+                                  "Label values that lost their series to busier ones (top-N), by label (kind).",
+                                  labels=["kind"])
+        evi.add_metric(["model"], exp.sources.model_cap.evicted_total)
+        evi.add_metric(["rank"], exp.rank_cap.evicted_total)
+        yield evi
 
     @staticmethod
     def _kv(rows: list) -> Iterator[Metric]:  # rows passed _check_kv
