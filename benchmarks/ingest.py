@@ -148,7 +148,8 @@ def bulk_append_rate(n: int, path: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--records", type=int, default=2_000_000)
+    ap.add_argument("--records", "--steps", type=int, default=2_000_000,
+                    help="Step records streamed per run (the RSS bound is checked at 10M: --steps 10000000)")
     ap.add_argument("--producers", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--metrics", action="store_true", help="run the agent with its Prometheus exporter (a sink)")

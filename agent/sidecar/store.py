@@ -66,9 +66,15 @@ def _private(path: str) -> None:
 class Store:
     """A DuckDB file opened read-write, with the phasescope schema."""
 
-    def __init__(self, path: str, memory_limit: str | None = "128MB") -> None:
+    def __init__(self, path: str, memory_limit: str | None = "48MB") -> None:
         """`memory_limit`: DuckDB's buffer pool in this process (it spills beyond it); None: DuckDB's default
-        (80% of RAM), which lets the sidecar's RSS grow with the data it has written."""
+        (80% of RAM), which lets the sidecar's RSS grow with the data it has written.
+
+        48 MB keeps the sidecar within 300 MiB RSS however much it has stored (measured with
+        benchmarks/ingest.py at 10M steps: ~90 MiB of mapped libraries + ~80 MiB of interpreter, numpy,
+        pyarrow and DuckDB at rest + the 48 MiB ingest budget + one transaction's columns + this pool,
+        which DuckDB fills with cached table blocks as the file grows). Appends need little of it: a
+        transaction of whole row groups is written straight to the file."""
         self.path = path
         self.memory_limit = memory_limit
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
