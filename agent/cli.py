@@ -180,7 +180,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                       collectors=[nvml, host, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose,
                       token=token, memory_budget_bytes=int(args.memory_budget_mib * 2**20),
                       max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
-                      frame_timeout_s=args.frame_timeout_s)
+                      frame_timeout_s=args.frame_timeout_s, read_memory_mib=args.read_memory_mib)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 
@@ -401,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--memory-budget-mib", type=float, default=48.0,
                    help="received-but-unwritten records held at most; beyond it probes are slowed down and "
                         "their rings drop and count (default: %(default)s)")
+    a.add_argument("--read-memory-mib", type=int, default=512,
+                   help="DuckDB memory while a read-API query or retention roll runs; exact percentiles over "
+                        "10M steps need ~250 MiB (the writer alone stays within 48 MB) (default: %(default)s)")
     a.add_argument("--max-connections", type=int, default=256, help="probe connections at once (default: %(default)s)")
     a.add_argument("--idle-timeout-s", type=float, default=120.0,
                    help="close a probe connection silent this long, s (default: %(default)s)")

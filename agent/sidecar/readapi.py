@@ -3,7 +3,8 @@
 DuckDB lets one process hold a file read-write and then no other process can open
 it, so live readers (the dashboard, `diagnose --agent`) ask the sidecar, which runs
 the query on a cursor of its own connection (DuckDB cursors are safe to use from
-other threads while the writer appends). Only the named queries of
+other threads while the writer appends), under the store's read memory limit
+(`Store.reading`). A query that needs more than that answers 503 naming the flag. Only the named queries of
 `agent/read/queries.py` (and the findings function the CLI injects) can run: never user SQL.
 
     GET /api/v1/health                      sidecar counters
@@ -25,8 +26,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import threading
+from contextlib import AbstractContextManager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
+
+import duckdb
 from urllib.parse import parse_qsl, urlparse
 
 from ..read.jsonsafe import to_json
@@ -42,7 +46,7 @@ class ReadAPI:
 
     def __init__(
         self,
-        cursor: Callable[[], Any],
+        reading: Callable[[], AbstractContextManager[Any]],
         host: str = "127.0.0.1",
         port: int = 0,
         health: Callable[[], dict[str, Any]] | None = None,
@@ -50,8 +54,9 @@ class ReadAPI:
         live: Callable[[], dict[str, Any]] | None = None,
         ready: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        """`findings`: the analyzers' diagnose, injected by the caller (the sidecar never imports analyzers)."""
-        self._cursor = cursor
+        """`reading`: a context giving a cursor for one read (`Store.reading`); `findings`: the analyzers'
+        diagnose, injected by the caller (the sidecar never imports analyzers)."""
+        self._reading = reading
         self._findings_fn = findings
         self._health = health or (lambda: {})
         self._probes = {"healthz": live, "readyz": ready}  # agent/sidecar/health.py: {"ok": bool, "checks": ...}
@@ -99,17 +104,17 @@ class ReadAPI:
                 if parts[3] not in QUERIES:
                     body, status = {"error": f"unknown query {parts[3]!r}", "queries": sorted(QUERIES)}, 404
                 else:
-                    con = self._cursor()
-                    try:
+                    with self._reading() as con:
                         body, status = {"rows": run_named(con, parts[3], params)}, 200
-                    finally:
-                        con.close()
             elif parts == ["api", "v1", "findings"]:
                 body, status = self._findings(params.get("run_id") or None), 200
             else:
                 body, status = {"error": "not found"}, 404
         except ValueError as exc:
             body, status = {"error": str(exc)}, 400
+        except duckdb.OutOfMemoryException:
+            body, status = {"error": "the query needs more memory than the agent's read limit: narrow it "
+                                     "(run_id, since_s/until_s) or raise `phasescope agent --read-memory-mib`"}, 503
         except Exception as exc:  # noqa: BLE001 - report, keep serving
             log.warning("read API error on %s: %r", req.path, exc)
             body, status = {"error": "internal error (see the agent's log)"}, 500
@@ -138,8 +143,5 @@ class ReadAPI:
     def _findings(self, run_id: str | None) -> dict[str, Any]:
         if self._findings_fn is None:
             return {"findings": [], "error": "this agent serves no findings (started without analyzers)"}
-        con = self._cursor()
-        try:
+        with self._reading() as con:
             return {"findings": self._findings_fn(con, run_id)}
-        finally:
-            con.close()

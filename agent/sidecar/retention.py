@@ -241,23 +241,19 @@ class Retention:
 
     def roll(self) -> RollResult:
         """Apply the policy once. Raises on failure (the store is then unchanged)."""
-        with self._lock:
-            con = self.store.cursor()
-            try:
-                cut, reason, before = self.cutoff(con)
-                rows: dict[str, int] = {}
-                files: list[str] = []
-                if cut is not None:
-                    rows, files = self._roll_raw(con, cut)
-                rollup_cut = self._clock_ns() - int(self.policy.rollup_max_age_s * NS)
-                r_rows, r_files = self._expire_rollups(con, rollup_cut)
-                rows.update(r_rows)
-                files += r_files
-                if rows:
-                    self._checkpoint()
-                after = used_bytes(con)
-            finally:
-                con.close()
+        with self._lock, self.store.reading() as con:  # rollups aggregate whole tables: the read limit
+            cut, reason, before = self.cutoff(con)
+            rows: dict[str, int] = {}
+            files: list[str] = []
+            if cut is not None:
+                rows, files = self._roll_raw(con, cut)
+            rollup_cut = self._clock_ns() - int(self.policy.rollup_max_age_s * NS)
+            r_rows, r_files = self._expire_rollups(con, rollup_cut)
+            rows.update(r_rows)
+            files += r_files
+            if rows:
+                self._checkpoint()
+            after = used_bytes(con)
         result = RollResult(cut, reason, rows, files, before, after)
         self.rolls_total += 1
         self.rows_rolled_total += sum(rows.values())

@@ -189,6 +189,7 @@ class Sidecar:
         write_threshold_bytes: int = 16 << 20,
         sink_queue_batches: int = 64,
         sink_budget_bytes: int = 32 << 20,
+        read_memory_mib: int = 512,
     ) -> None:
         """`read_api`: "HOST:PORT" (loopback; port 0 picks one) to serve named queries to live readers;
         `findings`: (connection, run_id) -> findings served at /api/v1/findings (the CLI injects diagnose).
@@ -199,7 +200,9 @@ class Sidecar:
         `token`: shared secret every v2 sender must present (TCP has no other authentication);
         `write_threshold_bytes`: write at once (before `batch_interval_s`) when this much is queued;
         `sink_budget_bytes`: committed records waiting for the sinks (exporters) held at most; past it the
-        sinks miss them (counted in `sink_dropped_records_total`), ingestion never waits for a sink."""
+        sinks miss them (counted in `sink_dropped_records_total`), ingestion never waits for a sink;
+        `read_memory_mib`: DuckDB's memory limit while a read-API query or a retention roll runs
+        (`Store.reading`; the writer alone keeps 48 MB)."""
         if batch_interval_s <= 0 or checkpoint_interval_s <= 0:
             raise ValueError("intervals must be > 0")
         if memory_budget_bytes < (2 << 20) or partial_budget_bytes < (1 << 20) or max_connections < 1:
@@ -207,6 +210,7 @@ class Sidecar:
         if idle_timeout_s <= 0 or frame_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
         self.db_path = db_path
+        self.read_memory_mib = int(read_memory_mib)
         self.addresses = [a if isinstance(a, Address) else parse_address(a) for a in (listen or [None])]
         for a in self.addresses:
             if a.kind == "tcp" and a.path not in ("127.0.0.1", "localhost", "::1"):
@@ -269,10 +273,10 @@ class Sidecar:
             from .readapi import ReadAPI
 
             host, _, port = self.read_api_addr.rpartition(":")
-            self.read_api = ReadAPI(lambda: self.store.cursor(), host or "127.0.0.1", int(port),
+            self.read_api = ReadAPI(lambda: self.store.reading(), host or "127.0.0.1", int(port),
                                     health=lambda: _jsonable(vars(self.stats)), findings=self._findings,
                                     live=lambda: liveness(self), ready=lambda: readiness(self, self.checks))
-        self.store = Store(self.db_path)
+        self.store = Store(self.db_path, read_memory_limit=f"{self.read_memory_mib}MB")
         self.store.defer_sources = True
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="phasescope-sidecar", daemon=True)
