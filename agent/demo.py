@@ -31,7 +31,9 @@ class DemoRequest:
     prompt: list[int]
     output_tokens: int
     arrival_offset_s: float
-    wait_idle: bool = False  # submit only once every earlier request has finished (closed-loop phases)
+    # submit only once every earlier request has finished; this and later arrival offsets then count from
+    # that moment (closed-loop phases)
+    wait_idle: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,7 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
                 deadline = time.monotonic() + 600
                 while len(results) < i and collector.is_alive() and time.monotonic() < deadline:
                     time.sleep(0.005)
+                start = time.monotonic()
             if realtime:
                 delay = start + r.arrival_offset_s - time.monotonic()
                 if delay > 0:
