@@ -10,7 +10,9 @@ plus the tokens it had generated (its own pages were freed uncached): readmissio
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import duckdb
 import pytest
@@ -20,6 +22,7 @@ from phasescope.agent.probe.pagetrack import PageLife, PrefixTable
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.prefix_miss import CAUSES, miss_causes
 from phasescope.analyzers.residency import extra_pages_needed, residency
+from phasescope.agent.read.thresholds import T
 
 FIRST = {"no-shared-prefix": 716, "sub-page": 60, "evicted": 64, "in-flight": 0, "cache-disabled": 0}
 
@@ -79,10 +82,66 @@ def test_committed_fixture_exact_causes_and_findings(scenario):
     assert not any(f.startswith("prefix-miss-in-flight") or f == "prefix-miss-cache-disabled" for f in found)
 
 
-def test_healthy_and_other_fixtures_without_lookups_fire_none(scenario):
+def workload_misses(prompts: list[list[int]], page: int) -> dict[str, int]:
+    """Per-cause tokens a workload implies when every earlier prompt's whole pages are cached (no eviction, each
+    earlier request done): s the longest prefix shared with an earlier prompt, of which the tokens in whole
+    pages that the runtime may cache (all but the last token) hit, the rest of s is sub-page, L - s no-shared."""
+    out = {"queried": 0, "hit": 0, "no-shared-prefix": 0, "sub-page": 0}
+    for i, p in enumerate(prompts):
+        s = max((next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
+                 for q in prompts[:i]), default=0)
+        hit = min(s // page * page, (len(p) - 1) // page * page)
+        out["queried"] += len(p)
+        out["hit"] += hit
+        out["no-shared-prefix"] += len(p) - s
+        out["sub-page"] += s - hit
+    return out
+
+
+def test_healthy_fixture_has_lookups_and_page_events_and_fires_none_of_issue_13(scenario):
+    """The committed healthy run (HF continuous batching, 24 prompts behind a 65-token shared prefix: BOS + a 64-token
+    system prompt, pages of 16) carries prefix lookups and page events, and none of the four analyses fires."""
+    from phasescope.agent.demo import DemoConfig, make_workload
+    from phasescope.analyzers.itl import itl_spikes
+    from phasescope.analyzers.prefix_miss import prefix_miss_causes
+    from phasescope.analyzers.residency import kv_evicted_before_reuse
+    from phasescope.analyzers.telemetry import telemetry_degraded
+    from phasescope.agent.scenarios import DATA_DIR
+
     con, run_id = scenario("healthy")
-    assert miss_causes(con, run_id)["lookups"] == 0
-    assert not [f for f in diagnose(con, run_id) if f.id.startswith("prefix-miss") or f.id == "kv-evicted-before-reuse"]
+    with open(os.path.join(DATA_DIR, "healthy", "config.json"), encoding="utf-8") as f:
+        demo = json.load(f)["demo_config"]
+    workload = make_workload(DemoConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in demo.items()}))
+    arrivals = dict(con.execute("SELECT request_id, tokens FROM request_log WHERE run_id = ? AND event = 'arrival'",
+                                [run_id]).fetchall())
+    assert arrivals == {r.request_id: len(r.prompt) for r in workload}
+    order = [r for (r,) in con.execute("SELECT request_id FROM prefix_lookups ORDER BY ts_ns").fetchall()]
+    by_id = {r.request_id: r.prompt for r in workload}
+    want = workload_misses([by_id[r] for r in order], 16)
+    # the workload's closed form: 23 later prompts share 65 tokens, 4 whole pages (64) hit and 1 token is sub-page
+    assert (want["hit"], want["sub-page"]) == (23 * 64, 23)
+    assert want["no-shared-prefix"] == sum(len(p) for p in by_id.values()) - 23 * 65
+    c = miss_causes(con, run_id)
+    assert (c["lookups"], c["readmissions"], c["disabled_lookups"]) == (24, 0, 0)
+    assert (c["queried_tokens"], c["hit_tokens"]) == (want["queried"], want["hit"]) == (2030, 1472)
+    assert (c["no-shared-prefix"], c["sub-page"], c["evicted"], c["in-flight"]) == \
+        (want["no-shared-prefix"], want["sub-page"], 0, 0) == (535, 23, 0, 0)
+    assert c["missed_tokens"] == 535 + 23 == 2030 - 1472
+    q, h = con.execute("SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters").fetchone()
+    assert (q, h) == (2030, 1472)
+    # sub-page stays below both bars: 23 / 558 = 4.1% of the missed tokens (< 5%) and 1 token per lookup (< 4)
+    assert 23 / 558 < T["prefix_miss_cause_share"] and 23 / 23 < T["min_sub_page_tokens"]
+    # page events: no eviction (512 pages); the 4 system-prompt pages are taken back from the cache by every lookup
+    # that finds no other request running (13 of the 23 later ones, from the request events), 13 x 4 reuses
+    spans = con.execute("""SELECT min(ts_ns) FILTER (WHERE event = 'scheduled'), max(ts_ns) FILTER (WHERE event =
+                           'finished') FROM request_log WHERE run_id = ? GROUP BY request_id ORDER BY 1""",
+                        [run_id]).fetchall()
+    idle = sum(not any(s0 < s < f0 for s0, f0 in spans[:i]) for i, (s, _) in enumerate(spans) if i)
+    r = residency(con, run_id)
+    assert idle == 13 and (r["page_events"] > 0, r["evictions"], r["reuses"]) == (True, 0, idle * 4)
+    assert r["evicted_reuse_tokens"] == r["extra_pages_needed"] == 0
+    for rule in (prefix_miss_causes, kv_evicted_before_reuse, itl_spikes, telemetry_degraded):
+        assert rule(con, run_id) == [], rule.__name__
 
 
 @pytest.mark.slow
