@@ -3,7 +3,10 @@
 Real scenarios run the demo runtime (a random-weight Llama served by HF
 continuous batching on CPU, probe and sidecar attached) with a stated
 `DemoConfig`; `prefix-miss` serves the demo's own workload with the shared
-system prompt moved behind the variable part. Synthetic scenarios — the cases
+system prompt moved behind the variable part. `vllm` scenarios serve a stated
+workload (`vllm_workload.py`) with vLLM's offline API on CPU (vllm-cpu 0.32 in
+its own venv, the phasescope plugin installed there) into a sidecar here.
+Synthetic scenarios — the cases
 no runtime produces on CPU (TP ranks, GPU memory, NVML, rooflines, probe drops)
 — write stated records through `Store`.
 
@@ -12,7 +15,7 @@ configuration, notes and run labels) and one zstd Parquet file per table (a few
 KB each; the DuckDB file itself is ~2 MB of mostly empty blocks). `load()`
 turns the folder back into a DuckDB file with the store's schema.
 
-    python -m phasescope.agent.scenarios build            # all, into tests/data
+    python -m phasescope.agent.scenarios build            # all, into tests/data (vLLM ones if its venv exists)
     python -m phasescope.agent.scenarios build healthy kv-pressure --out DIR
 """
 
@@ -25,6 +28,8 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -40,7 +45,7 @@ TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    kind: str  # "demo" | "prefix-last" | "miss" (miss_workload) | "synthetic"
+    kind: str  # "demo" | "prefix-last" | "miss" (miss_workload) | "vllm" (vllm_workload) | "synthetic"
     notes: str
     expect: tuple[str, ...]  # finding ids that must fire (none for healthy)
     demo: dict[str, Any] = field(default_factory=dict)  # DemoConfig overrides
@@ -105,6 +110,61 @@ def run_workload(db_path: str, cfg: Any, workload: list[Any]) -> str:
     from phasescope.agent.demo import record_workload
 
     return record_workload(db_path, cfg, workload)
+
+
+VLLM_VERSION = "0.32.0"
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_MODEL = os.path.join(REPO_DIR, "tests", "agent", "vllm", "tiny-llama")  # config.json only: random weights
+
+
+def vllm_python() -> str | None:
+    """The vLLM venv's python (`PHASESCOPE_VLLM_PYTHON`, else the CI venv of vllm-cpu VLLM_VERSION), or None."""
+    exe = os.environ.get("PHASESCOPE_VLLM_PYTHON") or os.path.join(
+        os.path.expanduser("~"), ".cache", "phasescope-ci", f"vllm-venv-{VLLM_VERSION}", "bin", "python")
+    return exe if os.path.exists(exe) else None
+
+
+def record_vllm(db_path: str, run_id: str, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Serve `vllm_workload.prefix_miss_workload()` with vLLM on CPU, the plugin sending to a sidecar writing
+    `db_path` under `run_id`; returns vLLM's version and its own counters (`LLM.get_metrics()`)."""
+    import subprocess
+
+    from phasescope.agent.sidecar import Sidecar
+
+    from .vllm_workload import RESULT_TAG
+
+    exe = vllm_python()
+    if exe is None:
+        raise RuntimeError(f"no vLLM venv (vllm-cpu {VLLM_VERSION}): run .ci/run, or set PHASESCOPE_VLLM_PYTHON")
+    tmp = tempfile.mkdtemp(prefix="ps-vw-", dir="/tmp")  # short: the socket path
+    try:
+        src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
+        os.makedirs(src)
+        for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard"):
+            path = os.path.join(REPO_DIR, name)
+            if os.path.isdir(path):
+                shutil.copytree(path, os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
+            elif os.path.exists(path):
+                shutil.copy(path, src)
+        # installed (not editable) so vLLM finds the plugin's entry points
+        subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", site,
+                        src], check=True)
+        sock = f"unix:{tmp}/agent.sock"
+        env = dict(os.environ, PYTHONPATH=site, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=f"{tmp}/vllm-cache",
+                   PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id)
+        side = Sidecar(db_path, listen=[sock], batch_interval_s=0.05).start()
+        try:
+            p = subprocess.run([exe, "-m", "phasescope.agent.vllm_workload", VLLM_MODEL], env=env, cwd=tmp,
+                               capture_output=True, text=True, timeout=timeout_s)
+            time.sleep(0.5)  # the probes' last flush
+        finally:
+            side.stop()
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+        if p.returncode != 0 or not lines:
+            raise RuntimeError(f"vLLM run failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+        return json.loads(lines[0][len(RESULT_TAG):])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -274,6 +334,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              demo=dict(requests=15, page_size=16, num_pages=32, max_batch_tokens=256, vocab_size=4096,
                        hidden_size=64, layers=2, heads=4, kv_heads=2),
              labels=dict(shared_prefix_tokens=0, prefix_position="mixed")),
+    Scenario("prefix-miss-vllm", "vllm",
+             "vLLM 0.32 CPU (offline LLM API, tiny random-weight Llama, pages of 32 tokens, a pool of 8 pages) "
+             "serving vllm_workload.prefix_miss_workload() one prompt at a time. First admissions: 1044 tokens "
+             "queried, 192 hit (3 document pages, twice); missed 650 with no shared prefix, 106 shared inside a "
+             "partly shared page (4 x 24 + 10), 96 of the document evicted by a pool-filling burst before its reuse.",
+             expect=("prefix-miss-sub-page", "prefix-miss-evicted", "kv-evicted-before-reuse"),
+             labels=dict(shared_prefix_tokens=0, prefix_position="mixed")),
     Scenario("tp-imbalance", "synthetic",
              "Synthetic TP 4 run of a 32-layer model with 2 KV heads: rank 3 holds 140 MiB of KV vs 100 MiB, "
              "rank 2 takes 26 ms per step vs 20 ms; KV heads replicated 2x.",
@@ -322,6 +389,14 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
         if sc.torch_threads:
             labels["engine_torch_threads"] = sc.torch_threads
         config["demo_config"] = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
+    elif sc.kind == "vllm":
+        from .vllm_workload import engine_args, prefix_miss_workload
+
+        run_id = uuid.uuid4().hex[:16]
+        result = record_vllm(db_path, run_id)
+        labels = dict(sc.labels)
+        config["vllm"] = {**result, "engine_args": engine_args(),
+                          "workload": [[name, len(prompt)] for name, prompt in prefix_miss_workload()]}
     else:
         from . import synthetic
 
@@ -394,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default=DATA_DIR, help="parent folder (default: tests/data)")
     b.add_argument("--db", help="also keep the DuckDB file of a single scenario here")
     args = p.parse_args(argv)
-    for name in args.names or list(SCENARIOS):
+    names = args.names or [n for n, s in SCENARIOS.items() if s.kind != "vllm" or vllm_python()]
+    for name in sorted(set(SCENARIOS) - set(names)) if not args.names else ():
+        print(f"{name}: skipped (no vLLM venv: run .ci/run, or set PHASESCOPE_VLLM_PYTHON)", flush=True)
+    for name in names:
         if args.db:
             _, config = build_db(name, args.db)
             export(args.db, os.path.join(args.out, name), config)

