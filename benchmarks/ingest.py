@@ -47,7 +47,7 @@ def _producer(sock: str, n_records: int, rank: int, ready, go, results) -> None:
 
     frames = _frames(n_records, 8192, rank)
     hello = lambda: ev.encode_frame([ev.Hello(time.monotonic_ns(), 0, os.getpid(), rank, 1, "bench", "m", "bench")])
-    s = Sender(parse_address(f"unix:{sock}"), hello, window_bytes=16 << 20, drain_s=60)
+    s = Sender(parse_address(f"unix:{sock}"), hello, drain_s=60)  # the probe's default window (8 MiB)
     while not s.ready():
         time.sleep(0.01)
     ready.put(rank)

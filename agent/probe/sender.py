@@ -60,6 +60,10 @@ class Sender:
     (no sidecar, broken pipe, timeout); the caller counts those records as dropped.
     `on_connect` returns the (v1-encoded) frame to send first on each new connection (Hello).
     `token`: the shared secret of a TCP sidecar started with one (default $PHASESCOPE_AGENT_TOKEN).
+    `window_bytes`: sent-but-unacknowledged bytes at most. Only their sizes are kept here (the sidecar
+    bounds what it holds with its own budget), and it must exceed what the sidecar's writer waits for
+    before a transaction (a DuckDB row group: 122,880 records, ~6.6 MiB of Steps) by a good margin, or
+    a lone fast probe waits for each commit instead of sending the next frames meanwhile.
     """
 
     def __init__(
@@ -71,7 +75,7 @@ class Sender:
         backoff_max_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         token: str | None = None,
-        window_bytes: int = 8 << 20,
+        window_bytes: int = 32 << 20,
         drain_s: float = 5.0,
         folder_uid: int | None = None,
     ) -> None:

@@ -38,7 +38,7 @@ from ..events import (ACK_COMMIT, ACK_WELCOME, HEADER, SEQ, Ack, FrameError, Hel
                       encode_ack, read_header)
 from . import columnar
 from .connio import Reader, Writer
-from .store import Part, Store, is_store_failure
+from .store import ROW_GROUP_ROWS, Part, Store, is_store_failure
 
 log = logging.getLogger("phasescope.sidecar")
 
@@ -158,11 +158,12 @@ class _Conn:
 
 
 class _Item:
-    __slots__ = ("conn", "part", "nbytes", "hello", "nonce")
+    __slots__ = ("conn", "part", "nbytes", "hello", "nonce", "rows")
 
     def __init__(self, conn: _Conn | None, part: Part, nbytes: int, hello: Hello | None = None) -> None:
         self.conn, self.part, self.nbytes, self.hello = conn, part, nbytes, hello
         self.nonce = conn.nonce if conn is not None else None
+        self.rows = part.rows()
 
 
 class Sidecar:
@@ -187,6 +188,7 @@ class Sidecar:
         frame_timeout_s: float = 10.0,
         token: str | None = None,
         write_threshold_bytes: int = 16 << 20,
+        write_start_rows: int = ROW_GROUP_ROWS,
         sink_queue_batches: int = 64,
         sink_budget_bytes: int = 32 << 20,
         read_memory_mib: int = 512,
@@ -198,7 +200,10 @@ class Sidecar:
         `idle_timeout_s`: a connection that sends nothing this long is closed (probes send health every 1 s);
         `frame_timeout_s`: a frame must arrive whole within this once it starts;
         `token`: shared secret every v2 sender must present (TCP has no other authentication);
-        `write_threshold_bytes`: write at once (before `batch_interval_s`) when this much is queued;
+        `write_start_rows`: the writer starts (before `batch_interval_s`) as soon as this many records are
+        queued (default: one DuckDB row group; see `ROW_GROUP_ROWS`), or `write_threshold_bytes`;
+        `write_threshold_bytes`: half the most one transaction takes (what arrives during a write is taken
+        by the next one, so transactions grow with the rate up to twice this);
         `sink_budget_bytes`: committed records waiting for the sinks (exporters) held at most; past it the
         sinks miss them (counted in `sink_dropped_records_total`), ingestion never waits for a sink;
         `read_memory_mib`: DuckDB's memory limit while a read-API query or a retention roll runs
@@ -228,6 +233,9 @@ class Sidecar:
         self.frame_timeout_s = frame_timeout_s
         self._token = token
         self._write_threshold = write_threshold_bytes
+        self._write_start_rows = write_start_rows
+        self._queued_rows = 0
+        self._qlock = threading.Lock()  # the two counts above: the loop adds, the writer subtracts
         self._items: collections.deque[_Item] = collections.deque()
         self._queued_bytes = 0
         self._wake = threading.Event()
@@ -580,9 +588,11 @@ class Sidecar:
             if item.nonce is not None:
                 self._pending_by_nonce[item.nonce] = self._pending_by_nonce.get(item.nonce, 0) + 1
         self._items.append(item)
-        self._queued_bytes += item.nbytes
+        with self._qlock:
+            self._queued_bytes += item.nbytes
+            self._queued_rows += item.rows
         self.stats.unwritten_bytes = self._budget.used
-        if self._queued_bytes >= self._write_threshold:
+        if self._queued_rows >= self._write_start_rows or self._queued_bytes >= self._write_threshold:
             self._wake.set()
 
     def _committed(self, items: list[_Item]) -> None:
@@ -635,7 +645,9 @@ class Sidecar:
                 taken = 0  # at most 2x the write threshold per transaction: bounded transient memory
                 while self._items and taken < 2 * self._write_threshold:
                     it = self._items.popleft()
-                    self._queued_bytes -= it.nbytes
+                    with self._qlock:
+                        self._queued_bytes -= it.nbytes
+                        self._queued_rows -= it.rows
                     taken += it.nbytes
                     items.append(it)
                 if self._items:
@@ -806,7 +818,9 @@ class Sidecar:
                 if records:
                     arrays, control = columnar.split_records(records)
                     part = Part(sources[id(c)], arrays, [r for r in control if type(r) is RunLabel])
-                    self._items.append(_Item(None, part, 0))
+                    item = _Item(None, part, 0)
+                    item.rows = 0  # not counted in _queued_rows: the timer writes the collectors' few rows
+                    self._items.append(item)
 
 
 def _split(p: Part) -> tuple[Part, Part] | None:
