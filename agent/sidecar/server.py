@@ -187,7 +187,7 @@ class Sidecar:
         idle_timeout_s: float = 120.0,
         frame_timeout_s: float = 10.0,
         token: str | None = None,
-        write_threshold_bytes: int = 16 << 20,
+        write_threshold_bytes: int = 8 << 20,
         write_start_rows: int = ROW_GROUP_ROWS,
         sink_queue_batches: int = 64,
         sink_budget_bytes: int = 32 << 20,
