@@ -6,6 +6,9 @@ stream pre-encoded Step frames (8192 records, the probe's frame size) through th
 (wire v2: windowed, acknowledged). The rate is stored rows / (first send -> last acknowledgement), and
 `delivered == stored` is checked. The baseline appends the same number of rows, already as an Arrow
 table with the store's column types, in one `INSERT ... SELECT` into a fresh file with the same schema.
+With `--metrics` the agent runs its Prometheus exporter (a sink); at the end its /metrics is scraped: steps
+the sink observed (sum of `phasescope_step_host_seconds_count`) against stored, and
+`phasescope_sidecar_sink_dropped_records_total` (what the sinks missed because they lagged).
 
     python benchmarks/ingest.py [--records 2000000] [--producers 1 4 16] [--repeat 3] [--metrics]
 """
@@ -60,7 +63,7 @@ def _producer(sock: str, n_records: int, rank: int, ready, go, results) -> None:
     results.put((t0, time.perf_counter(), s.sent, s.delivered, s.lost))
 
 
-def _agent(db: str, sock: str, metrics: bool) -> subprocess.Popen:
+def _agent(db: str, sock: str, metrics: bool) -> tuple[subprocess.Popen, str | None]:
     args = [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api",
             "--no-retention"]
     args += ["--metrics-addr", "127.0.0.1:0"] if metrics else ["--no-metrics"]
@@ -68,7 +71,51 @@ def _agent(db: str, sock: str, metrics: bool) -> subprocess.Popen:
     line = proc.stdout.readline()
     if "listening" not in line:
         raise RuntimeError(f"agent did not start: {line!r}")
-    return proc
+    url = line.split("metrics on ", 1)[1].split(";", 1)[0].strip() if "metrics on " in line else None
+    return proc, url
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """What the agent's /metrics says the Prometheus sink saw: steps observed (sum of the
+    `phasescope_step_host_seconds` counts) and decode tokens; and the sidecar's sink counters."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out = {"sink_steps_seen": 0.0, "sink_decode_tokens": 0.0, "sink_dropped_records": 0.0, "sink_errors": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "phasescope_step_host_seconds_count":
+                out["sink_steps_seen"] += s.value
+            elif s.name == "phasescope_step_tokens_total" and s.labels.get("kind") == "decode":
+                out["sink_decode_tokens"] += s.value
+            elif s.name == "phasescope_sidecar_sink_dropped_records_total":
+                out["sink_dropped_records"] = s.value
+            elif s.name == "phasescope_sidecar_sink_errors_total":
+                out["sink_errors"] = s.value
+    return out
+
+
+def _sink_figures(url: str, expect: int, settle_s: float = 60.0) -> dict:
+    """Scrape /metrics when the last record is acknowledged and again once the sink stops moving (it may
+    still be working through its queue): seen at the end, seen once settled, and how long that took."""
+    t0 = time.perf_counter()
+    first = _scrape(url)
+    last, moved = first, t0
+    while time.perf_counter() - t0 < settle_s:
+        if last["sink_steps_seen"] + last["sink_dropped_records"] >= expect:
+            break
+        time.sleep(0.25)
+        cur = _scrape(url)
+        if cur != last:
+            moved = time.perf_counter()
+        elif time.perf_counter() - moved > 2.0:
+            break
+        last = cur
+    return {"sink_steps_seen_at_end": first["sink_steps_seen"], **last,
+            "sink_catch_up_s": moved - t0}
 
 
 def run_once(n_records: int, producers: int, metrics: bool) -> dict:
@@ -77,7 +124,7 @@ def run_once(n_records: int, producers: int, metrics: bool) -> dict:
     tmp = tempfile.mkdtemp(prefix="ps-ingest-", dir="/tmp")
     try:
         db, sock = os.path.join(tmp, "bench.duckdb"), os.path.join(tmp, "agent.sock")
-        agent = _agent(db, sock, metrics)
+        agent, url = _agent(db, sock, metrics)
         proc = psutil.Process(agent.pid)
         peak = [proc.memory_info().rss]
         stop = threading.Event()
@@ -105,6 +152,7 @@ def run_once(n_records: int, producers: int, metrics: bool) -> dict:
         out = [results.get(timeout=600) for _ in ps]
         for p in ps:
             p.join(30)
+        sink = _sink_figures(url, n_records // producers * producers) if url else {}
         stop.set()
         watcher.join(5)
         cpu = proc.cpu_times()
@@ -120,7 +168,7 @@ def run_once(n_records: int, producers: int, metrics: bool) -> dict:
         return {"producers": producers, "records": stored, "seconds": t1 - t0, "records_per_s": rate,
                 "duckdb_bulk_records_per_s": base, "ratio": rate / base, "peak_rss_mib": peak[0] / 2**20,
                 "agent_cpu_us_per_record": (cpu.user + cpu.system) / stored * 1e6,
-                "sent": sent, "delivered": delivered, "lost": lost, "delivered_equals_stored": delivered == stored}
+                "sent": sent, "delivered": delivered, "lost": lost, "delivered_equals_stored": delivered == stored, **sink}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -165,6 +213,12 @@ def main() -> None:
         rows.append({"producers": n, **med, "runs": runs})
         print(f"{n:>9} {med['records_per_s']:>11,.0f} {med['duckdb_bulk_records_per_s']:>13,.0f} "
               f"{med['ratio']:>6.1%} {med['peak_rss_mib']:>12.0f}  {len(runs)}", flush=True)
+        for r in runs:
+            if "sink_steps_seen" in r:
+                print(f"{'':>9} Prometheus sink: {r['sink_steps_seen']:,.0f} of {r['records']:,} stored steps seen "
+                      f"({r['sink_steps_seen_at_end']:,.0f} when the last was acknowledged, caught up "
+                      f"{r['sink_catch_up_s']:.1f} s later), sink_dropped_records_total "
+                      f"{r['sink_dropped_records']:,.0f}, sink errors {r['sink_errors']:,.0f}", flush=True)
     if args.out:
         meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "records": args.records,
                 "metrics_sink": args.metrics, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
