@@ -5,7 +5,10 @@ Names follow the OpenTelemetry GenAI conventions mapped to Prometheus
 and `phasescope_*` for what they lack. Labels are bounded: `model`, `rank`,
 `phase`, `gpu`, and small enums (`reason`, `token_type`, `kind`); never a request id.
 
-Latency histograms are observed on the ingest path (one `observe` per value).
+Latency histograms are observed on the ingest path. Steps, the sidecar's highest-volume records, come
+as numpy columns (`columnar_types`: one `Chunk` per frame) and are observed a column at a time
+(`BulkHistogram`, exporters/bulk.py: one searchsorted + bincount per label set); the rest one `observe`
+per value.
 Everything that arrives as a snapshot or as a monotonic total (KV, prefix
 counters, probe health, GPU samples) is only remembered on the ingest path and
 turned into samples when Prometheus scrapes (`_SnapshotCollector`), so a
@@ -24,6 +27,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,9 +37,10 @@ from phasescope.agent.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOK
                                      PageEvent, PrefixCounters, PrefixLookup, ProbeHealth, RequestEvent, Step)
 from phasescope.agent.read.queries import split_lookup
 from phasescope.agent.read.thresholds import T
-from phasescope.agent.sidecar import Batch, SidecarStats
+from phasescope.agent.sidecar import Batch, Chunk, SidecarStats
 
 from . import buckets
+from .bulk import BulkHistogram
 from .requests import RequestTiming, RequestTracker
 from .sources import LabelCap, Source, SourceTable
 
@@ -46,6 +51,11 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:9464"
 
 class PrometheusExporter:
     """Sidecar sink that maintains Prometheus metrics in `registry`."""
+
+    # what the sidecar hands this sink; Steps as numpy columns (Chunks), not one NamedTuple each
+    record_types = frozenset({Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, ProbeHealth, GpuSample,
+                              PrefixLookup, PageEvent})
+    columnar_types = frozenset({Step})
 
     def __init__(
         self,
@@ -118,11 +128,12 @@ class PrometheusExporter:
         self.preemptions = Counter("phasescope_request_preemptions", "Preemptions of requests, counted as they happen.",
                                    ["model"], registry=r)
         # --- engine steps ---
-        self.step_host = Histogram("phasescope_step_host_seconds", "Host wall time of one forward, by phase, s.",
-                                   ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
-        self.step_gpu = Histogram("phasescope_step_gpu_seconds",
-                                  "GPU time of one forward (CUDA events; sampled steps only), by phase, s.",
-                                  ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
+        # observed a column at a time (BulkHistogram: prometheus_client's Histogram has no bulk observe)
+        self.step_host = BulkHistogram("phasescope_step_host_seconds", "Host wall time of one forward, by phase, s.",
+                                       ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
+        self.step_gpu = BulkHistogram("phasescope_step_gpu_seconds",
+                                      "GPU time of one forward (CUDA events; sampled steps only), by phase, s.",
+                                      ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
         self.step_tokens = Counter("phasescope_step_tokens",
                                    "Tokens computed by forwards, kind=prefill (prompt) or decode (generated).",
                                    ["model", "rank", "kind"], registry=r)
@@ -156,6 +167,7 @@ class PrometheusExporter:
         self.step_groups_evicted_total = 0
         # a model or rank that loses its place among the most active (LabelCap) loses its series
         self._labelled = [m for m in vars(self).values() if isinstance(m, (Counter, Histogram))]
+        self._bulk = [m for m in vars(self).values() if isinstance(m, BulkHistogram)]
         self.sources.model_cap.on_evict.append(lambda v: self._evict(0, "model", v))
         self.rank_cap.on_evict.append(lambda v: self._evict(1, "rank", v))
         r.register(_SnapshotCollector(self))
@@ -165,13 +177,20 @@ class PrometheusExporter:
     def on_records(self, batch: Batch) -> None:
         now = self._clock()
         for source_id, records in batch:
-            src = self.sources.get(source_id, len(records))
+            src = self.sources.get(source_id, sum(len(r.rows) if type(r) is Chunk else 1 for r in records))
             for rec in records:
                 try:
-                    src = self._record(now, source_id, src, rec)
+                    if type(rec) is Chunk:
+                        if rec.cls is Step:
+                            self._steps(src, rec.rows)
+                        else:  # only the types in columnar_types come as Chunks
+                            raise TypeError(f"no columnar handler for {rec.cls.__name__}")
+                    else:
+                        src = self._record(now, source_id, src, rec)
                 except Exception as exc:  # noqa: BLE001 - one record never stops the rest
-                    self.record_errors_total += 1
-                    if self.record_errors_total == 1:
+                    first = self.record_errors_total == 0
+                    self.record_errors_total += len(rec.rows) if type(rec) is Chunk else 1
+                    if first:
                         log.warning("skipping a record the exporter cannot use: %r (%r)", rec, exc)
 
     def _record(self, now: float, source_id: int, src: Source, rec: Any) -> Source:
@@ -218,6 +237,8 @@ class PrometheusExporter:
     def _evict(self, key_pos: int, label: str, value: str) -> None:
         """Remove every series whose `label` is `value`, and the snapshots keyed by it (position `key_pos`
         of their (model, rank) key): the value was folded into `other`."""
+        for b in self._bulk:
+            b.remove_where(label, value)
         for m in self._labelled:
             names = m._labelnames  # prometheus_client keeps children by label-value tuple
             if label not in names:
@@ -269,26 +290,77 @@ class PrometheusExporter:
         rank = self.rank_cap(str(s.rank))
         if s.rank == 0:  # the step a token event that follows was computed in (one rank is enough)
             self._last_prefill[src.model] = s.prefill_tokens
-        self.step_host.labels(src.model, rank, phase).observe(s.host_ms * 1e-3)
+        self.step_host.observe((src.model, rank, phase), s.host_ms * 1e-3)
         if not math.isnan(s.gpu_ms):
-            self.step_gpu.labels(src.model, rank, phase).observe(s.gpu_ms * 1e-3)
+            self.step_gpu.observe((src.model, rank, phase), s.gpu_ms * 1e-3)
         if s.prefill_tokens:
             self.step_tokens.labels(src.model, rank, "prefill").inc(s.prefill_tokens)
         if s.decode_tokens:
             self.step_tokens.labels(src.model, rank, "decode").inc(s.decode_tokens)
         if src.world_size > 1:
-            self._tp_step(src, s)
+            self._tp_step(src, s.step_id, s.rank, s.gpu_ms, s.host_ms)
 
-    def _tp_step(self, src: Source, s: Step) -> None:
+    def _steps(self, src: Source, a: np.ndarray) -> None:
+        """Take a column of steps in (a numpy structured array with Step's fields, in arrival order), with
+        the same effect as `_step` on each row: one histogram update per (rank, phase) present.
+        Rank labels: each distinct rank counts its rows in the LabelCap at once (in order of first
+        appearance), then every row takes the label its rank has after the chunk."""
+        n = len(a)
+        if not n:
+            return
+        model = src.model
+        ranks = a["rank"]
+        zero = np.flatnonzero(ranks == 0)
+        if len(zero):  # the latest rank-0 step (a token event that follows was computed in it)
+            self._last_prefill[model] = int(a["prefill_tokens"][zero[-1]])
+        key = ranks.astype(np.int64) * 256 + a["phase"]
+        if (key == key[0]).all():
+            groups = [(int(key[0]), None)]
+            counts = {int(ranks[0]): n}
+        else:
+            uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
+            order = np.argsort(inv, kind="stable")
+            bounds = np.cumsum(np.bincount(inv, minlength=len(uniq)))[:-1]
+            groups = [(int(k), idx) for k, idx in zip(uniq, np.split(order, bounds))]
+            groups.sort(key=lambda g: int(g[1][0]))  # in order of first appearance
+            counts = {}
+            for k, idx in groups:
+                counts[k >> 8] = counts.get(k >> 8, 0) + len(idx)
+        for r, c in counts.items():
+            self.rank_cap(str(r), c)
+        labels = {r: self.rank_cap.peek(str(r)) for r in counts}  # an evicted rank is `other` now
+        host_all, gpu_all = a["host_ms"], a["gpu_ms"]
+        pre_all, dec_all = a["prefill_tokens"], a["decode_tokens"]
+        for k, idx in groups:
+            p = k & 0xFF
+            rank = labels[k >> 8]
+            phase = PHASES[p] if p < len(PHASES) else "other"
+            sel = (lambda col: col) if idx is None else (lambda col, idx=idx: col[idx])
+            self.step_host.observe_many((model, rank, phase), sel(host_all).astype(np.float64) * 1e-3)
+            gpu = sel(gpu_all).astype(np.float64)
+            gpu = gpu[~np.isnan(gpu)]
+            if len(gpu):
+                self.step_gpu.observe_many((model, rank, phase), gpu * 1e-3)
+            pre = int(sel(pre_all).sum(dtype=np.int64))
+            if pre:
+                self.step_tokens.labels(model, rank, "prefill").inc(pre)
+            dec = int(sel(dec_all).sum(dtype=np.int64))
+            if dec:
+                self.step_tokens.labels(model, rank, "decode").inc(dec)
+        if src.world_size > 1:
+            for step_id, r, g, h in zip(a["step_id"].tolist(), ranks.tolist(), gpu_all.tolist(), host_all.tolist()):
+                self._tp_step(src, step_id, r, g, h)
+
+    def _tp_step(self, src: Source, step_id: int, rank: int, gpu_ms: float, host_ms: float) -> None:
         """Match the same step id across the ranks of one run; score skew and the slowest rank."""
-        key = (src.run_id, src.model, s.step_id)
+        key = (src.run_id, src.model, step_id)
         group = self._pending_steps.get(key)
         if group is None:
             group = self._pending_steps[key] = {}
             while len(self._pending_steps) > self.max_pending_steps:
                 self._pending_steps.popitem(last=False)
                 self.step_groups_evicted_total += 1
-        group[s.rank] = (s.gpu_ms, s.host_ms)
+        group[rank] = (gpu_ms, host_ms)
         if len(group) < src.world_size:
             return
         del self._pending_steps[key]

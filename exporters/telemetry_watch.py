@@ -14,13 +14,14 @@ import math
 import time
 from typing import Callable, Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from phasescope.agent.events import Hello, KVSnapshot, PrefixCounters, ProbeHealth, RunLabel, Step
 from phasescope.agent.read.thresholds import T
-from phasescope.agent.sidecar import Batch
+from phasescope.agent.sidecar import Batch, Chunk
 
 from .sources import SourceTable
 
@@ -44,6 +45,9 @@ class _ModelState:
 class TelemetryWatch:
     """Sidecar sink: per-model telemetry freshness, exported as `phasescope_telemetry_degraded`."""
 
+    record_types = frozenset({Hello, Step, KVSnapshot, PrefixCounters, ProbeHealth, RunLabel})
+    columnar_types = frozenset({Step})  # steps come as numpy columns (a Chunk per frame), not one tuple each
+
     def __init__(self, registry: CollectorRegistry, stale_s: float = T["telemetry_stale_s"],
                  max_clock_skew_s: float = T["max_clock_skew_s"], clock: Callable[[], float] = time.monotonic,
                  wall_ns: Callable[[], int] = time.time_ns) -> None:
@@ -66,7 +70,14 @@ class TelemetryWatch:
             st = self._state(src.model)
             for rec in records:
                 t = type(rec)
-                if t is Step:
+                if t is Chunk:
+                    if rec.cls is Step and len(rec.rows):
+                        st.last_step = now
+                        if rec.rows["prefill_tokens"].any():
+                            st.last_prefill = now
+                        if not np.isnan(rec.rows["gpu_ms"]).all():
+                            st.last_gpu = now
+                elif t is Step:
                     st.last_step = now
                     if rec.prefill_tokens:
                         st.last_prefill = now

@@ -6,6 +6,6 @@ layer's named queries (`agent.read`); never the probe, analyzers, exporters or
 dashboard (the CLI wires exporters in as sinks). Needs no torch.
 """
 
-from .server import SIDECAR_SOURCE_ID, Batch, Collector, RecordSink, Sidecar, SidecarStats
+from .server import SIDECAR_SOURCE_ID, Batch, Chunk, Collector, RecordSink, Sidecar, SidecarStats
 
-__all__ = ["SIDECAR_SOURCE_ID", "Batch", "Collector", "RecordSink", "Sidecar", "SidecarStats"]
+__all__ = ["SIDECAR_SOURCE_ID", "Batch", "Chunk", "Collector", "RecordSink", "Sidecar", "SidecarStats"]
