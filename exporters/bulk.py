@@ -53,12 +53,17 @@ class BulkHistogram(Collector):
             s = self._series[labels] = [np.zeros(len(self.bounds), np.int64), 0.0]
         return s
 
-    def observe_many(self, labels: tuple[str, ...], values: np.ndarray) -> None:
-        """Observe every value of `values` (float64, s) under `labels`."""
+    def observe_many(self, labels: tuple[str, ...], values: np.ndarray, times: np.ndarray | None = None) -> None:
+        """Observe every value of `values` (float64, s) under `labels`; value i `times[i]` times when given."""
         if not len(values):
             return
-        counts = np.bincount(np.searchsorted(self.bounds, values, side="left"), minlength=len(self.bounds))
-        total = float(values.sum())
+        idx = np.searchsorted(self.bounds, values, side="left")
+        if times is None:
+            counts = np.bincount(idx, minlength=len(self.bounds))
+            total = float(values.sum())
+        else:
+            counts = np.bincount(idx, weights=times, minlength=len(self.bounds)).astype(np.int64)
+            total = float((values * times).sum())
         with self._lock:
             s = self._get(labels)
             s[0] += counts[: len(self.bounds)]  # NaN sorts past +Inf: in no bucket, as with observe()

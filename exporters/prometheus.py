@@ -5,10 +5,11 @@ Names follow the OpenTelemetry GenAI conventions mapped to Prometheus
 and `phasescope_*` for what they lack. Labels are bounded: `model`, `rank`,
 `phase`, `gpu`, and small enums (`reason`, `token_type`, `kind`); never a request id.
 
-Latency histograms are observed on the ingest path. Steps, the sidecar's highest-volume records, come
-as numpy columns (`columnar_types`: one `Chunk` per frame) and are observed a column at a time
-(`BulkHistogram`, exporters/bulk.py: one searchsorted + bincount per label set); the rest one `observe`
-per value.
+Latency histograms are observed on the ingest path. Steps and request events (one per token), the
+sidecar's highest-volume records, come as numpy columns (`columnar_types`: one `Chunk` per frame): step
+histograms and token counters are updated a column at a time (`BulkHistogram`, exporters/bulk.py: one
+searchsorted + bincount per label set), request events go through the request tracker as plain tuples
+(no NamedTuple each) and their inter-token gaps are observed in bulk; the rest one `observe` per value.
 Everything that arrives as a snapshot or as a monotonic total (KV, prefix
 counters, probe health, GPU samples) is only remembered on the ingest path and
 turned into samples when Prometheus scrapes (`_SnapshotCollector`), so a
@@ -55,7 +56,7 @@ class PrometheusExporter:
     # what the sidecar hands this sink; Steps as numpy columns (Chunks), not one NamedTuple each
     record_types = frozenset({Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, ProbeHealth, GpuSample,
                               PrefixLookup, PageEvent})
-    columnar_types = frozenset({Step})
+    columnar_types = frozenset({Step, RequestEvent})
 
     def __init__(
         self,
@@ -106,12 +107,12 @@ class PrometheusExporter:
         self.generation_tokens = Counter("phasescope_generation_tokens", "Output tokens generated.",
                                          ["model"], registry=r)
         # --- requests: what the conventions lack ---
-        self.itl = Histogram("phasescope_inter_token_latency_seconds",
-                             "Gap between consecutive output tokens (a chunk of k gives k samples of gap/k), s.",
-                             ["model"], buckets=buckets.ITL_S, registry=r)
+        self.itl = BulkHistogram("phasescope_inter_token_latency_seconds",
+                                 "Gap between consecutive output tokens (a chunk of k gives k samples of gap/k), s.",
+                                 ["model"], buckets=buckets.ITL_S, registry=r)
         # the ITL samples whose gap ended with a step that prefilled >= long_prefill_tokens prompt tokens (the
         # model's latest lowest-rank step when the token arrives): the part of the ITL tail long prefills cause
-        self.itl_long_prefill = Histogram(
+        self.itl_long_prefill = BulkHistogram(
             "phasescope_inter_token_latency_long_prefill_seconds",
             f"Inter-token gaps ended by a step that prefilled >= {long_prefill_tokens} prompt tokens next to the "
             "decodes (a chunk of k gives k samples of gap/k), s.", ["model"], buckets=buckets.ITL_S, registry=r)
@@ -183,6 +184,8 @@ class PrometheusExporter:
                     if type(rec) is Chunk:
                         if rec.cls is Step:
                             self._steps(src, rec.rows)
+                        elif rec.cls is RequestEvent:
+                            self._events(source_id, src, rec.rows)
                         else:  # only the types in columnar_types come as Chunks
                             raise TypeError(f"no columnar handler for {rec.cls.__name__}")
                     else:
@@ -265,13 +268,17 @@ class PrometheusExporter:
         self.ttft.labels(self._model(source)).observe(ttft_s)
 
     def inter_token(self, source: Source, gap_s: float, count: int) -> None:
-        child = self.itl.labels(self._model(source))
-        for _ in range(count):
-            child.observe(gap_s)
+        model = self._model(source)
+        self.itl.observe((model,), gap_s, count)
         if self._last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
-            child = self.itl_long_prefill.labels(self._model(source))
-            for _ in range(count):
-                child.observe(gap_s)
+            self.itl_long_prefill.observe((model,), gap_s, count)
+
+    def inter_tokens(self, source: Source, gaps_s: np.ndarray, counts: np.ndarray) -> None:
+        """`inter_token` for many gaps of one source at once (gap i observed counts[i] times)."""
+        model = self._model(source)
+        self.itl.observe_many((model,), gaps_s, counts)
+        if self._last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
+            self.itl_long_prefill.observe_many((model,), gaps_s, counts)
 
     def finished(self, t: RequestTiming) -> None:
         model = self._model(t.source)
@@ -350,6 +357,24 @@ class PrometheusExporter:
         if src.world_size > 1:
             for step_id, r, g, h in zip(a["step_id"].tolist(), ranks.tolist(), gpu_all.tolist(), host_all.tolist()):
                 self._tp_step(src, step_id, r, g, h)
+
+    def _events(self, source_id: int, src: Source, a: np.ndarray) -> None:
+        """Take a column of request events in (RequestEvent's fields, in arrival order) with
+        the same effect as `_record` on each: the tracker walks them as plain tuples (per-request state
+        cannot be vectorized exactly), the token counters are summed a column at a time."""
+        kinds, tokens = a["event"], a["tokens"]
+        rids = [b.rstrip(b"\0").decode("utf-8", "replace") for b in a["request_id"].tolist()]
+        self.tracker.on_events(source_id, src, zip(a["ts_ns"].tolist(), a["rank"].tolist(), kinds.tolist(), rids,
+                                                   tokens.tolist(), a["cached_tokens"].tolist()))
+        m = kinds == REQ_TOKEN
+        if m.any():
+            self.generation_tokens.labels(src.model).inc(int(np.maximum(tokens[m], 1).sum(dtype=np.int64)))
+        m = kinds == REQ_ARRIVAL
+        if m.any():
+            self.prompt_tokens.labels(src.model).inc(int(tokens[m].sum(dtype=np.int64)))
+        n = int((kinds == REQ_PREEMPTED).sum())
+        if n:
+            self.preemptions.labels(src.model).inc(n)
 
     def _tp_step(self, src: Source, step_id: int, rank: int, gpu_ms: float, host_ms: float) -> None:
         """Match the same step id across the ranks of one run; score skew and the slowest rank."""

@@ -186,3 +186,76 @@ def test_sidecar_burst_every_step_reaches_the_prometheus_sink(short_tmp):
         assert reg.get_sample_value("phasescope_sidecar_sink_dropped_records_total") == 0
         assert sc.stats.rows_written_total >= n
     assert n / took > 0.5 * rate, f"the burst ran at {n / took:,.0f} steps/s only"
+
+
+def _request_stream(n_requests: int, seed: int) -> list:
+    """Interleaved request lifecycles of one source: arrivals, scheduling, token events (some carrying
+    several tokens), preemptions and re-scheduling, aborts, finishes, a reused id; steps between them,
+    some with long prefills (rank 0)."""
+    from phasescope.agent.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
+                                         REQ_TOKEN, RequestEvent)
+
+    rng = np.random.default_rng(seed)
+    out: list = []
+    live: dict[str, int] = {}
+    t = 0
+    nxt = 0
+    while nxt < n_requests or live:
+        t += int(rng.integers(1, 3_000_000))
+        if nxt < n_requests and (len(live) < 64 and rng.random() < 0.2):
+            rid = f"req-{nxt % (n_requests // 2 + 1)}"  # ids come back: a reused id is a new request
+            nxt += 1
+            out.append(RequestEvent(t, 0, REQ_ARRIVAL, rid, int(rng.integers(1, 3000)), 0))
+            out.append(RequestEvent(t + 1000, 0, REQ_SCHEDULED, rid, 0, int(rng.integers(0, 64))))
+            live[rid] = 0
+            continue
+        if not live:
+            continue
+        rid = list(live)[int(rng.integers(0, len(live)))]
+        u = rng.random()
+        if u < 0.01:
+            out.append(RequestEvent(t, 0, REQ_PREEMPTED, rid, 0, 0))
+            out.append(RequestEvent(t + 500, 0, REQ_SCHEDULED, rid, 0, 0))
+        elif u < 0.02 or live[rid] > 60:
+            kind = REQ_ABORTED if rng.random() < 0.2 else REQ_FINISHED
+            out.append(RequestEvent(t, 0, kind, rid, live[rid] if rng.random() < 0.5 else 0, 0))
+            del live[rid]
+        else:
+            k = int(rng.choice([1, 1, 1, 4]))
+            out.append(RequestEvent(t, 0, REQ_TOKEN, rid, k, 0))
+            live[rid] += k
+        if rng.random() < 0.05:
+            pre = int(rng.choice([0, 16, 4096]))
+            out.append(Step(t, len(out), 0, 0 if pre else 1, 4, pre, 4, 100, 3.0, float("nan")))
+    return out
+
+
+def test_request_event_chunks_give_the_same_metrics_as_records():
+    """Request events as columns (tracker walked on tuples, gaps observed in bulk, counters summed) give
+    the same request metrics as one NamedTuple each, frame by frame."""
+    stream = _request_stream(2_000, seed=4)
+    assert len(stream) > 50_000
+    got = []
+    for as_chunks in (True, False):
+        reg = CollectorRegistry()
+        exp = PrometheusExporter(reg, long_prefill_tokens=1024)
+        exp.on_records([(9, [HELLO])])
+        for i in range(0, len(stream), 8192):  # frames of 8192 records, split by type as the sidecar does
+            arrays, _ = columnar.split_records(stream[i:i + 8192])
+            if as_chunks:
+                recs = [Chunk(columnar.TYPES[code].cls, a) for code, arrs in arrays.items() for a in arrs]
+            else:
+                recs = columnar.records_of(arrays)
+            exp.on_records([(9, recs)])
+        assert exp.record_errors_total == 0
+        got.append({(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(_text(reg)) for s in f.samples
+                    if f.name.startswith(("gen_ai_", "phasescope_request", "phasescope_inter_token",
+                                          "phasescope_prompt", "phasescope_generation", "phasescope_exporter"))})
+    chunked, records = got
+    assert chunked.keys() == records.keys()
+    for k, v in records.items():
+        assert chunked[k] == (pytest.approx(v, rel=1e-9) if k[0].endswith("_sum") else v), k
+    itl = records[("phasescope_inter_token_latency_seconds_count", (("model", "m"),))]
+    long = records[("phasescope_inter_token_latency_long_prefill_seconds_count", (("model", "m"),))]
+    assert 0 < long < itl and itl > 40_000
