@@ -797,6 +797,10 @@ class Sidecar:
             tuples: dict[tuple[int, int], list[Record]] = {}  # (part, type code) -> NamedTuples, made once
             batches = [(sink, _sink_batch(parts, types, cols, tuples)) for sink, types, cols in self._sink_plan]
             del parts, got, tuples
+            # out of the budget now, as before Chunks: one batch in the sinks' hands besides the budget (Chunks
+            # are views of its frames, which stay alive until the sinks are done)
+            with self._budget._lock:
+                self._sink_bytes -= nbytes
             for sink, batch in batches:
                 try:
                     sink.on_records(batch)
@@ -804,8 +808,6 @@ class Sidecar:
                     self.stats.sink_errors_total += 1
                     log.warning("sink %s failed: %r", type(sink).__name__, exc)
             batches = batch = None  # type: ignore[assignment]
-            with self._budget._lock:  # the batch's frames (Chunks are views of them) are let go only now
-                self._sink_bytes -= nbytes
         for sink in self.sinks:
             try:
                 sink.close()
