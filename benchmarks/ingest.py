@@ -9,8 +9,12 @@ table with the store's column types, in one `INSERT ... SELECT` into a fresh fil
 With `--metrics` the agent runs its Prometheus exporter (a sink); at the end its /metrics is scraped: steps
 the sink observed (sum of `phasescope_step_host_seconds_count`) against stored, and
 `phasescope_sidecar_sink_dropped_records_total` (what the sinks missed because they lagged).
+With `--otlp` the agent also exports OTLP/HTTP (`phasescope agent --otlp`, its /metrics on too) to a receiver
+in this process that decodes the real protobuf requests; after the agent is stopped (its OTLP exporter
+flushes on shutdown) the `phasescope.step.duration` count of the last export (cumulative) is the steps
+the OTLP sink saw, against stored and the sink drops.
 
-    python benchmarks/ingest.py [--records 2000000] [--producers 1 4 16] [--repeat 3] [--metrics]
+    python benchmarks/ingest.py [--records 2000000] [--producers 1 4 16] [--repeat 3] [--metrics] [--otlp]
 """
 
 from __future__ import annotations
@@ -63,11 +67,71 @@ def _producer(sock: str, n_records: int, rank: int, ready, go, results) -> None:
     results.put((t0, time.perf_counter(), s.sent, s.delivered, s.lost))
 
 
-def _agent(db: str, sock: str, metrics: bool) -> tuple[subprocess.Popen, str | None]:
+class OtlpStepReceiver:
+    """OTLP/HTTP receiver (a thread of this process) decoding POST /v1/metrics with the real protobuf messages;
+    keeps, per export, the total count of `phasescope.step.duration` data points (and whether it was cumulative)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+        self.step_counts: list[tuple[int, bool]] = []  # (count, cumulative) per export that held the metric
+        self.requests = 0
+        rx = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    import gzip
+
+                    body = gzip.decompress(body)
+                if self.path == "/v1/metrics":
+                    msg = ExportMetricsServiceRequest()
+                    msg.ParseFromString(body)
+                    rx.requests += 1
+                    for rm in msg.resource_metrics:
+                        for sm in rm.scope_metrics:
+                            for m in sm.metrics:
+                                if m.name == "phasescope.step.duration":
+                                    rx.step_counts.append((sum(dp.count for dp in m.histogram.data_points),
+                                                           m.histogram.aggregation_temporality == 2))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def steps_seen(self) -> int:
+        """Steps in the step-duration histogram: the last export's count (cumulative), or the sum (delta)."""
+        if not self.step_counts:
+            return 0
+        if all(cum for _, cum in self.step_counts):
+            return self.step_counts[-1][0]
+        return sum(c for c, _ in self.step_counts)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _agent(db: str, sock: str, metrics: bool, otlp: str | None = None) -> tuple[subprocess.Popen, str | None]:
     args = [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api",
             "--no-retention"]
-    args += ["--metrics-addr", "127.0.0.1:0"] if metrics else ["--no-metrics"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    args += ["--metrics-addr", "127.0.0.1:0"] if metrics or otlp else ["--no-metrics"]
+    env = None
+    if otlp:
+        args += ["--otlp"]  # the default export interval (10 s); the agent flushes on shutdown
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = proc.stdout.readline()
     if "listening" not in line:
         raise RuntimeError(f"agent did not start: {line!r}")
@@ -118,13 +182,14 @@ def _sink_figures(url: str, expect: int, settle_s: float = 60.0) -> dict:
             "sink_catch_up_s": moved - t0}
 
 
-def run_once(n_records: int, producers: int, metrics: bool) -> dict:
+def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False) -> dict:
     from phasescope.agent.sidecar.store import Store
 
     tmp = tempfile.mkdtemp(prefix="ps-ingest-", dir="/tmp")
+    rx = OtlpStepReceiver() if otlp else None
     try:
         db, sock = os.path.join(tmp, "bench.duckdb"), os.path.join(tmp, "agent.sock")
-        agent, url = _agent(db, sock, metrics)
+        agent, url = _agent(db, sock, metrics, rx.endpoint if rx else None)
         proc = psutil.Process(agent.pid)
         peak = [proc.memory_info().rss]
         stop = threading.Event()
@@ -156,8 +221,13 @@ def run_once(n_records: int, producers: int, metrics: bool) -> dict:
         stop.set()
         watcher.join(5)
         cpu = proc.cpu_times()
-        agent.terminate()
+        t_stop = time.perf_counter()
+        agent.terminate()  # the sidecar hands the sinks what is queued, then the OTLP exporter flushes
         agent.wait(60)
+        if rx is not None:
+            sink["otlp_steps_seen"] = rx.steps_seen()
+            sink["otlp_metric_exports"] = len(rx.step_counts)
+            sink["agent_stop_s"] = time.perf_counter() - t_stop
         t0, t1 = min(o[0] for o in out), max(o[1] for o in out)
         sent, delivered, lost = (sum(o[i] for o in out) for i in (2, 3, 4))
         con = Store.open_readonly(db)
@@ -170,6 +240,8 @@ def run_once(n_records: int, producers: int, metrics: bool) -> dict:
                 "agent_cpu_us_per_record": (cpu.user + cpu.system) / stored * 1e6,
                 "sent": sent, "delivered": delivered, "lost": lost, "delivered_equals_stored": delivered == stored, **sink}
     finally:
+        if rx is not None:
+            rx.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -201,12 +273,14 @@ def main() -> None:
     ap.add_argument("--producers", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--metrics", action="store_true", help="run the agent with its Prometheus exporter (a sink)")
+    ap.add_argument("--otlp", action="store_true",
+                    help="run the agent with /metrics and --otlp, exporting to a local OTLP/HTTP receiver")
     ap.add_argument("--out", default=None, help="write the JSON results here")
     args = ap.parse_args()
     rows = []
     print(f"{'producers':>9} {'records/s':>11} {'duckdb bulk/s':>13} {'ratio':>6} {'peak RSS MiB':>12}  runs")
     for n in args.producers:
-        runs = [run_once(args.records, n, args.metrics) for _ in range(args.repeat)]
+        runs = [run_once(args.records, n, args.metrics, args.otlp) for _ in range(args.repeat)]
         assert all(r["delivered_equals_stored"] for r in runs), runs
         med = {k: statistics.median(r[k] for r in runs)
                for k in ("records_per_s", "duckdb_bulk_records_per_s", "ratio", "peak_rss_mib")}
@@ -219,9 +293,13 @@ def main() -> None:
                       f"({r['sink_steps_seen_at_end']:,.0f} when the last was acknowledged, caught up "
                       f"{r['sink_catch_up_s']:.1f} s later), sink_dropped_records_total "
                       f"{r['sink_dropped_records']:,.0f}, sink errors {r['sink_errors']:,.0f}", flush=True)
+            if "otlp_steps_seen" in r:
+                print(f"{'':>9} OTLP sink: {r['otlp_steps_seen']:,.0f} of {r['records']:,} stored steps in the exported "
+                      f"phasescope.step.duration ({r['otlp_metric_exports']} exports held it; agent stop took "
+                      f"{r['agent_stop_s']:.1f} s)", flush=True)
     if args.out:
         meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "records": args.records,
-                "metrics_sink": args.metrics, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "metrics_sink": args.metrics or args.otlp, "otlp_sink": args.otlp, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
 
