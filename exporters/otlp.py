@@ -22,6 +22,12 @@ Traces: one SERVER span per request (arrival to last token) with `prefill`
 children, built after the request ends with explicit times; producer monotonic
 ns are turned into wall ns with the source's `Hello.wall_minus_mono_ns`.
 
+Steps and request events, the sidecar's highest-volume records, come as numpy columns (`columnar_types`: a
+`Chunk` per frame). The step histogram is not an SDK instrument: the SDK records one value per call (several
+us), which lagged behind ingest; `exporters/otlp_bulk.py` aggregates a frame's steps per attribute set with
+numpy against the same bounds and merges the result into each export (the SDK has no bulk record nor
+`MetricProducer`; see there). Request events walk the request tracker as plain tuples (no NamedTuple each).
+
 Nothing here blocks ingestion: the metric reader and the span processor export
 on their own threads, the span queue is bounded (it drops when full), and every
 export that fails or raises is counted (`phasescope_otlp_export_failures_total`
@@ -35,27 +41,30 @@ import math
 import os
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Observation
+from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (MetricExporter, MetricExportResult, MetricsData,
-                                              PeriodicExportingMetricReader)
+from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from phasescope.agent.events import PHASES, Hello, RequestEvent, Step
-from phasescope.agent.sidecar import Batch
+from phasescope.agent.sidecar import Batch, Chunk
 
 from . import buckets
+from .otlp_bulk import HistogramStream, ProducingMetricReader
 from .requests import RequestTiming, RequestTracker
 from .sources import Source, SourceTable
 
@@ -74,6 +83,7 @@ INSTRUMENTS: dict[str, tuple[str, str, Sequence[float]]] = {
                                             "last output token.", buckets.SEMCONV_REQUEST_DURATION_S),
     "phasescope.step.duration": ("s", "Host wall time of one forward of the model, by phase.", buckets.STEP_S),
 }
+STEP_DURATION = "phasescope.step.duration"  # a HistogramStream fed a column at a time, not an SDK instrument
 
 
 class ExportCounts:
@@ -169,6 +179,7 @@ class OtlpExporter:
     """Sidecar sink exporting OTLP metrics and per-request traces (HTTP/protobuf by default)."""
 
     record_types = frozenset({Hello, RequestEvent, Step})  # what the sidecar hands this sink
+    columnar_types = frozenset({Step, RequestEvent})  # as numpy columns (a Chunk per frame), not one tuple each
 
     def __init__(
         self,
@@ -200,15 +211,21 @@ class OtlpExporter:
         self.resource = resource or default_resource()
         self.close_timeout_s = close_timeout_s
         timeout_ms = default_timeout_s * 1000 * 2
-        self.reader = PeriodicExportingMetricReader(_CountingMetricExporter(metric_exporter, self.counts),
-                                                    export_interval_millis=export_interval_s * 1000,
-                                                    export_timeout_millis=timeout_ms)
+        exporter = _CountingMetricExporter(metric_exporter, self.counts)
+        # the temporality the SDK would give a histogram for this exporter (OTEL_..._TEMPORALITY_PREFERENCE)
+        temporality = exporter._preferred_temporality.get(SdkHistogram, AggregationTemporality.CUMULATIVE)
+        unit, desc, bounds = INSTRUMENTS[STEP_DURATION]
+        self.step_duration = HistogramStream(STEP_DURATION, unit, desc, bounds, temporality)
+        self.reader = ProducingMetricReader(exporter, [self.step_duration], InstrumentationScope(SCOPE),
+                                            self.resource, export_interval_millis=export_interval_s * 1000,
+                                            export_timeout_millis=timeout_ms)
+        sdk_hists = {name: v for name, v in INSTRUMENTS.items() if name != STEP_DURATION}
         views = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
-                 for name, (_, _, bounds) in INSTRUMENTS.items()]
+                 for name, (_, _, bounds) in sdk_hists.items()]
         self.meter_provider = MeterProvider(resource=self.resource, metric_readers=[self.reader], views=views)
         meter = self.meter_provider.get_meter(SCOPE)
         self._hist = {name: meter.create_histogram(name, unit=unit, description=desc)
-                      for name, (unit, desc, _) in INSTRUMENTS.items()}
+                      for name, (unit, desc, _) in sdk_hists.items()}
         self._prompt_tokens = meter.create_counter("phasescope.prompt.tokens", unit="{token}",
                                                    description="Prompt tokens of finished requests (server side).")
         self._generation_tokens = meter.create_counter(
@@ -235,19 +252,55 @@ class OtlpExporter:
 
     def on_records(self, batch: Batch) -> None:
         sources = self.sources
-        step_hist = self._hist["phasescope.step.duration"]
         for source_id, records in batch:
             src = sources.get(source_id)
+            loose: dict[tuple[int, int], list[float]] = {}  # Step records (not Chunks): (rank, phase) -> host ms
             for rec in records:
                 t = type(rec)
-                if t is RequestEvent:
+                if t is Chunk:
+                    if rec.cls is Step:
+                        self._steps(src, rec.rows)
+                    elif rec.cls is RequestEvent:
+                        self._events(source_id, src, rec.rows)
+                elif t is RequestEvent:
                     self.tracker.on_event(source_id, src, rec)
                 elif t is Step:
-                    phase = PHASES[rec.phase] if rec.phase < len(PHASES) else str(rec.phase)
-                    step_hist.record(rec.host_ms * 1e-3, {**self._base_attrs(src), "phasescope.phase": phase,
-                                                          "phasescope.rank": rec.rank})
+                    loose.setdefault((rec.rank, rec.phase), []).append(rec.host_ms)
                 elif t is Hello:
+                    self._loose_steps(src, loose)
                     src = sources.hello(source_id, rec)
+            self._loose_steps(src, loose)
+
+    def _step_attrs(self, src: Source, rank: int, phase: int) -> dict[str, Any]:
+        name = PHASES[phase] if phase < len(PHASES) else str(phase)
+        return {**self._base_attrs(src), "phasescope.phase": name, "phasescope.rank": rank}
+
+    def _loose_steps(self, src: Source, loose: dict[tuple[int, int], list[float]]) -> None:
+        for (rank, phase), host_ms in loose.items():
+            self.step_duration.record_many(self._step_attrs(src, rank, phase), np.array(host_ms) * 1e-3)
+        loose.clear()
+
+    def _steps(self, src: Source, a: np.ndarray) -> None:
+        """A column of steps (Step's fields): host time recorded per (rank, phase) present, a group at a time."""
+        if not len(a):
+            return
+        key = a["rank"].astype(np.int64) * 256 + a["phase"]
+        host_s = a["host_ms"] * 1e-3
+        if (key == key[0]).all():
+            groups = [(int(key[0]), host_s)]
+        else:
+            uniq, inv = np.unique(key, return_inverse=True)
+            order = np.argsort(inv, kind="stable")
+            cuts = np.cumsum(np.bincount(inv, minlength=len(uniq)))[:-1]
+            groups = [(int(k), host_s[idx]) for k, idx in zip(uniq, np.split(order, cuts))]
+        for k, values in groups:
+            self.step_duration.record_many(self._step_attrs(src, k >> 8, k & 0xFF), values)
+
+    def _events(self, source_id: int, src: Source, a: np.ndarray) -> None:
+        """A column of request events (RequestEvent's fields, in order): the tracker walks them as tuples."""
+        rids = [b.rstrip(b"\0").decode("utf-8", "replace") for b in a["request_id"].tolist()]
+        self.tracker.on_events(source_id, src, zip(a["ts_ns"].tolist(), a["rank"].tolist(), a["event"].tolist(),
+                                                   rids, a["tokens"].tolist(), a["cached_tokens"].tolist()))
 
     def _in_flight(self, which: int) -> Iterable[Observation]:
         """Running (`which`=0) or waiting (1) requests per model, from the request tracker."""
