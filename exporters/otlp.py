@@ -213,7 +213,7 @@ class OtlpExporter:
         timeout_ms = default_timeout_s * 1000 * 2
         exporter = _CountingMetricExporter(metric_exporter, self.counts)
         # the temporality the SDK would give a histogram for this exporter (OTEL_..._TEMPORALITY_PREFERENCE)
-        temporality = exporter._preferred_temporality.get(SdkHistogram, AggregationTemporality.CUMULATIVE)
+        temporality = (exporter._preferred_temporality or {}).get(SdkHistogram, AggregationTemporality.CUMULATIVE)
         unit, desc, bounds = INSTRUMENTS[STEP_DURATION]
         self.step_duration = HistogramStream(STEP_DURATION, unit, desc, bounds, temporality)
         self.reader = ProducingMetricReader(exporter, [self.step_duration], InstrumentationScope(SCOPE),
