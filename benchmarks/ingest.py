@@ -294,12 +294,13 @@ def main() -> None:
                       f"{r['sink_catch_up_s']:.1f} s later), sink_dropped_records_total "
                       f"{r['sink_dropped_records']:,.0f}, sink errors {r['sink_errors']:,.0f}", flush=True)
             if "otlp_steps_seen" in r:
-                print(f"{'':>9} OTLP sink: {r['otlp_steps_seen']:,.0f} of {r['records']:,} stored steps in the exported "
-                      f"phasescope.step.duration ({r['otlp_metric_exports']} exports held it; agent stop took "
+                print(f"{'':>9} OTLP sink: {r['otlp_steps_seen']:,.0f} of {r['records']:,} stored steps in the "
+                      f"exported phasescope.step.duration ({r['otlp_metric_exports']} exports held it; agent stop took "
                       f"{r['agent_stop_s']:.1f} s)", flush=True)
     if args.out:
         meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "records": args.records,
-                "metrics_sink": args.metrics or args.otlp, "otlp_sink": args.otlp, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "metrics_sink": args.metrics or args.otlp, "otlp_sink": args.otlp,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
 
