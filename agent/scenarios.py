@@ -53,6 +53,7 @@ class Scenario:
     contention: dict[str, Any] = field(default_factory=dict)  # `contended()` arguments: CPU taken from the engine
     nice: int = 0  # run the serving process at this nice value (< 0: ahead of the machine's other work)
     torch_threads: int = 0  # torch intra-op threads of the serving process (0: torch's default)
+    workload: str = "prefix-miss"  # kind "vllm": the `vllm_workload` workload it serves
 
 
 # --- real runs of the demo runtime ---
@@ -124,9 +125,11 @@ def vllm_python() -> str | None:
     return exe if os.path.exists(exe) else None
 
 
-def record_vllm(db_path: str, run_id: str, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Serve `vllm_workload.prefix_miss_workload()` with vLLM on CPU, the plugin sending to a sidecar writing
-    `db_path` under `run_id`; returns vLLM's version and its own counters (`LLM.get_metrics()`)."""
+def record_vllm(db_path: str, run_id: str, workload: str = "prefix-miss", timeout_s: float = 900.0) -> dict[str, Any]:
+    """Serve `vllm_workload`'s `workload` with vLLM on CPU, the plugin sending to a sidecar writing `db_path`
+    under `run_id`; returns vLLM's version, its own counters (`LLM.get_metrics()`) and what the run reports.
+    `itl` and `silent` run the engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): one `LLMEngine.step()`
+    is one engine step, and the scheduler's hooks are reachable from the workload."""
     import subprocess
 
     from phasescope.agent.sidecar import Sidecar
@@ -152,10 +155,12 @@ def record_vllm(db_path: str, run_id: str, timeout_s: float = 900.0) -> dict[str
         sock = f"unix:{tmp}/agent.sock"
         env = dict(os.environ, PYTHONPATH=site, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=f"{tmp}/vllm-cache",
                    PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id)
+        if workload != "prefix-miss":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         side = Sidecar(db_path, listen=[sock], batch_interval_s=0.05).start()
         try:
-            p = subprocess.run([exe, "-m", "phasescope.agent.vllm_workload", VLLM_MODEL], env=env, cwd=tmp,
-                               capture_output=True, text=True, timeout=timeout_s)
+            cmd = [exe, "-m", "phasescope.agent.vllm_workload", VLLM_MODEL, "--workload", workload]
+            p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
             time.sleep(0.5)  # the probes' last flush
         finally:
             side.stop()
@@ -341,6 +346,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "partly shared page (4 x 24 + 10), 96 of the document evicted by a pool-filling burst before its reuse.",
              expect=("prefix-miss-sub-page", "prefix-miss-evicted", "kv-evicted-before-reuse"),
              labels=dict(shared_prefix_tokens=0, prefix_position="mixed")),
+    Scenario("itl-spikes-vllm", "vllm",
+             "vLLM 0.32 CPU, in-process engine driven step by step (the tiny Llama widened to 4 layers of 512, "
+             "chunked prefill with a budget of 256 tokens per step): 3 requests decode 240 tokens each while a "
+             "400-token prompt is added every 28 steps (8 in all), each prefilled in chunks of 253 and 147 "
+             "tokens next to the 3 decodes: the decodes sharing those steps are the ITL tail.",
+             expect=("itl-spikes-prefill",), workload="itl",
+             labels=dict(shared_prefix_tokens=0, prefix_position="none")),
+    Scenario("telemetry-silent-vllm", "vllm",
+             "vLLM 0.32 CPU, in-process engine (tiny Llama, pages of 32): 30 prompts behind a 64-token shared "
+             "system prompt served one at a time, one every 0.5 s; after the 6th the adapter's KV snapshots and "
+             "prefix counters are switched off (as an adapter that lost its hooks) while the next 24 requests "
+             "and their steps go on for ~12 s.",
+             expect=("telemetry-kv-snapshots-stopped", "telemetry-prefix-counters-stuck"), workload="silent",
+             labels=dict(shared_prefix_tokens=64, prefix_position="first")),
     Scenario("tp-imbalance", "synthetic",
              "Synthetic TP 4 run of a 32-layer model with 2 KV heads: rank 3 holds 140 MiB of KV vs 100 MiB, "
              "rank 2 takes 26 ms per step vs 20 ms; KV heads replicated 2x.",
@@ -390,13 +409,17 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
             labels["engine_torch_threads"] = sc.torch_threads
         config["demo_config"] = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
     elif sc.kind == "vllm":
-        from .vllm_workload import engine_args, prefix_miss_workload
+        from . import vllm_workload as vw
 
+        workload = sc.workload
         run_id = uuid.uuid4().hex[:16]
-        result = record_vllm(db_path, run_id)
+        result = record_vllm(db_path, run_id, workload)
         labels = dict(sc.labels)
-        config["vllm"] = {**result, "engine_args": engine_args(),
-                          "workload": [[name, len(prompt)] for name, prompt in prefix_miss_workload()]}
+        prompts = {"prefix-miss": vw.prefix_miss_workload, "silent": vw.silent_workload}
+        listed = ([[w[0], len(w[1]), w[2], w[3]] for w in vw.itl_workload()] if workload == "itl"
+                  else [[name, len(prompt)] for name, prompt in prompts[workload]()])
+        config["vllm"] = {**result, "workload_name": workload, "engine_args": vw.engine_args(workload),
+                          "workload": listed}
     else:
         from . import synthetic
 

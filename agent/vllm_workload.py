@@ -1,24 +1,51 @@
-"""The prefix-miss workload served by vLLM's offline `LLM` API (scenario `prefix-miss-vllm`).
+"""Workloads served by vLLM's offline API for the vLLM scenario fixtures (`scenarios.py`, kind `vllm`).
 
-Stdlib only at import: `scenarios` and the tests read the workload from here; `main()` runs in
-the vLLM venv (phasescope installed there, the plugin armed by `PHASESCOPE_AGENT`), serves the
-prompts one at a time (each to completion before the next, so every earlier prompt's whole
-pages are cached when a prompt is looked up, unless evicted) and prints vLLM's own counters
-(`LLM.get_metrics()`) as one JSON line after `RESULT_TAG`.
+Stdlib only at import: `scenarios` and the tests read the workloads from here; `main()` runs in
+the vLLM venv (phasescope installed there, the plugin armed by `PHASESCOPE_AGENT`) and prints
+vLLM's own counters (`LLM.get_metrics()`) and what the run did as one JSON line after `RESULT_TAG`.
 
-    python -m phasescope.agent.vllm_workload MODEL_DIR
+- `prefix-miss` (`prefix-miss-vllm`): `prefix_miss_workload()` served one prompt at a time (each to
+  completion before the next, so every earlier prompt's whole pages are cached when a prompt is looked
+  up, unless evicted).
+- `itl` (`itl-spikes-vllm`): `itl_workload()` driven step by step through the engine (in-process, so one
+  `LLMEngine.step()` is one engine step): long-output decoders, and a long prompt added every
+  `ITL_EVERY_STEPS` steps, prefilled in chunks of the token budget next to their decodes.
+- `silent` (`telemetry-silent-vllm`): `silent_workload()` served one prompt at a time, one every
+  `SILENT_PACE_S`; after the first `SILENT_AFTER` prompts (between two requests) the adapter's KV snapshots
+  and prefix counters are switched off (in-process, so the scheduler's hooks are in this process), as an
+  adapter that lost its hooks would, while the remaining requests and their steps go on.
+
+    python -m phasescope.agent.vllm_workload MODEL_DIR [--workload prefix-miss|itl|silent]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 PAGE_TOKENS = 32  # vLLM --block-size
 POOL_PAGES = 8  # usable KV pages (vLLM takes one more for its null block)
 MAX_MODEL_LEN = 256
 OUTPUT_TOKENS = 4
 RESULT_TAG = "PHASESCOPE_VLLM_RESULT "
+
+# itl: a model big enough on CPU that a prefill chunk costs several decode steps (the tiny config, widened)
+ITL_MODEL = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
+                 num_hidden_layers=4)
+ITL_BUDGET = 256  # max_num_batched_tokens: a step's tokens, decodes included (chunked prefill)
+ITL_DECODERS = 3  # requests decoding all along
+ITL_DECODE_TOKENS = 240  # their outputs
+ITL_LONG = 8  # long prompts, one every ITL_EVERY_STEPS engine steps
+ITL_LONG_TOKENS = 400
+ITL_LONG_OUTPUT = 2
+ITL_EVERY_STEPS = 28
+
+# silent: prompts served one at a time, one every SILENT_PACE_S; the adapter goes silent after SILENT_AFTER
+SILENT_PROMPTS = 30
+SILENT_AFTER = 6
+SILENT_PACE_S = 0.5
+SILENT_OUTPUT = 8
 
 
 def prefix_miss_workload() -> list[tuple[str, list[int]]]:
@@ -43,36 +70,142 @@ def prefix_miss_workload() -> list[tuple[str, list[int]]]:
     return out
 
 
-def engine_args() -> dict:
-    """The `LLM(...)` arguments of the run (recorded in the fixture's config)."""
-    return dict(load_format="dummy", skip_tokenizer_init=True, block_size=PAGE_TOKENS, enable_prefix_caching=True,
-                enforce_eager=True, max_model_len=MAX_MODEL_LEN, dtype="float32",
-                num_gpu_blocks_override=POOL_PAGES + 1, max_num_seqs=8, max_num_batched_tokens=MAX_MODEL_LEN,
-                disable_log_stats=False)
+def itl_workload() -> list[tuple[str, list[int], int, int]]:
+    """(name, prompt token ids, max tokens, engine step it is added before), in order of addition.
+
+    dec0..dec2: 16-token prompts decoding ITL_DECODE_TOKENS tokens, added at step 0; long0..long7:
+    ITL_LONG_TOKENS-token prompts of ITL_LONG_OUTPUT tokens, one added before step 8 + 28 k: each is
+    prefilled in chunks of the budget left by the decodes (256 - 3 = 253, then 147), while dec0..dec2
+    decode. No two prompts share a page: token ids cycle over the 1021 ids of the vocabulary past the 3
+    special ones, so each prompt starts at its own offset of the cycle (1021 is prime: 48 + 400 k differ mod 1021).
+    """
+    ids = iter(i % 1021 + 3 for i in range(10**6))
+
+    def fresh(n: int) -> list[int]:
+        return [next(ids) for _ in range(n)]
+
+    out = [(f"dec{i}", fresh(16), ITL_DECODE_TOKENS, 0) for i in range(ITL_DECODERS)]
+    out += [(f"long{k}", fresh(ITL_LONG_TOKENS), ITL_LONG_OUTPUT, 8 + ITL_EVERY_STEPS * k) for k in range(ITL_LONG)]
+    return out
+
+
+def silent_workload() -> list[tuple[str, list[int]]]:
+    """(name, prompt): s0..s29, a 64-token (2-page) shared system prompt then 24 tokens of their own (88)."""
+    nxt = iter(range(3, 1024))
+
+    def fresh(n: int) -> list[int]:
+        return [next(nxt) for _ in range(n)]
+
+    system = fresh(64)
+    return [(f"s{i}", system + fresh(24)) for i in range(SILENT_PROMPTS)]
+
+
+def engine_args(workload: str = "prefix-miss") -> dict:
+    """The `LLM(...)` arguments of a workload's run (recorded in the fixture's config)."""
+    base = dict(load_format="dummy", skip_tokenizer_init=True, block_size=PAGE_TOKENS, enable_prefix_caching=True,
+                enforce_eager=True, dtype="float32", disable_log_stats=False)
+    if workload == "itl":
+        return dict(base, max_model_len=512, hf_overrides=ITL_MODEL, max_num_seqs=ITL_DECODERS + 1,
+                    max_num_batched_tokens=ITL_BUDGET, enable_chunked_prefill=True)
+    if workload == "silent":
+        return dict(base, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=MAX_MODEL_LEN)
+    return dict(base, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=POOL_PAGES + 1, max_num_seqs=8,
+                max_num_batched_tokens=MAX_MODEL_LEN)
+
+
+def _metrics(llm) -> dict:
+    out: dict = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            out[m.name] = out.get(m.name, 0) + value
+    return out
+
+
+def _serve_one_at_a_time(llm, prompts: list[list[int]], params, between=None) -> int:
+    from vllm.inputs import TokensPrompt
+
+    outputs = 0
+    for i, prompt in enumerate(prompts):
+        if between is not None:
+            between(i)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        outputs += sum(len(o.outputs[0].token_ids) for o in outs)
+    return outputs
+
+
+def _serve_itl(llm) -> dict:
+    """Drive the engine step by step, adding each request before its stated step; returns what it served."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    pending = list(itl_workload())
+    step, outputs, added = 0, 0, {}
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            name, prompt, max_tokens, _ = pending.pop(0)
+            engine.add_request(name, TokensPrompt(prompt_token_ids=prompt),
+                               SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))
+            added[name] = step
+        for out in engine.step():
+            if out.finished:
+                outputs += len(out.outputs[0].token_ids)
+        step += 1
+    return {"client_output_tokens": outputs, "engine_steps": step, "added_at_step": added}
+
+
+def _serve_silent(llm) -> dict:
+    """Serve silent_workload() paced, switching the adapter's KV snapshots and prefix counters off after
+    SILENT_AFTER prompts (between two requests: the engine is idle)."""
+    from vllm import SamplingParams
+
+    from phasescope.agent.probe.adapters import vllm as adapter
+
+    hooks = [h for h in adapter._HOOKED.values() if isinstance(h, adapter.EngineHooks)]
+    if len(hooks) != 1:
+        raise RuntimeError(f"expected the scheduler's hooks in this process (in-process engine), got {len(hooks)}")
+    t0 = time.monotonic()
+    silenced = {"at": t0}
+
+    def between(i: int) -> None:
+        # prompt i starts no earlier than SILENT_PACE_S x i after the start, and those after the silence no earlier
+        # than SILENT_PACE_S x (i - SILENT_AFTER + 1) after it: the last starts >= 24 x 0.5 s after the silence
+        if i == SILENT_AFTER:
+            hooks[0].snapshot = lambda *a, **k: None
+            hooks[0]._emit_prefix = lambda *a, **k: None
+            silenced["at"] = time.monotonic()
+            silenced["after_s"] = round(silenced["at"] - t0, 3)
+        start = t0 + i * SILENT_PACE_S if i < SILENT_AFTER else silenced["at"] + (i - SILENT_AFTER + 1) * SILENT_PACE_S
+        time.sleep(max(0.0, start - time.monotonic()))
+
+    params = SamplingParams(max_tokens=SILENT_OUTPUT, ignore_eos=True, temperature=0)
+    outputs = _serve_one_at_a_time(llm, [p for _, p in silent_workload()], params, between)
+    return {"client_output_tokens": outputs, "silenced_after_s": silenced["after_s"],
+            "served_s": round(time.monotonic() - t0, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m phasescope.agent.vllm_workload")
     ap.add_argument("model", help="model folder (config.json; weights are random: load_format dummy)")
+    ap.add_argument("--workload", default="prefix-miss", choices=("prefix-miss", "itl", "silent"))
     args = ap.parse_args(argv)
 
     import vllm
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, **engine_args())
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
-    outputs = 0
-    for _, prompt in prefix_miss_workload():
-        outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        outputs += sum(len(o.outputs[0].token_ids) for o in outs)
-    metrics: dict = {}
-    for m in llm.get_metrics():
-        value = getattr(m, "value", None)
-        if isinstance(value, (int, float)):
-            metrics[m.name] = metrics.get(m.name, 0) + value
-    metrics["client_output_tokens"] = outputs
-    print(RESULT_TAG + json.dumps({"vllm_version": vllm.__version__, "metrics": metrics}), flush=True)
+    llm = LLM(model=args.model, **engine_args(args.workload))
+    if args.workload == "itl":
+        served = _serve_itl(llm)
+    elif args.workload == "silent":
+        served = _serve_silent(llm)
+    else:
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0)
+        served = {"client_output_tokens": _serve_one_at_a_time(llm, [p for _, p in prefix_miss_workload()],
+                                                               params)}
+    metrics = _metrics(llm)
+    metrics["client_output_tokens"] = served.pop("client_output_tokens")
+    print(RESULT_TAG + json.dumps({"vllm_version": vllm.__version__, "metrics": metrics, **served}), flush=True)
     return 0
 
 
