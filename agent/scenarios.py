@@ -157,6 +157,9 @@ def record_vllm(db_path: str, run_id: str, workload: str = "prefix-miss", timeou
                    PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id)
         if workload != "prefix-miss":
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # timed runs on a shared machine: one torch thread the OS may place on any free core, rather than
+            # vLLM's default of binding it to one core that other work also runs on (100+ ms stalls when it does)
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         side = Sidecar(db_path, listen=[sock], batch_interval_s=0.05).start()
         try:
             cmd = [exe, "-m", "phasescope.agent.vllm_workload", VLLM_MODEL, "--workload", workload]

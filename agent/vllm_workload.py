@@ -31,7 +31,7 @@ OUTPUT_TOKENS = 4
 RESULT_TAG = "PHASESCOPE_VLLM_RESULT "
 
 # itl: a model big enough on CPU that a prefill chunk costs several decode steps (the tiny config, widened)
-ITL_MODEL = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
+ITL_MODEL = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4,
                  num_hidden_layers=4)
 ITL_BUDGET = 256  # max_num_batched_tokens: a step's tokens, decodes included (chunked prefill)
 ITL_DECODERS = 3  # requests decoding all along
