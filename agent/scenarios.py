@@ -354,7 +354,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "chunked prefill with a budget of 256 tokens per step): 3 requests decode 240 tokens each while a "
              "400-token prompt is added every 28 steps (8 in all), each prefilled in chunks of 253 and 147 "
              "tokens next to the 3 decodes: the decodes sharing those steps are the ITL tail.",
-             expect=("itl-spikes-prefill",), workload="itl",
+             expect=("prefill-stalls-decode", "itl-spikes-prefill"), workload="itl",
              labels=dict(shared_prefix_tokens=0, prefix_position="none")),
     Scenario("telemetry-silent-vllm", "vllm",
              "vLLM 0.32 CPU, in-process engine (tiny Llama, pages of 32): 30 prompts behind a 64-token shared "

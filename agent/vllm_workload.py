@@ -114,11 +114,16 @@ def engine_args(workload: str = "prefix-miss") -> dict:
 
 
 def _metrics(llm) -> dict:
+    """vLLM's own metrics (`LLM.get_metrics()`), summed over label sets: counters and gauges by name,
+    histograms as `<name>_count` and `<name>_sum` (seconds)."""
     out: dict = {}
     for m in llm.get_metrics():
         value = getattr(m, "value", None)
         if isinstance(value, (int, float)):
             out[m.name] = out.get(m.name, 0) + value
+        elif isinstance(getattr(m, "count", None), int) and isinstance(getattr(m, "sum", None), (int, float)):
+            out[m.name + "_count"] = out.get(m.name + "_count", 0) + m.count
+            out[m.name + "_sum"] = out.get(m.name + "_sum", 0.0) + m.sum
     return out
 
 

@@ -83,7 +83,8 @@ def itl_gaps(con, run_id: str, long: int = int(T["long_prefill_tokens"]),
     tok = frame(con, """SELECT request_id, ts_ns, tokens FROM request_log
                         WHERE run_id = $run AND event = 'token' AND tokens > 0 ORDER BY request_id, ts_ns""", run_id)
     tok["step"] = np.searchsorted(ends, tok["ts_ns"].to_numpy(), side="right") - 1
-    g = tok.assign(prev_ns=tok.groupby("request_id")["ts_ns"].shift(), prev_step=tok.groupby("request_id")["step"].shift())
+    per = tok.groupby("request_id")
+    g = tok.assign(prev_ns=per["ts_ns"].shift(), prev_step=per["step"].shift())
     g = g.dropna(subset=["prev_ns"]).copy()
     g["steps_in_gap"] = g["step"] - g["prev_step"].astype("int64")
     g["gap_ms"] = (g["ts_ns"] - g["prev_ns"].astype("int64")) / 1e6
@@ -123,6 +124,12 @@ def check_itl_run(con, run_id: str, vllm: dict) -> dict:
     # every gap spans exactly the one step that made its token: no request sat out a step (no queueing), none
     # was preempted, none is unattributed
     assert (g["tokens"] == 1).all() and (g["steps_in_gap"] == 1).all()
+    # the token times are vLLM's own: as many samples as its ITL histogram, summing to its total (the adapter
+    # stamps tokens in the engine, vLLM in its output processor, a fraction of a ms apart in-process)
+    m = vllm["metrics"]
+    assert len(g) == m["vllm:inter_token_latency_seconds_count"]
+    assert g["gap_ms"].sum() / 1e3 == pytest.approx(m["vllm:inter_token_latency_seconds_sum"], rel=1e-3)
+    assert len(steps) == m["vllm:iteration_tokens_total_count"]
     # 3 decoders x 239 gaps + 8 long prompts x 1 (their 2nd token)
     assert len(g) == vw.ITL_DECODERS * (vw.ITL_DECODE_TOKENS - 1) + vw.ITL_LONG * (vw.ITL_LONG_OUTPUT - 1) == 725
     # the gaps ended by a chunk step (prefill >= 128): its 3 decodes, 16 chunk steps
@@ -152,9 +159,9 @@ def test_itl_fixture_tail_is_the_chunked_prefills(scenario):
     con, run_id = scenario("itl-spikes-vllm")
     r = check_itl_run(con, run_id, config("itl-spikes-vllm")["vllm"])
     tail = r["tail"]
-    # hand-checked on the committed run: p50 22.25 ms, p99 333.1 ms (15.0x); the 9 samples at or over it are the
-    # 3 decodes of each of the 3 slowest steps prefilling a 253-token chunk (331-342 ms steps): the whole tail
-    assert (round(r["p50"], 2), round(r["p99"], 1), len(tail)) == (22.25, 333.1, 9)
+    # hand-checked on the committed run: p50 20.67 ms, p99 341.6 ms (16.5x); the 9 samples at or over it are the
+    # 3 decodes of each of the 3 slowest steps prefilling a 253-token chunk (340-378 ms steps): the whole tail
+    assert (round(r["p50"], 2), round(r["p99"], 1), len(tail)) == (20.67, 341.6, 9)
     assert tail["prefill_tokens"].value_counts().to_dict() == {253: 9}
     assert tail.groupby("step")["request_id"].nunique().tolist() == [vw.ITL_DECODERS] * 3
     assert set(tail["cause"]) == {"prefill"}
@@ -168,8 +175,7 @@ def test_real_vllm_itl_run_reproduces_the_attribution(tmp_path):
     skip_without_vllm()
     con, run_id, cfg = rebuilt(tmp_path, "itl-spikes-vllm")
     try:
-        r = check_itl_run(con, run_id, cfg["vllm"])
-        assert set(r["tail"]["cause"]) == {"prefill"}  # timings differ run to run; the tail's cause does not
+        check_itl_run(con, run_id, cfg["vllm"])  # timings differ run to run: the tail's figures, not pinned
     finally:
         con.close()
 
@@ -224,7 +230,8 @@ def test_vllm_residency_from_page_events(scenario):
     # d3 missed the 3 document pages: its gap is from the eviction of the document's first page, the last of
     # the three the burst evicts (vLLM frees a request's pages tail-first into its FIFO queue)
     gap = (look["d3"] - doc_evicted["ts_ns"].max()) / 1e6
-    assert lk.loc[rid["d3"], "evicted_tokens"] == 96 and lk.loc[rid["d3"], "evict_gap_ms"] == pytest.approx(gap, abs=1e-6)
+    assert lk.loc[rid["d3"], "evicted_tokens"] == 96
+    assert lk.loc[rid["d3"], "evict_gap_ms"] == pytest.approx(gap, abs=1e-6)
     # a cache that kept each evicted document page until d3 asked for it holds, at the peak, all three at once
     points = sorted([(t, 1) for t in doc_evicted["ts_ns"]] + [(look["d3"], -1)] * len(doc_evicted))
     peak = max(np.cumsum([d for _, d in points]))
@@ -294,10 +301,11 @@ def check_silent_run(con, run_id: str, vllm: dict) -> dict:
 def test_silent_fixture_fires_with_its_numbers(scenario):
     con, run_id = scenario("telemetry-silent-vllm")
     r = check_silent_run(con, run_id, config("telemetry-silent-vllm")["vllm"])
-    # hand-checked on the committed run: silent 12.01 s (KV), 12.02 s (prefix counters) over 24 paced requests
-    assert (round(r["silent_s"], 2), round(r["stuck_s"], 2)) == (12.01, 12.02)
+    # hand-checked on the committed run: silent 12.01 s (KV snapshots and prefix counters) over 24 paced requests
+    assert (round(r["silent_s"], 2), round(r["stuck_s"], 2)) == (12.01, 12.01)
     f = {x.id: x for x in telemetry_degraded(con, run_id)}
-    assert "192 steps over 12.0 s ran after the last of 48 KV snapshots" in f["telemetry-kv-snapshots-stopped"].expected_effect
+    kv_effect = f["telemetry-kv-snapshots-stopped"].expected_effect
+    assert "192 steps over 12.0 s ran after the last of 48 KV snapshots" in kv_effect
     assert "576 prompt tokens in 24 prefill steps" in f["telemetry-prefix-counters-stuck"].expected_effect
 
 
