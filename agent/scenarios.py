@@ -350,8 +350,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              expect=("prefix-miss-sub-page", "prefix-miss-evicted", "kv-evicted-before-reuse"),
              labels=dict(shared_prefix_tokens=0, prefix_position="mixed")),
     Scenario("itl-spikes-vllm", "vllm",
-             "vLLM 0.32 CPU, in-process engine driven step by step (the tiny Llama widened to 4 layers of 512, "
-             "chunked prefill with a budget of 256 tokens per step): 3 requests decode 240 tokens each while a "
+             "vLLM 0.32 CPU, in-process engine driven step by step on one torch thread (the tiny Llama widened "
+             "to 4 layers of 1024, chunked prefill with a budget of 256 tokens per step): 3 requests decode 240 "
+             "tokens each while a "
              "400-token prompt is added every 28 steps (8 in all), each prefilled in chunks of 253 and 147 "
              "tokens next to the 3 decodes: the decodes sharing those steps are the ITL tail.",
              expect=("prefill-stalls-decode", "itl-spikes-prefill"), workload="itl",
