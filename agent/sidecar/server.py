@@ -42,6 +42,9 @@ from .store import ROW_GROUP_ROWS, Part, Store, is_store_failure
 
 log = logging.getLogger("phasescope.sidecar")
 
+PAUSE_S = 0.01  # no frame queued for this long: the senders paused (the writer then writes what it has)
+PAUSE_MIN_ROWS = 8192  # ... if at least a probe's full frame is queued (fewer wait for the batch interval)
+
 
 Batch = list[tuple[int, list[Any]]]  # (source_id, records) in arrival order; a source's Hello comes first;
 # records are NamedTuples, or `Chunk`s of the types a sink takes as columns (`columnar_types`)
@@ -248,6 +251,7 @@ class Sidecar:
         self._write_start_rows = write_start_rows
         self._queued_rows = 0
         self._qlock = threading.Lock()  # the two counts above: the loop adds, the writer subtracts
+        self._last_enqueue = 0.0  # time.monotonic() of the last frame queued
         self._items: collections.deque[_Item] = collections.deque()
         self._queued_bytes = 0
         self._wake = threading.Event()
@@ -604,6 +608,7 @@ class Sidecar:
             if item.nonce is not None:
                 self._pending_by_nonce[item.nonce] = self._pending_by_nonce.get(item.nonce, 0) + 1
         self._items.append(item)
+        self._last_enqueue = time.monotonic()
         with self._qlock:
             self._queued_bytes += item.nbytes
             self._queued_rows += item.rows
@@ -654,7 +659,10 @@ class Sidecar:
         while True:
             stopping = self._writer_stop.is_set()
             if not stopping:
-                self._wake.wait(self.batch_interval_s if not held else backoff)
+                if held:
+                    self._wake.wait(backoff)
+                else:
+                    self._wait_for_work()
                 self._wake.clear()
             items = held
             if not held:  # new frames wait while a held batch cannot be written: order per sender is kept
@@ -691,6 +699,19 @@ class Sidecar:
                     self._store_failed(exc)
                 next_checkpoint = now + self.checkpoint_interval_s
             if stopping:
+                return
+
+    def _wait_for_work(self) -> None:
+        """Return when a transaction is worth starting: a row group of records is queued (`_wake`), or
+        `batch_interval_s` has passed, or at least one full probe frame is queued and nothing has arrived
+        for `PAUSE_S` (the senders paused: their windows are full, or a burst ended), so its tail is not
+        kept waiting for the interval while the probes wait for its acknowledgement."""
+        deadline = time.monotonic() + self.batch_interval_s
+        while not self._wake.wait(min(PAUSE_S, max(deadline - time.monotonic(), 0.0))):
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            if self._queued_rows >= PAUSE_MIN_ROWS and now - self._last_enqueue >= PAUSE_S:
                 return
 
     def _store_failed(self, exc: BaseException) -> None:
