@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--token", default=None,
                    help="shared secret every probe must present (default: $PHASESCOPE_AGENT_TOKEN); TCP listeners "
                         "are otherwise unauthenticated, so set one whenever you --listen tcp:")
-    a.add_argument("--memory-budget-mib", type=float, default=48.0,
+    a.add_argument("--memory-budget-mib", type=float, default=32.0,
                    help="received-but-unwritten records held at most; beyond it probes are slowed down and "
                         "their rings drop and count (default: %(default)s)")
     a.add_argument("--read-memory-mib", type=int, default=512,

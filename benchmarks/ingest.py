@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Sequence
 
 import psutil
 
@@ -122,9 +123,10 @@ class OtlpStepReceiver:
         self.server.server_close()
 
 
-def _agent(db: str, sock: str, metrics: bool, otlp: str | None = None) -> tuple[subprocess.Popen, str | None]:
+def _agent(db: str, sock: str, metrics: bool, otlp: str | None = None,
+           extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str | None]:
     args = [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api",
-            "--no-retention"]
+            "--no-retention", *extra]
     args += ["--metrics-addr", "127.0.0.1:0"] if metrics or otlp else ["--no-metrics"]
     env = None
     if otlp:
@@ -182,14 +184,14 @@ def _sink_figures(url: str, expect: int, settle_s: float = 60.0) -> dict:
             "sink_catch_up_s": moved - t0}
 
 
-def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False) -> dict:
+def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, agent_args: Sequence[str] = ()) -> dict:
     from phasescope.agent.sidecar.store import Store
 
     tmp = tempfile.mkdtemp(prefix="ps-ingest-", dir="/tmp")
     rx = OtlpStepReceiver() if otlp else None
     try:
         db, sock = os.path.join(tmp, "bench.duckdb"), os.path.join(tmp, "agent.sock")
-        agent, url = _agent(db, sock, metrics, rx.endpoint if rx else None)
+        agent, url = _agent(db, sock, metrics, rx.endpoint if rx else None, agent_args)
         proc = psutil.Process(agent.pid)
         peak = [proc.memory_info().rss]
         stop = threading.Event()
@@ -275,12 +277,14 @@ def main() -> None:
     ap.add_argument("--metrics", action="store_true", help="run the agent with its Prometheus exporter (a sink)")
     ap.add_argument("--otlp", action="store_true",
                     help="run the agent with /metrics and --otlp, exporting to a local OTLP/HTTP receiver")
+    ap.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
+                    help="pass ARG to `phasescope agent` (repeatable; e.g. --agent-arg=--memory-budget-mib=32)")
     ap.add_argument("--out", default=None, help="write the JSON results here")
     args = ap.parse_args()
     rows = []
     print(f"{'producers':>9} {'records/s':>11} {'duckdb bulk/s':>13} {'ratio':>6} {'peak RSS MiB':>12}  runs")
     for n in args.producers:
-        runs = [run_once(args.records, n, args.metrics, args.otlp) for _ in range(args.repeat)]
+        runs = [run_once(args.records, n, args.metrics, args.otlp, args.agent_arg) for _ in range(args.repeat)]
         assert all(r["delivered_equals_stored"] for r in runs), runs
         med = {k: statistics.median(r[k] for r in runs)
                for k in ("records_per_s", "duckdb_bulk_records_per_s", "ratio", "peak_rss_mib")}
@@ -299,6 +303,7 @@ def main() -> None:
                       f"{r['agent_stop_s']:.1f} s)", flush=True)
     if args.out:
         meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "records": args.records,
+                "agent_args": args.agent_arg,
                 "metrics_sink": args.metrics or args.otlp, "otlp_sink": args.otlp,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with open(args.out, "w") as f:

@@ -196,7 +196,7 @@ class Sidecar:
         sample_interval_s: float = 1.0,
         read_api: str | None = None,
         findings: Callable | None = None,
-        memory_budget_bytes: int = 48 << 20,
+        memory_budget_bytes: int = 32 << 20,
         partial_budget_bytes: int = 16 << 20,
         max_connections: int = 256,
         idle_timeout_s: float = 120.0,

@@ -83,7 +83,7 @@ class Store:
 
         48 MB keeps the sidecar within 300 MiB RSS however much it has stored (measured with
         benchmarks/ingest.py at 10M steps: ~90 MiB of mapped libraries + ~80 MiB of interpreter, numpy,
-        pyarrow and DuckDB at rest + the 48 MiB ingest budget + one transaction's columns + this pool,
+        pyarrow and DuckDB at rest + the 32 MiB ingest budget + one transaction's columns + this pool,
         which DuckDB fills with cached table blocks as the file grows). Appends need little of it: a
         transaction of whole row groups is written straight to the file.
 
