@@ -55,17 +55,17 @@ def _producer(sock: str, n_records: int, rank: int, ready, go, results) -> None:
 
     frames = _frames(n_records, 8192, rank)
     hello = lambda: ev.encode_frame([ev.Hello(time.monotonic_ns(), 0, os.getpid(), rank, 1, "bench", "m", "bench")])
-    s = Sender(parse_address(f"unix:{sock}"), hello, drain_s=60)  # the probe's default window (8 MiB)
+    s = Sender(parse_address(f"unix:{sock}"), hello, drain_s=60)  # the probe's default window (32 MiB)
     while not s.ready():
         time.sleep(0.01)
     ready.put(rank)
     go.wait()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for f in frames:
         while not s.send(f):  # the window is full: wait for acks (a probe would drop and count here)
             s.wait_room(0.05)
     s.close()  # waits for the last acknowledgements
-    results.put((t0, time.perf_counter(), s.sent, s.delivered, s.lost))
+    results.put((t0, time.perf_counter(), s.sent, s.delivered, s.lost, time.process_time() - cpu0))
 
 
 class OtlpStepReceiver:
@@ -231,7 +231,7 @@ def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, 
             sink["otlp_metric_exports"] = len(rx.step_counts)
             sink["agent_stop_s"] = time.perf_counter() - t_stop
         t0, t1 = min(o[0] for o in out), max(o[1] for o in out)
-        sent, delivered, lost = (sum(o[i] for o in out) for i in (2, 3, 4))
+        sent, delivered, lost, producers_cpu = (sum(o[i] for o in out) for i in (2, 3, 4, 5))
         con = Store.open_readonly(db)
         stored = con.execute("SELECT count(*) FROM steps").fetchone()[0]
         con.close()
@@ -240,6 +240,7 @@ def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, 
         return {"producers": producers, "records": stored, "seconds": t1 - t0, "records_per_s": rate,
                 "duckdb_bulk_records_per_s": base, "ratio": rate / base, "peak_rss_mib": peak[0] / 2**20,
                 "agent_cpu_us_per_record": (cpu.user + cpu.system) / stored * 1e6,
+                "producers_cpu_us_per_record": producers_cpu / stored * 1e6,
                 "sent": sent, "delivered": delivered, "lost": lost, "delivered_equals_stored": delivered == stored, **sink}
     finally:
         if rx is not None:
