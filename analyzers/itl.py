@@ -25,9 +25,11 @@ the median of (ms - pure_decode_p50) / prefill_tokens over steps that decode and
 `fit_min_prefill_tokens` tokens (robust to the odd slow step; least squares is reported beside it).
 A per-step token budget B caps a step's prefill at c = max(B - decode_tokens, 1) tokens: a gap
 whose step prefilled p > c tokens becomes ceil(p / c) gaps, one per chunk of q tokens, each
-`gap - step_ms + pure_decode_p50 + m * q + r * q / p`, where r = step_ms - pure_decode_p50 - m * p is
-that step's residual off the fit (attention over the prompt's own context, noise), spread over its
-chunks like its tokens. The predicted p99 ITL is the p99 of the samples so rewritten (the extra
+`o + pure_decode_p50 + m * q + r * q / p`, where r = step_ms - pure_decode_p50 - m * p is that step's
+residual off the fit (attention over the prompt's own context, noise), spread over its chunks like its
+tokens, and o is what the gap held besides its step (gap - step_ms: admission, scheduling) for the first
+chunk, and for the others what a pure decode gap holds besides its step (the run's median): the gap's
+one-off host work happens once, not once per chunk. The predicted p99 ITL is the p99 of the samples so rewritten (the extra
 chunk gaps included), the saving the measured p99 minus it.
 """
 
@@ -59,10 +61,15 @@ PREDICT_SQL = f"""WITH {ITL_GAPS},
                  cause NOT IN ('preemption', 'queueing', 'unattributed') AND prefill_tokens > $budget - decode_tokens
                      AS split
           FROM samples),
+    -- what a gap holds besides its step (sampling, scheduling) when nothing else happens: pure decode gaps
+    o AS (SELECT coalesce(quantile_cont(gap_ms - step_ms, 0.5)
+                          FILTER (WHERE steps_in_gap = 1 AND prefill_tokens = 0 AND cause = 'other'), 0) AS ovh
+          FROM gaps),
     pred AS (
         SELECT itl_ms FROM s WHERE NOT split
         UNION ALL
-        SELECT (gap_ms - step_ms + $base_ms + ($slope + (step_ms - $base_ms - $slope * prefill_tokens) / prefill_tokens)
+        SELECT (CASE WHEN j = 0 THEN gap_ms - step_ms ELSE (SELECT ovh FROM o) END
+                + $base_ms + ($slope + (step_ms - $base_ms - $slope * prefill_tokens) / prefill_tokens)
                 * least(c, prefill_tokens - j * c)) / tokens
         FROM s, range(CAST(ceil(prefill_tokens / c) AS BIGINT)) AS r(j) WHERE split)
     SELECT quantile_cont(itl_ms, $quantile) AS itl_p99_ms, count(*) AS itl_samples FROM pred"""

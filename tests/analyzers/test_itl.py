@@ -136,7 +136,8 @@ def test_chunk_prediction_by_hand(stated):
 # --- the recorded prefill-interference run (HF continuous batching on CPU, prompts prefilled whole) -------
 
 def py_gaps(con, run: str, long: int = 128, host_ratio: float = 2.0) -> list[tuple]:
-    """(request, itl_ms per token, tokens, cause, prefill tokens, step ms, gap ms) per gap, in plain Python."""
+    """(request, itl_ms per token, tokens, cause, prefill tokens, step ms, gap ms, decode tokens, steps in the gap)
+    per gap, in plain Python."""
     steps = con.execute(f"""SELECT t.ts_ns, t.step_id, t.host_ms, {STEP_MS}, t.prefill_tokens, t.decode_tokens
                             FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ? AND t.rank = 0
                             ORDER BY t.ts_ns, t.step_id""", [run]).fetchall()
@@ -157,7 +158,7 @@ def py_gaps(con, run: str, long: int = 128, host_ratio: float = 2.0) -> list[tup
             _, _, _, ms, p, d = steps[i]
             cause = ("preemption" if pre else "queueing" if i - pi > n else "prefill" if p >= long
                      else "host" if gap >= host_ratio * ms else "other")
-            out.append((rid, gap / n, n, cause, p, ms, gap, d))
+            out.append((rid, gap / n, n, cause, p, ms, gap, d, i - pi))
         prev[rid] = (ts, i)
     return out
 
@@ -199,13 +200,16 @@ def test_itl_spikes_prefill_fires_with_its_numbers(scenario):
     # the chunk is the one prefill-stalls-decode names; the prediction rewrites each gap past it by hand
     assert ev["suggested_chunk_tokens"] == found["prefill-stalls-decode"].evidence["suggested_chunk_tokens"] == 64
     m, c0 = ev["ms_per_prefill_token"], 64
+    gaps = py_gaps(con, run)
+    # a gap's one-off host time goes to its first chunk; the other chunks get a pure decode gap's
+    ovh = qcont([gap - ms for _, _, _, cause, p, ms, gap, _, k in gaps if k == 1 and p == 0 and cause == "other"], 0.5)
     pred = []
-    for rid, itl, n, cause, p, ms, gap, d in py_gaps(con, run):
+    for rid, itl, n, cause, p, ms, gap, d, _ in gaps:
         c = max(c0 - d, 1)
         if p > c and cause not in ("preemption", "queueing"):
             for j in range(math.ceil(p / c)):
                 q = min(c, p - j * c)
-                pred += [(gap - ms + base + (m + (ms - base - m * p) / p) * q) / n] * n
+                pred += [((gap - ms if j == 0 else ovh) + base + (m + (ms - base - m * p) / p) * q) / n] * n
         else:
             pred += [itl] * n
     assert ev["predicted_itl_p99_ms"] == pytest.approx(qcont(pred, 0.99), rel=1e-9)
