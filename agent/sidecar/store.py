@@ -202,12 +202,13 @@ class Store:
                         table, cols, select = columnar.columns(code, sid, arrs, _pa)
                         _insert(self.con, table, cols, select)
                         n += len(sid)
-                    for (run_id, key), value in labels.items():
-                        self.con.execute("INSERT OR REPLACE INTO run_info VALUES (?, ?, ?)", [run_id, key, value])
-                        n += 1
-                    for nonce, (q, s_, r_) in progress.items():
-                        self.con.execute("INSERT OR REPLACE INTO ingest_progress VALUES (?, ?, ?, ?)",
-                                         [nonce, q, s_, r_])
+                    # one statement per table, not per row: each costs ~1.5 ms, and a transaction of 16
+                    # probes' frames spent 27 ms on 16 progress rows (3.8 ms as one statement)
+                    if labels:
+                        _upsert(self.con, "run_info", [[r, k, v] for (r, k), v in labels.items()])
+                        n += len(labels)
+                    if progress:
+                        _upsert(self.con, "ingest_progress", [[nonce, *v] for nonce, v in progress.items()])
                     self.con.execute("COMMIT")
                 except BaseException:
                     try:
@@ -290,6 +291,13 @@ try:  # Arrow is DuckDB's fastest way in; a dict of numpy arrays works without i
     import pyarrow as _pa
 except ImportError:  # pragma: no cover - pyarrow comes with the dashboard and test extras
     _pa = None
+
+
+def _upsert(con: duckdb.DuckDBPyConnection, table: str, rows: list[list]) -> None:
+    """INSERT OR REPLACE `rows` (each a full row of `table`, distinct keys) in one statement."""
+    one = "(" + ", ".join("?" * len(rows[0])) + ")"
+    con.execute(f"INSERT OR REPLACE INTO {table} VALUES " + ", ".join([one] * len(rows)),
+                [v for r in rows for v in r])
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, cols: dict[str, np.ndarray], select: str) -> None:
