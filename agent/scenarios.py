@@ -364,6 +364,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "and their steps go on for ~12 s.",
              expect=("telemetry-kv-snapshots-stopped", "telemetry-prefix-counters-stuck"), workload="silent",
              labels=dict(shared_prefix_tokens=64, prefix_position="first")),
+    Scenario("healthy-vllm", "vllm",
+             "vLLM 0.32 CPU, in-process engine driven step by step on one torch thread (tiny Llama, pages of 32, "
+             "a pool of 256 pages, chunked prefill with a budget of 256 tokens): 24 prompts behind a 64-token "
+             "(2-page) shared system prompt, 72-96 tokens each, one added every 4 steps, 32 output tokens each; "
+             "nothing evicted or preempted, no step prefills 128 tokens.",
+             expect=(), workload="healthy",
+             labels=dict(shared_prefix_tokens=64, prefix_position="first")),
     Scenario("tp-imbalance", "synthetic",
              "Synthetic TP 4 run of a 32-layer model with 2 KV heads: rank 3 holds 140 MiB of KV vs 100 MiB, "
              "rank 2 takes 26 ms per step vs 20 ms; KV heads replicated 2x.",
@@ -420,7 +427,8 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
         result = record_vllm(db_path, run_id, workload)
         labels = dict(sc.labels)
         prompts = {"prefix-miss": vw.prefix_miss_workload, "silent": vw.silent_workload}
-        listed = ([[w[0], len(w[1]), w[2], w[3]] for w in vw.itl_workload()] if workload == "itl"
+        stepped = {"itl": vw.itl_workload, "healthy": vw.healthy_workload}
+        listed = ([[w[0], len(w[1]), w[2], w[3]] for w in stepped[workload]()] if workload in stepped
                   else [[name, len(prompt)] for name, prompt in prompts[workload]()])
         config["vllm"] = {**result, "workload_name": workload, "engine_args": vw.engine_args(workload),
                           "workload": listed}

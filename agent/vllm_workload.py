@@ -14,8 +14,11 @@ vLLM's own counters (`LLM.get_metrics()`) and what the run did as one JSON line 
   `SILENT_PACE_S`; after the first `SILENT_AFTER` prompts (between two requests) the adapter's KV snapshots
   and prefix counters are switched off (in-process, so the scheduler's hooks are in this process), as an
   adapter that lost its hooks would, while the remaining requests and their steps go on.
+- `healthy` (`healthy-vllm`): `healthy_workload()` driven step by step through the engine (in-process): prompts
+  behind a shared system prompt of whole pages, one added every `HEALTHY_EVERY_STEPS` steps, a pool far larger
+  than the run needs (nothing evicted, nothing preempted), chunked prefill at a budget no prompt fills.
 
-    python -m phasescope.agent.vllm_workload MODEL_DIR [--workload prefix-miss|itl|silent]
+    python -m phasescope.agent.vllm_workload MODEL_DIR [--workload prefix-miss|itl|silent|healthy]
 """
 
 from __future__ import annotations
@@ -46,6 +49,16 @@ SILENT_PROMPTS = 30
 SILENT_AFTER = 6
 SILENT_PACE_S = 0.5
 SILENT_OUTPUT = 8
+
+# healthy: HEALTHY_PROMPTS prompts (a 2-page system prompt + 8..24 tokens of their own), one every few steps, on the
+# widened model of itl (a decode step reads its weights: ~20 ms on CPU, while a prefill token costs ~1.3 ms)
+HEALTHY_PROMPTS = 24
+HEALTHY_SYSTEM_TOKENS = 2 * PAGE_TOKENS
+HEALTHY_OUTPUT = 64  # tokens per request: 24 x 63 = 1512 ITL samples (itl-spikes needs >= 500)
+HEALTHY_EVERY_STEPS = 4  # one arrival every 4 engine steps: ~16 requests decoding at once
+HEALTHY_POOL_PAGES = 256  # usable KV pages; the run holds at most ~2 + 17 x 3 of them
+HEALTHY_MAX_SEQS = 24  # above the ~16 running at once: no request waits for a slot
+HEALTHY_BUDGET = 32  # max_num_batched_tokens (chunked prefill): ~16 decodes + a prefill chunk of ~16 tokens
 
 
 def prefix_miss_workload() -> list[tuple[str, list[int]]]:
@@ -100,6 +113,24 @@ def silent_workload() -> list[tuple[str, list[int]]]:
     return [(f"s{i}", system + fresh(24)) for i in range(SILENT_PROMPTS)]
 
 
+def healthy_workload() -> list[tuple[str, list[int], int, int]]:
+    """(name, prompt token ids, max tokens, engine step it is added before), in order of addition.
+
+    h0..h23: the HEALTHY_SYSTEM_TOKENS-token (2-page) system prompt then 8 + 5 i mod 17 fresh tokens of their
+    own (8..24; 72..88 in all), HEALTHY_OUTPUT tokens each, h_i added before step HEALTHY_EVERY_STEPS x i. Every
+    token id past the system prompt is used once (64 + 480 ids of the 1021 past the 3 special ones), so a
+    prompt shares exactly the system prompt's 2 whole pages with the earlier ones.
+    """
+    nxt = iter(range(3, 1024))
+
+    def fresh(n: int) -> list[int]:
+        return [next(nxt) for _ in range(n)]
+
+    system = fresh(HEALTHY_SYSTEM_TOKENS)
+    return [(f"h{i}", system + fresh(8 + 5 * i % 17), HEALTHY_OUTPUT, HEALTHY_EVERY_STEPS * i)
+            for i in range(HEALTHY_PROMPTS)]
+
+
 def engine_args(workload: str = "prefix-miss") -> dict:
     """The `LLM(...)` arguments of a workload's run (recorded in the fixture's config)."""
     base = dict(load_format="dummy", skip_tokenizer_init=True, block_size=PAGE_TOKENS, enable_prefix_caching=True,
@@ -107,6 +138,10 @@ def engine_args(workload: str = "prefix-miss") -> dict:
     if workload == "itl":
         return dict(base, max_model_len=512, hf_overrides=ITL_MODEL, max_num_seqs=ITL_DECODERS + 1,
                     max_num_batched_tokens=ITL_BUDGET, enable_chunked_prefill=True)
+    if workload == "healthy":
+        return dict(base, max_model_len=MAX_MODEL_LEN, hf_overrides=ITL_MODEL,
+                    num_gpu_blocks_override=HEALTHY_POOL_PAGES + 1, max_num_seqs=HEALTHY_MAX_SEQS,
+                    max_num_batched_tokens=HEALTHY_BUDGET, enable_chunked_prefill=True)
     if workload == "silent":
         return dict(base, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=MAX_MODEL_LEN)
     return dict(base, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=POOL_PAGES + 1, max_num_seqs=8,
@@ -139,13 +174,13 @@ def _serve_one_at_a_time(llm, prompts: list[list[int]], params, between=None) ->
     return outputs
 
 
-def _serve_itl(llm) -> dict:
+def _serve_stepped(llm, work: list[tuple[str, list[int], int, int]]) -> dict:
     """Drive the engine step by step, adding each request before its stated step; returns what it served."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    pending = list(itl_workload())
+    pending = list(work)
     step, outputs, added = 0, 0, {}
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][3] <= step:
@@ -193,7 +228,7 @@ def _serve_silent(llm) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m phasescope.agent.vllm_workload")
     ap.add_argument("model", help="model folder (config.json; weights are random: load_format dummy)")
-    ap.add_argument("--workload", default="prefix-miss", choices=("prefix-miss", "itl", "silent"))
+    ap.add_argument("--workload", default="prefix-miss", choices=("prefix-miss", "itl", "silent", "healthy"))
     args = ap.parse_args(argv)
 
     import vllm
@@ -201,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(model=args.model, **engine_args(args.workload))
     if args.workload == "itl":
-        served = _serve_itl(llm)
+        served = _serve_stepped(llm, itl_workload())
+    elif args.workload == "healthy":
+        served = _serve_stepped(llm, healthy_workload())
     elif args.workload == "silent":
         served = _serve_silent(llm)
     else:
