@@ -365,10 +365,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              expect=("telemetry-kv-snapshots-stopped", "telemetry-prefix-counters-stuck"), workload="silent",
              labels=dict(shared_prefix_tokens=64, prefix_position="first")),
     Scenario("healthy-vllm", "vllm",
-             "vLLM 0.32 CPU, in-process engine driven step by step on one torch thread (tiny Llama, pages of 32, "
-             "a pool of 256 pages, chunked prefill with a budget of 256 tokens): 24 prompts behind a 64-token "
-             "(2-page) shared system prompt, 72-96 tokens each, one added every 4 steps, 32 output tokens each; "
-             "nothing evicted or preempted, no step prefills 128 tokens.",
+             "vLLM 0.32 CPU, in-process engine driven step by step on one torch thread (the tiny Llama widened "
+             "to 4 layers of 1024, pages of 32, a pool of 256 pages, chunked prefill with a budget of 32 tokens "
+             "per step): 24 prompts behind a 64-token (2-page) shared system prompt, 72-88 tokens each, one added "
+             "every 4 steps, 64 output tokens each (~16 decoding at once); nothing evicted or preempted, no step "
+             "prefills more than 32 tokens.",
              expect=(), workload="healthy",
              labels=dict(shared_prefix_tokens=64, prefix_position="first")),
     Scenario("tp-imbalance", "synthetic",
