@@ -7,7 +7,6 @@ DuckDB has one memory limit per database instance; the read API and retention ru
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 

@@ -178,3 +178,29 @@ def otlp_receiver():
     r = OtlpReceiver()
     yield r
     r.close()
+
+
+def stream_paced(sock: str, hello_record, frames: list, frame_records: int, rate: float):
+    """Send `frames` (of `frame_records` records each) to the sidecar on `sock` at `rate` records/s through
+    the probe's real Sender; returns (sender, seconds taken) once every frame is acknowledged or lost."""
+    import time
+
+    from phasescope.agent import events as ev
+    from phasescope.agent.address import parse_address
+    from phasescope.agent.probe.sender import Sender
+
+    s = Sender(parse_address(f"unix:{sock}"), lambda: ev.encode_frame([hello_record]), window_bytes=16 << 20,
+               drain_s=60)
+    deadline = time.monotonic() + 10
+    while not s.ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.perf_counter()
+    for k, f in enumerate(frames):
+        ahead = t0 + k * frame_records / rate - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
+        while not s.send(f):
+            s.wait_room(0.05)
+    s.close()
+    return s, time.perf_counter() - t0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import bisect
 import math
 import os
-import time
 
 import numpy as np
 import pytest
@@ -188,8 +187,7 @@ def test_sidecar_burst_every_step_reaches_the_otlp_sink(otel_env, short_tmp):
     fast as they are committed, so none is dropped, and after the sidecar stops (the exporter flushes on
     close) the exported step histogram counts every stored step. One SDK `record` per step (~100k steps/s
     on one core, the NamedTuples included) could not."""
-    from phasescope.agent.address import parse_address
-    from phasescope.agent.probe.sender import Sender
+    from conftest import stream_paced
     from phasescope.agent.sidecar import Sidecar
 
     rx = otel_env
@@ -201,20 +199,7 @@ def test_sidecar_burst_every_step_reaches_the_otlp_sink(otel_env, short_tmp):
     sc = Sidecar(os.path.join(short_tmp, "s.duckdb"), [f"unix:{sock}"], batch_interval_s=0.05, sinks=[exp],
                  sink_budget_bytes=4 << 20)
     with sc:
-        s = Sender(parse_address(f"unix:{sock}"), lambda: ev.encode_frame([HELLO]), window_bytes=16 << 20, drain_s=60)
-        deadline = time.monotonic() + 10
-        while not s.ready():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        t0 = time.perf_counter()
-        for k, f in enumerate(frames):
-            ahead = t0 + k * frame / rate - time.perf_counter()
-            if ahead > 0:
-                time.sleep(ahead)
-            while not s.send(f):
-                s.wait_room(0.05)
-        s.close()
-        took = time.perf_counter() - t0
+        s, took = stream_paced(sock, HELLO, frames, frame, rate)
         assert s.delivered == n and s.lost == 0
         assert sc.wait_rows(lambda: sc.stats.rows_written_total >= n, 30)
     # stopped: the sinks got what was queued, the exporter flushed on close

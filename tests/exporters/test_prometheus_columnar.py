@@ -7,7 +7,6 @@ from __future__ import annotations
 import bisect
 import math
 import os
-import time
 
 import numpy as np
 import pytest
@@ -148,8 +147,7 @@ def test_sidecar_burst_every_step_reaches_the_prometheus_sink(short_tmp):
     holds only 4 MiB (~80k steps): the exporter takes them as fast as they are committed, so it sees
     every one (no sink drops) and its counters equal what was stored. Taking them one NamedTuple at a
     time (~180k steps/s on one core) it could not."""
-    from phasescope.agent.address import parse_address
-    from phasescope.agent.probe.sender import Sender
+    from conftest import stream_paced
     from phasescope.agent.sidecar import Sidecar
 
     n, frame, rate = 1_200_000, 8192, 300_000.0
@@ -162,20 +160,7 @@ def test_sidecar_burst_every_step_reaches_the_prometheus_sink(short_tmp):
                  sink_budget_bytes=4 << 20)
     reg.register(SidecarStatsCollector(sc.stats))
     with sc:
-        s = Sender(parse_address(f"unix:{sock}"), lambda: ev.encode_frame([HELLO]), window_bytes=16 << 20, drain_s=60)
-        deadline = time.monotonic() + 10
-        while not s.ready():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        t0 = time.perf_counter()
-        for k, f in enumerate(frames):
-            ahead = t0 + k * frame / rate - time.perf_counter()
-            if ahead > 0:
-                time.sleep(ahead)
-            while not s.send(f):
-                s.wait_room(0.05)
-        s.close()
-        took = time.perf_counter() - t0
+        s, took = stream_paced(sock, HELLO, frames, frame, rate)
         assert s.delivered == n and s.lost == 0
         labels = {"model": "m", "rank": "0", "phase": "decode"}
         seen = lambda: reg.get_sample_value("phasescope_step_host_seconds_count", labels) or 0  # noqa: E731
