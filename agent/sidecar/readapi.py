@@ -29,9 +29,9 @@ import threading
 from contextlib import AbstractContextManager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
+from urllib.parse import parse_qsl, urlparse
 
 import duckdb
-from urllib.parse import parse_qsl, urlparse
 
 from ..read.jsonsafe import to_json
 from ..read.queries import QUERIES, run_named

@@ -261,6 +261,7 @@ class Sidecar:
         self._sink_queue: queue.Queue = queue.Queue(maxsize=sink_queue_batches)
         self._sink_budget = sink_budget_bytes
         self._sink_bytes = 0  # bytes of the records in _sink_queue (only the types the sinks read)
+        self._sink_lock = threading.Lock()  # _sink_bytes: the writer adds, the sinks' thread subtracts
         self._sink_want: set[type] | None = set()  # record classes some sink reads; None: every type
         # per sink: (the types it reads, None: all; the types it takes as Chunks)
         self._sink_plan: list[tuple[RecordSink, frozenset | None, frozenset]] = []
@@ -796,7 +797,7 @@ class Sidecar:
                 rows += sum(len(a) for arrs in arrays.values() for a in arrs)
         if not out:
             return
-        with self._budget._lock:
+        with self._sink_lock:
             over = self._sink_bytes and self._sink_bytes + nbytes > self._sink_budget
             if not over:
                 self._sink_bytes += nbytes
@@ -805,7 +806,7 @@ class Sidecar:
                 self._sink_queue.put_nowait((out, nbytes))
                 return
             except queue.Full:
-                with self._budget._lock:
+                with self._sink_lock:
                     self._sink_bytes -= nbytes
         st.sink_dropped_records_total += rows
 
@@ -820,7 +821,7 @@ class Sidecar:
             del parts, got, tuples
             # out of the budget now, as before Chunks: one batch in the sinks' hands besides the budget (Chunks
             # are views of its frames, which stay alive until the sinks are done)
-            with self._budget._lock:
+            with self._sink_lock:
                 self._sink_bytes -= nbytes
             for sink, batch in batches:
                 try:

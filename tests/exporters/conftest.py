@@ -180,6 +180,18 @@ def otlp_receiver():
     r.close()
 
 
+@pytest.fixture
+def otel_env(monkeypatch, otlp_receiver):
+    """No OTEL_* variable of the machine's; the OTLP endpoint is the test receiver."""
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("OTEL_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint)
+    return otlp_receiver
+
+
 def stream_paced(sock: str, hello_record, frames: list, frame_records: int, rate: float):
     """Send `frames` (of `frame_records` records each) to the sidecar on `sock` at `rate` records/s through
     the probe's real Sender; returns (sender, seconds taken) once every frame is acknowledged or lost."""

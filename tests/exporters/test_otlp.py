@@ -31,13 +31,10 @@ def wait_for(pred, timeout_s: float = 15.0) -> bool:
 
 
 @pytest.fixture
-def otel_env(monkeypatch, otlp_receiver):
-    for k in list(os.environ):
-        if k.startswith("OTEL_"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint)
+def otel_env(otel_env, monkeypatch):
+    """conftest's, with a service name of the environment's (checked on the resource)."""
     monkeypatch.setenv("OTEL_SERVICE_NAME", "phasescope-test")
-    return otlp_receiver
+    return otel_env
 
 
 def test_metrics_names_units_bounds_and_values(otel_env):

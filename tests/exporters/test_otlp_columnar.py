@@ -29,15 +29,6 @@ def attrs(kvs) -> dict:
     return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in kvs}
 
 
-@pytest.fixture
-def otel_env(monkeypatch, otlp_receiver):
-    for k in list(os.environ):
-        if k.startswith("OTEL_"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.endpoint)
-    return otlp_receiver
-
-
 def _steps(n: int, seed: int, ranks: list[int]) -> np.ndarray:
     """`n` random steps in the sidecar's structured dtype: every phase and an unknown one (9), host times on
     every bound exactly, past the last bound, and a few NaN / inf (not finite: the SDK ignores them)."""
