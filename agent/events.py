@@ -253,6 +253,31 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     12: (PageEvent, struct.Struct("<qHI8sddIQ")),
 }
 LAYOUTS = _LAYOUT  # read-only use by columnar decoders (agent/sidecar/columnar.py)
+
+# --- value ranges ---
+# Every integer field may hold at most what its struct code and its store column hold (the columnar
+# decoder derives those); these are the tighter bounds of the domain, inclusive. A record outside is
+# rejected as `out_of_range` before it reaches the store, so no record can make a write fail, and no
+# stored count is large enough to make a read unbounded.
+MAX_TOKENS = 1 << 24  # tokens in one request, prompt, step or lookup: above any model's context (10M, 2026)
+MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT on 64-bit
+MAX_RANKS = (1 << 15) - 1  # ranks of one run (the store's SMALLINT)
+MAX_PAGE_TOKENS = 1 << 16  # tokens per KV page
+_TOKEN_FIELDS = {
+    "Step": ("prefill_tokens", "decode_tokens", "num_seqs"),
+    "RequestEvent": ("tokens", "cached_tokens"),
+    "PrefixLookup": ("prompt_tokens", "cacheable_tokens", "hit_tokens", "shared_tokens", "evicted_tokens"),
+    "KVSnapshot": ("num_seqs",),
+}
+LIMITS: dict[tuple[str, str], tuple[int, int]] = {
+    **{(rec, f): (0, MAX_TOKENS) for rec, fields in _TOKEN_FIELDS.items() for f in fields},
+    ("Hello", "pid"): (0, MAX_PID),
+    ("Hello", "rank"): (0, MAX_RANKS - 1),
+    ("Hello", "world_size"): (1, MAX_RANKS),
+    ("ProbeHealth", "pid"): (0, MAX_PID),
+    ("KVSnapshot", "page_size_tokens"): (0, MAX_PAGE_TOKENS),
+    ("PrefixLookup", "page_size_tokens"): (0, MAX_PAGE_TOKENS),
+}
 _TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}
 RECORD_TYPES: tuple[type, ...] = tuple(cls for cls, _ in _LAYOUT.values())
 

@@ -4,13 +4,19 @@ The sender runs on the probe's flush thread only; the host's threads never touch
 
 Delivery (wire v2, see `agent/events.py`): every data frame carries a sequence
 number; the sidecar acknowledges what it has committed, cumulatively per sender
-nonce. Records count as `delivered` only when acknowledged as stored, as
-`rejected` when the sidecar refused them (bad values), and as `lost` when a
-connection died before their ack and the next connection's welcome says they
-were not committed (or no next connection came before `close`). So at any time
-`sent = delivered + rejected + lost + in_flight + unresolved`, and after a close
-`delivered` equals what the store holds from this sender. Unacknowledged bytes
-are capped (`window_bytes`): when the sidecar is slow or full, `ready()` says
+nonce. Records count as `delivered` only when acknowledged as stored, and as
+`rejected` when the sidecar refused them (bad values).
+
+At-least-once delivery, exactly-once storage: the sender keeps the bytes of every
+frame until it is acknowledged. When a connection dies (the sidecar restarted,
+a send timed out), the next connection's welcome says which frames the store
+committed; the others are sent again, in order, with their sequence numbers,
+and the sidecar stores a frame only if its sequence number is above what the
+store committed for this nonce (checked in the same transaction as the rows).
+Records count as `lost` only when `close` ends with frames still unacknowledged.
+So at any time `sent = delivered + rejected + lost + in_flight`, and after a close
+`delivered` equals what the store holds from this sender. The bytes held are
+capped (`window_bytes`): when the sidecar is slow, full or gone, `ready()` says
 no, records stay in the probe's ring, and the ring drops (and counts) the oldest.
 """
 
@@ -60,8 +66,8 @@ class Sender:
     (no sidecar, broken pipe, timeout); the caller counts those records as dropped.
     `on_connect` returns the (v1-encoded) frame to send first on each new connection (Hello).
     `token`: the shared secret of a TCP sidecar started with one (default $PHASESCOPE_AGENT_TOKEN).
-    `window_bytes`: sent-but-unacknowledged bytes at most. Only their sizes are kept here (the sidecar
-    bounds what it holds with its own budget), and it must exceed what the sidecar's writer waits for
+    `window_bytes`: sent-but-unacknowledged bytes at most (kept here until acknowledged, to be sent again
+    after a reconnect), and it must exceed what the sidecar's writer waits for
     before a transaction (a DuckDB row group: 122,880 records, ~6.6 MiB of Steps) by a good margin, or
     a lone fast probe waits for each commit instead of sending the next frames meanwhile.
     """
@@ -102,9 +108,11 @@ class Sender:
         self._no_welcome = 0  # handshakes in a row closed without a welcome
         self.nonce = random.SystemRandom().getrandbits(63) + 1
         self._seq = 0  # last data frame sequence number used
-        self._inflight: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, records, bytes)
-        self._inflight_bytes = 0
-        self._unresolved: list[tuple[int, int]] = []  # (seq, records) sent on a connection that died
+        # frames sent and not yet acknowledged, in seq order: (seq, records, v2 frame bytes)
+        self._inflight: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self._inflight_bytes = 0  # bytes of _inflight and _unresolved: what this sender holds
+        self._unresolved: list[tuple[int, int, bytes]] = []  # sent on a connection that died: resolved by
+        # the next welcome (committed, or sent again)
         self._acked = (0, 0, 0)  # the sidecar's cumulative (last_seq, stored, rejected) for our nonce
         self._rx = bytearray()
         # counters (monotonic), in records unless named otherwise
@@ -113,7 +121,8 @@ class Sender:
         self.sent = 0  # records in data frames handed to the socket
         self.delivered = 0  # acknowledged as stored
         self.rejected = 0  # acknowledged as refused by the sidecar (bad values)
-        self.lost = 0  # sent, but the connection died and they were not committed
+        self.lost = 0  # sent, and still unacknowledged when `close` gave up on them
+        self.resent = 0  # records sent again after a reconnect (not counted again in `sent`)
         self.unacked_v1 = 0  # sent to an old (v1) sidecar, which cannot acknowledge
 
     @property
@@ -123,7 +132,7 @@ class Sender:
     @property
     def in_flight(self) -> int:
         """Records sent and not yet accounted for (acknowledged or known lost)."""
-        return sum(n for _, n, _ in self._inflight) + sum(n for _, n in self._unresolved)
+        return sum(n for _, n, _ in self._inflight) + sum(n for _, n, _ in self._unresolved)
 
     def ready(self) -> bool:
         """Connected with room in the window, or connected now if the backoff allows a try."""
@@ -152,7 +161,22 @@ class Sender:
         self._backoff_s = self._backoff_min_s
         self.connects += 1
         self._warned = False
-        return True
+        if self._unresolved:
+            self._resend()
+        return self._sock is not None and self._inflight_bytes < self._window
+
+    def _resend(self) -> None:
+        """Send again, in order, the frames of a dead connection that the welcome did not cover."""
+        todo, self._unresolved = self._unresolved, []
+        for i, (seq, n, data) in enumerate(todo):
+            self._inflight.append((seq, n, data))
+            try:
+                self._sock.sendall(data)  # type: ignore[union-attr]
+            except (OSError, AttributeError) as exc:
+                self._inflight.extend(todo[i + 1:])
+                self._lost_connection(exc)
+                return
+            self.resent += n
 
     def _handshake(self, sock: socket.socket) -> None:
         hello = self._on_connect()
@@ -196,18 +220,21 @@ class Sender:
         else:
             seq = self._seq + 1
             data = frame_v2(frame, seq)
+        if not self._v1:  # held from now on: a failed send is sent again after the reconnect
+            self._seq = seq
+            self._inflight.append((seq, count, data))
+            self._inflight_bytes += len(data)
+        self.sent += count
         try:
             self._sock.sendall(data)
         except OSError as exc:
             self._lost_connection(exc)
-            return False
-        self.sent += count
+            if self._v1:
+                self.sent -= count
+                return False
+            return True
         if self._v1:
             self.unacked_v1 += count
-        else:
-            self._seq = seq
-            self._inflight.append((seq, count, len(data)))
-            self._inflight_bytes += len(data)
         self.poll()
         return True
 
@@ -256,9 +283,14 @@ class Sender:
             self.delivered += ack.stored - stored
             self.rejected += ack.rejected - rejected
             self._acked = (ack.last_seq, ack.stored, ack.rejected)
-            # frames of the dead connection that the store did not commit are lost
-            self.lost += sum(n for seq, n in self._unresolved if seq > ack.last_seq)
-            self._unresolved.clear()
+            # frames of the dead connection that the store committed are done; the rest are sent again
+            keep = []
+            for seq, n, data in self._unresolved:
+                if seq > ack.last_seq:
+                    keep.append((seq, n, data))
+                else:
+                    self._inflight_bytes -= len(data)
+            self._unresolved = keep
             return
         if ack.last_seq < last_seq:
             return
@@ -266,8 +298,7 @@ class Sender:
         self.rejected += ack.rejected - rejected
         self._acked = (ack.last_seq, ack.stored, ack.rejected)
         while self._inflight and self._inflight[0][0] <= ack.last_seq:
-            _, _, nbytes = self._inflight.popleft()
-            self._inflight_bytes -= nbytes
+            self._inflight_bytes -= len(self._inflight.popleft()[2])
 
     def _lost_connection(self, exc: BaseException) -> None:
         self.failures += 1
@@ -283,13 +314,16 @@ class Sender:
                 pass
             self._sock = None
         self._rx.clear()
-        # what the dead connection did not acknowledge: resolved by the next welcome
-        self._unresolved.extend((seq, n) for seq, n, _ in self._inflight)
+        # what the dead connection did not acknowledge: resolved by the next welcome (kept, bytes and all)
+        self._unresolved.extend(self._inflight)
         self._inflight.clear()
-        self._inflight_bytes = 0
 
     def close(self) -> None:
-        """Wait (up to `drain_s`) for the acks of what was sent, then close; the rest counts as lost."""
+        """Wait (up to `drain_s`) for the acks of what was sent, then close; the rest counts as lost.
+        Frames of a dead connection get one more try first (a sidecar restarted meanwhile)."""
+        if self._unresolved and self._sock is None and not self._v1:
+            self._next_try = 0.0
+            self.ready()
         sock = self._sock
         if sock is not None and not self._v1 and self._inflight:
             deadline = time.monotonic() + self._drain_s
@@ -314,5 +348,6 @@ class Sender:
                 except FrameError:
                     break
         self._drop_socket()
-        self.lost += sum(n for _, n in self._unresolved)
+        self.lost += sum(n for _, n, _ in self._unresolved)
         self._unresolved.clear()
+        self._inflight_bytes = 0

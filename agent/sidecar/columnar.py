@@ -9,8 +9,9 @@ or trailing bytes) raises `FrameError`: its connection is closed.
 
 Rejection reasons (`REASONS`):
 - `bad_enum`: a phase / request event index with no name;
-- `out_of_range`: an unsigned value too large for its column (SMALLINT/INTEGER/BIGINT),
-  or a negative timestamp;
+- `out_of_range`: an integer outside its range: what its store column holds
+  (SMALLINT/INTEGER/BIGINT; a Hello's, the `sources` row it becomes), a negative
+  timestamp, or a domain bound of `events.LIMITS` (token counts, pids, ranks);
 - `not_finite`: an infinite float, or a NaN where NaN means nothing (host_ms);
 - `negative`: a negative duration, power, temperature or utilization;
 - `bad_utf8`: a text field that is not UTF-8.
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..events import LAYOUTS, PHASES, REQUEST_EVENTS, FrameError, Hello, Record, RunLabel, Session
+from ..events import LAYOUTS, LIMITS, PHASES, REQUEST_EVENTS, FrameError, Hello, Record, RunLabel, Session
 from .schema import TABLE_OF_RECORD, TABLES
 
 REASONS = ("bad_enum", "out_of_range", "not_finite", "negative", "bad_utf8")
@@ -35,6 +36,8 @@ NAN_ALLOWED = {("Step", "gpu_ms"), ("GpuSample", "util_pct"), ("GpuSample", "pow
                ("PrefixLookup", "evict_gap_ms"), ("PageEvent", "idle_ms")}
 ANY_FLOAT = {("ServerMetric", "value")}  # Prometheus values may be NaN or +-Inf
 ENUMS = {("Step", "phase"): len(PHASES), ("RequestEvent", "event"): len(REQUEST_EVENTS)}
+CONTROL_TABLE = {"Hello": "sources"}  # a control record's fields land in this table's columns
+_INTS = ("<u8", "<u4", "<u2", "u1", "<i8")
 
 
 def _fields(fmt: str) -> list[str]:
@@ -58,8 +61,9 @@ class _Type:
         self.size = self.dtype.itemsize
         self.table = TABLE_OF_RECORD.get(self.name)
         sql = {}
-        if self.table is not None:
-            sql = {name: typ for name, typ, _ in TABLES[self.table]}
+        table = self.table or CONTROL_TABLE.get(self.name)
+        if table is not None:
+            sql = {name: typ for name, typ, _ in TABLES[table]}
         self.checks: list[tuple[str, str, Any]] = []  # (field, reason, test on the column -> bad mask)
         for field, f in zip(cls._fields, fmts):
             key = (self.name, field)
@@ -67,12 +71,18 @@ class _Type:
                 self.checks.append((field, "bad_enum", ENUMS[key]))
             elif f.startswith("S"):
                 self.checks.append((field, "bad_utf8", None))
-            elif f in ("<u8", "<u4", "<u2") and sql.get(field) in _MAX_OF_SQL:
-                limit = _MAX_OF_SQL[sql[field]]
-                if np.iinfo(np.dtype(f)).max > limit:
-                    self.checks.append((field, "out_of_range", limit))
-            elif f == "<i8" and field == "ts_ns":
-                self.checks.append((field, "out_of_range", -1))
+            elif f in _INTS:
+                info = np.iinfo(np.dtype(f))
+                lo, hi = int(info.min), int(info.max)
+                if sql.get(field) in _MAX_OF_SQL:
+                    hi = min(hi, _MAX_OF_SQL[sql[field]])
+                    lo = max(lo, -_MAX_OF_SQL[sql[field]] - 1)
+                if field == "ts_ns":
+                    lo = max(lo, 0)
+                dlo, dhi = LIMITS.get(key, (lo, hi))
+                lo, hi = max(lo, dlo), min(hi, dhi)
+                if (lo, hi) != (info.min, info.max):
+                    self.checks.append((field, "out_of_range", (lo, hi)))
             elif f in ("<f8", "<f4") and key not in ANY_FLOAT:
                 self.checks.append((field, "not_finite", key in NAN_ALLOWED))
                 self.checks.append((field, "negative", None))
@@ -85,7 +95,10 @@ class _Type:
             if reason == "bad_enum":
                 m = col >= arg
             elif reason == "out_of_range":
-                m = col < 0 if arg == -1 else col > arg
+                lo, hi = arg
+                m = col > hi
+                if lo > np.iinfo(col.dtype).min:
+                    m |= col < lo
             elif reason == "not_finite":
                 m = np.isinf(col) if arg else ~np.isfinite(col)
             elif reason == "negative":

@@ -112,6 +112,9 @@ class ReadAPI:
                 body, status = {"error": "not found"}, 404
         except ValueError as exc:
             body, status = {"error": str(exc)}, 400
+        except duckdb.InterruptException:
+            body, status = {"error": "the query ran past the agent's read time limit: narrow it (run_id, "
+                                     "since_s/until_s)"}, 503
         except duckdb.OutOfMemoryException:
             body, status = {"error": "the query needs more memory than the agent's read limit: narrow it "
                                      "(run_id, since_s/until_s) or raise `phasescope agent --read-memory-mib`"}, 503

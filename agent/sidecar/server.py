@@ -99,6 +99,7 @@ class SidecarStats:
         self.rows_written_total = 0
         self.batches_written_total = 0
         self.write_retries_total = 0  # batches retried in halves
+        self.sources_quarantined_total = 0  # sources rows the store refused, set aside (quarantine file)
         self.store_errors_total = 0  # writes or checkpoints that failed on the file/connection
         self.store_reopens_total = 0
         self.store_ok = 1  # gauge: 0 while the store is broken (disk full, I/O error)
@@ -739,8 +740,23 @@ class Sidecar:
                 return parts
         rows = 0
         todo: list[list[Part]] = [parts]
+        # isolating one record takes ~2 log2(n) writes; past this many the failure is not the records'
+        tries_left = 8 * max(1, sum(p.rows() for p in parts).bit_length()) + 2 * len(parts) + 8
+        set_aside = False
         while todo:
             ps = todo.pop(0)
+            tries_left -= 1
+            if tries_left < 0:  # never retried forever: set aside what is left, counted
+                left = [p for group in [ps] + todo for p in group]
+                if set_aside:  # even their accounting rows fail: give up on them, loudly
+                    log.error("dropping the delivery accounting of %d part(s): the store refuses it", len(left))
+                    break
+                self._quarantine(left, "retries exhausted")
+                set_aside = True
+                todo = [[Part(p.source_id, {}, [], p.nonce, p.seq, p.accepted - p.rows(), p.rejected + p.rows())]
+                        for p in left]
+                tries_left = 2 * len(todo) + 8
+                continue
             try:
                 rows += store.write(ps)
                 continue
@@ -763,6 +779,13 @@ class Sidecar:
                 continue
             p = ps[0]
             bad = p.rows()
+            if bad == 0:  # no record left: the failure is in the rows that go with them (a sources row)
+                n = store.quarantine_sources(f"{type(exc).__name__}: {exc}"[:300])
+                st.sources_quarantined_total += n
+                log.error("set aside %d sources row(s) the store refused (%s); see %s", n, exc,
+                          store.quarantine_path)
+                todo.insert(0, [p])  # without sources rows, it writes only its progress row (tries bound it)
+                continue
             st.reject("write_error", bad)
             log.warning("rejected %d record(s) the store refused (source %d)", bad, p.source_id)
             todo.insert(0, [Part(p.source_id, {}, [], p.nonce, p.seq, p.accepted - bad, p.rejected + bad)])
@@ -780,6 +803,22 @@ class Sidecar:
         if self.sinks:
             self._to_sinks(items)
         return None
+
+    def _quarantine(self, parts: list[Part], reason: str) -> None:
+        """Set `parts` aside in the store's quarantine file, counted as rejected (`quarantined`)."""
+        store, st = self.store, self.stats
+        assert store is not None
+        n = sum(p.rows() for p in parts)
+        rows = []
+        for p in parts:
+            for rec in columnar.records_of(p.arrays) + list(p.labels):
+                rows.append({"source_id": p.source_id, "type": type(rec).__name__, **rec._asdict()})
+        try:
+            store.quarantine("record", rows, reason)
+        except OSError as exc:
+            log.error("could not write the quarantine file %s: %r", store.quarantine_path, exc)
+        st.reject("quarantined", n)
+        log.error("set aside %d record(s) after %s; see %s", n, reason, store.quarantine_path)
 
     def _to_sinks(self, items: list[_Item]) -> None:
         """Queue what the sinks read of a committed batch (views of its frames: nothing is copied; what no

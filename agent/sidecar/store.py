@@ -24,7 +24,7 @@ import numpy as np
 
 from ..events import Hello, Record, RunLabel
 from . import columnar
-from .schema import SCHEMA_VERSION, ddl
+from .schema import SCHEMA_VERSION, TABLES, ddl
 
 log = logging.getLogger("phasescope.store")
 
@@ -76,7 +76,8 @@ def _private(path: str) -> None:
 class Store:
     """A DuckDB file opened read-write, with the phasescope schema."""
 
-    def __init__(self, path: str, memory_limit: str | None = "48MB", read_memory_limit: str | None = "512MB") -> None:
+    def __init__(self, path: str, memory_limit: str | None = "48MB", read_memory_limit: str | None = "512MB",
+                 read_timeout_s: float = 60.0, temp_limit: str = "2GiB") -> None:
         """`memory_limit`: DuckDB's buffer pool in this process while only the writer works (it spills
         beyond it); None: DuckDB's default (80% of RAM), which lets the sidecar's RSS grow with the data it
         has written. `read_memory_limit`: the pool while a read (`reading()`) runs; None: no change.
@@ -91,15 +92,26 @@ class Store:
         spill, so a p99 over 10M steps needs ~250 MB. DuckDB has one limit per database instance and
         no other process may open the file while this one writes, so `reading()` raises the limit while
         any read runs and lowers it when the last one ends (DuckDB then frees what it held: measured
-        RSS back from 400 to 202 MiB in 12 ms at 10M steps)."""
+        RSS back from 400 to 202 MiB in 12 ms at 10M steps).
+
+        `read_timeout_s`: a read still running after this long is interrupted (duckdb.InterruptException);
+        `temp_limit`: what DuckDB may spill to its temp folder (`<file>.tmp`) at most, for all reads
+        together (past it a read fails with duckdb.OutOfMemoryException). No data, however odd, can make
+        a read of the live store run or spill without bound."""
+        if read_timeout_s <= 0:
+            raise ValueError("read_timeout_s must be > 0")
         self.path = path
         self.memory_limit = memory_limit
         self.read_memory_limit = read_memory_limit
+        self.read_timeout_s = read_timeout_s
+        self.temp_limit = temp_limit
         self._readers = 0  # reads in flight; guarded by _readers_lock
+        self._read_cons: set[duckdb.DuckDBPyConnection] = set()  # their cursors (interrupted at close)
         self._readers_lock = threading.Lock()
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
         self._src_lock = threading.Lock()  # ids and pending rows of new sources
         self.rows_written = 0
+        self.duplicate_frames = 0  # frames skipped because the store had committed them already
         self.broken: str | None = None  # why the last write failed on the file/connection; None when fine
         self._pending_sources: list[list] = []
         self.defer_sources = False  # the sidecar sets this: sources rows go with the next batch
@@ -114,6 +126,8 @@ class Store:
             limit = self.read_memory_limit if self._readers and self.read_memory_limit else self.memory_limit
             if limit:
                 self._ctl.execute(f"SET memory_limit = '{limit}'")
+            self._ctl.execute(f"SET temp_directory = '{path}.tmp'")
+            self._ctl.execute(f"SET max_temp_directory_size = '{self.temp_limit}'")
             self._init_schema()
         finally:
             os.umask(old)
@@ -161,6 +175,31 @@ class Store:
             self.write([])  # used directly (offline builders, tests): write it now
         return sid
 
+    @property
+    def quarantine_path(self) -> str:
+        """Where rows the store refused for reasons no single record explains are set aside (JSON lines)."""
+        return self.path + ".quarantine.jsonl"
+
+    def quarantine(self, kind: str, rows: Sequence[dict], reason: str) -> None:
+        """Append `rows` (JSON-able dicts) to the quarantine file (0600), one line each."""
+        import json
+
+        old = os.umask(0o077)
+        try:
+            with open(self.quarantine_path, "a", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps({"kind": kind, "reason": reason, "row": row}, default=str) + "\n")
+        finally:
+            os.umask(old)
+
+    def quarantine_sources(self, reason: str) -> int:
+        """Set the pending sources rows aside (a write failed on them alone); returns how many."""
+        with self._src_lock:
+            rows, self._pending_sources = self._pending_sources, []
+        cols = [c for c, _, _ in TABLES["sources"]]
+        self.quarantine("sources", [dict(zip(cols, r)) for r in rows], reason)
+        return len(rows)
+
     def append(self, batches: Iterable[tuple[int, Sequence[Record]]]) -> int:
         """Append records of many sources in one transaction; returns rows written."""
         parts = []
@@ -175,7 +214,11 @@ class Store:
         by_code: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
         labels: dict[tuple[str, str], str] = {}
         progress: dict[int, list[int]] = {}
+        dup = 0
         for p in parts:
+            if p.nonce is not None and p.seq and p.seq <= self.progress.get(p.nonce, (0, 0, 0))[0]:
+                dup += 1  # committed before (a probe sent it again after a reconnect): stored once
+                continue
             for code, arrs in p.arrays.items():
                 for a in arrs:
                     if len(a):
@@ -224,6 +267,7 @@ class Store:
                 del self._pending_sources[: len(new_sources)]
             for nonce, v in progress.items():
                 self.progress[nonce] = tuple(v)  # type: ignore[assignment]
+        self.duplicate_frames += dup
         self.rows_written += n
         return n
 
@@ -251,12 +295,31 @@ class Store:
         self._set_readers(+1)
         try:
             con = self.cursor()
+            timer = threading.Timer(self.read_timeout_s, con.interrupt)
+            timer.daemon = True
+            with self._readers_lock:
+                self._read_cons.add(con)
+            timer.start()
             try:
                 yield con
             finally:
+                timer.cancel()
+                with self._readers_lock:
+                    self._read_cons.discard(con)
                 con.close()
         finally:
             self._set_readers(-1)
+
+    def interrupt_reads(self) -> int:
+        """Interrupt every read in flight (before the final checkpoint at shutdown); returns how many."""
+        with self._readers_lock:
+            cons = list(self._read_cons)
+        for con in cons:
+            try:
+                con.interrupt()
+            except Exception:  # noqa: BLE001 - it may have just closed
+                pass
+        return len(cons)
 
     def _set_readers(self, delta: int) -> None:
         with self._readers_lock:
@@ -279,7 +342,11 @@ class Store:
                 raise
         _private(self.path)
 
-    def close(self) -> None:
+    def close(self, wait_reads_s: float = 5.0) -> None:
+        """Interrupt reads in flight, wait for them to end (up to `wait_reads_s`), checkpoint and close."""
+        deadline = time.monotonic() + wait_reads_s
+        while self.interrupt_reads() and time.monotonic() < deadline:
+            time.sleep(0.01)
         with self._lock:
             try:
                 self.con.execute("CHECKPOINT")
