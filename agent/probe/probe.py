@@ -357,6 +357,14 @@ class Probe:
             self._guard.release()
         if self._sender is not None:
             self._sender.close()
+        # what no sidecar took before the end (none came, or the window stayed full) is counted, not gone
+        left = len(self._ring) + len(self._pending)
+        if left:
+            self._ring.clear()
+            self._pending.clear()
+            self.dropped += left
+            log.info("phasescope: %d record(s) not delivered at close (no sidecar took them): counted as dropped",
+                     left)
         with _REGISTRY_LOCK:
             if _REGISTRY.get(id(self._model)) is self:
                 del _REGISTRY[id(self._model)]

@@ -680,7 +680,13 @@ class Sidecar:
                     self._wake.set()
             held = []
             if items or store._pending_sources:
-                remaining = self._write(items, held_parts)
+                try:
+                    remaining = self._write(items, held_parts)
+                except Exception as exc:  # noqa: BLE001 - a bug must cost this batch, never the writer
+                    log.error("writer error (the batch is set aside): %r", exc, exc_info=True)
+                    self._quarantine(held_parts or [it.part for it in items], f"writer error: {exc!r}")
+                    self._release(items)
+                    remaining = None
                 if remaining is None:
                     backoff, held_parts = 0.1, None
                 else:
@@ -761,6 +767,7 @@ class Sidecar:
                 rows += store.write(ps)
                 continue
             except Exception as exc:  # noqa: BLE001
+                why = f"{type(exc).__name__}: {exc}"[:300]
                 if is_store_failure(exc) or store.broken:
                     store.broken = store.broken or f"{type(exc).__name__}: {exc}"
                     self._store_failed(exc)
@@ -780,9 +787,9 @@ class Sidecar:
             p = ps[0]
             bad = p.rows()
             if bad == 0:  # no record left: the failure is in the rows that go with them (a sources row)
-                n = store.quarantine_sources(f"{type(exc).__name__}: {exc}"[:300])
+                n = store.quarantine_sources(why)
                 st.sources_quarantined_total += n
-                log.error("set aside %d sources row(s) the store refused (%s); see %s", n, exc,
+                log.error("set aside %d sources row(s) the store refused (%s); see %s", n, why,
                           store.quarantine_path)
                 todo.insert(0, [p])  # without sources rows, it writes only its progress row (tries bound it)
                 continue
@@ -792,17 +799,20 @@ class Sidecar:
         st.store_ok, st.store_error = 1, ""
         st.rows_written_total += rows
         st.batches_written_total += 1
-        nbytes = sum(it.nbytes for it in items)
-        self._budget.give(nbytes)
-        st.unwritten_bytes = self._budget.used
+        self._release(items)
+        if self.sinks:
+            self._to_sinks(items)
+        return None
+
+    def _release(self, items: list[_Item]) -> None:
+        """A batch is done with: its bytes leave the budget, and the loop acknowledges it."""
+        self._budget.give(sum(it.nbytes for it in items))
+        self.stats.unwritten_bytes = self._budget.used
         if self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._committed, items)
             except RuntimeError:
                 pass
-        if self.sinks:
-            self._to_sinks(items)
-        return None
 
     def _quarantine(self, parts: list[Part], reason: str) -> None:
         """Set `parts` aside in the store's quarantine file, counted as rejected (`quarantined`)."""

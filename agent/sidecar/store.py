@@ -193,12 +193,25 @@ class Store:
             os.umask(old)
 
     def quarantine_sources(self, reason: str) -> int:
-        """Set the pending sources rows aside (a write failed on them alone); returns how many."""
+        """A write failed on the pending sources rows alone: write each in a transaction of its own and set
+        aside (quarantine file) those the store refuses; returns how many were set aside."""
         with self._src_lock:
-            rows, self._pending_sources = self._pending_sources, []
+            rows = list(self._pending_sources)
         cols = [c for c, _, _ in TABLES["sources"]]
-        self.quarantine("sources", [dict(zip(cols, r)) for r in rows], reason)
-        return len(rows)
+        bad = []
+        with self._lock:
+            for r in rows:
+                try:
+                    self.con.execute("INSERT INTO sources VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", r)
+                except Exception as exc:  # noqa: BLE001 - what the store refuses is set aside below
+                    if is_store_failure(exc):
+                        raise
+                    bad.append(dict(zip(cols, r)))
+        with self._src_lock:
+            del self._pending_sources[: len(rows)]
+        if bad:
+            self.quarantine("sources", bad, reason)
+        return len(bad)
 
     def append(self, batches: Iterable[tuple[int, Sequence[Record]]]) -> int:
         """Append records of many sources in one transaction; returns rows written."""

@@ -1,0 +1,324 @@
+"""Issue 22: no record can stop the writer, no stored count can make a read unbounded, and nothing the
+probe made is lost uncounted at close. Each case ran against a real (in-process) sidecar and store."""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import socket
+import struct
+import threading
+import time
+
+import duckdb
+import numpy as np
+import pytest
+
+from phasescope.agent import events as ev
+from phasescope.agent.address import parse_address
+from phasescope.agent.probe.sender import Sender
+from phasescope.agent.sidecar import Sidecar, columnar
+from phasescope.agent.sidecar.store import Store
+
+NAN = float("nan")
+
+
+def _hello(run: str = "good", pid: int | None = None) -> ev.Hello:
+    return ev.Hello(time.monotonic_ns(), 0, os.getpid() if pid is None else pid, 0, 1, run, "m", "module")
+
+
+def _steps(start: int, n: int) -> list[ev.Step]:
+    return [ev.Step(start + i, start + i, 0, ev.PHASE_DECODE, 1, 0, 1, start + i, 0.5, NAN) for i in range(n)]
+
+
+def _good_sender(sc: Sidecar, run: str = "good") -> Sender:
+    return Sender(parse_address(str(sc.bound[0])), lambda: ev.encode_frame([_hello(run)]))
+
+
+def _send_steps(sender: Sender, n: int, per_frame: int = 100) -> None:
+    for k in range(0, n, per_frame):
+        assert sender.send(ev.encode_frame(_steps(k, min(per_frame, n - k))))
+    sender.close()
+
+
+def _stored(sc: Sidecar, sql: str) -> int:
+    with sc.store.reading() as con:
+        return con.execute(sql).fetchone()[0]
+
+
+def test_a_hello_out_of_range_is_refused_and_the_writer_keeps_storing(sidecar):
+    """Issue 22's repro: a Hello with pid 2**32-1 used to fail the sources insert in every transaction,
+    forever (0 stored after it). Now the first frame is refused by reason and the next probe is stored."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(sidecar.bound[0].path))
+        s.sendall(ev.encode_frame([ev.Hello(1, 0, 2**32 - 1, 0, 1, "evil", "m", "module")]))
+        s.settimeout(5)
+        assert s.recv(16) == b""  # closed by the sidecar
+    sender = _good_sender(sidecar)
+    _send_steps(sender, 1000)
+    assert (sender.delivered, sender.lost) == (1000, 0)
+    assert sidecar.stats.bad_frames_total == 1
+    assert _stored(sidecar, "SELECT count(*) FROM steps") == 1000
+    assert _stored(sidecar, "SELECT count(*) FROM sources WHERE run_id = 'evil'") == 0
+
+
+@pytest.mark.parametrize("field,value", [("pid", 2**22 + 1), ("rank", 2**15 - 1), ("world_size", 0),
+                                         ("world_size", 2**15)])
+def test_each_hello_bound_is_checked(field, value):
+    h = _hello()._replace(**{field: value})
+    dec = columnar.decode(ev.encode_frame([h])[ev.HEADER.size:], 1)
+    assert dict(dec.rejected) == {"out_of_range": 1} and not dec.control
+
+
+def test_a_sources_row_the_store_refuses_is_set_aside_not_retried_forever(sidecar):
+    """A batch whose failure no record explains (here a sources row slipped past validation) is set aside
+    to the quarantine file and counted; the records around it are stored."""
+    sidecar.store.register_source(ev.Hello(1, 0, 2**32 - 1, 0, 1, "slipped", "m", "module"))  # no checks here
+    sender = _good_sender(sidecar)
+    _send_steps(sender, 1000)
+    assert (sender.delivered, sender.lost) == (1000, 0)
+    assert sidecar.stats.sources_quarantined_total == 1
+    assert _stored(sidecar, "SELECT count(*) FROM steps") == 1000
+    text = open(sidecar.store.quarantine_path).read()
+    assert '"kind": "sources"' in text and "slipped" in text
+    assert oct(os.stat(sidecar.store.quarantine_path).st_mode & 0o777) == "0o600"
+
+
+def test_a_token_count_past_any_context_is_rejected_with_its_frame_kept(sidecar):
+    """tokens = 2**31-1 used to be stored, and the ITL SQL expanded it into rows (a read that never ended)."""
+    sender = _good_sender(sidecar)
+    bad = [ev.RequestEvent(10, 0, ev.REQ_TOKEN, "r1", 2**31 - 1, 0), ev.RequestEvent(11, 0, ev.REQ_TOKEN, "r1",
+                                                                                      ev.MAX_TOKENS + 1, 0)]
+    good = [ev.RequestEvent(12, 0, ev.REQ_TOKEN, "r1", ev.MAX_TOKENS, 0)]
+    assert sender.send(ev.encode_frame(_steps(0, 10) + bad + good))
+    sender.close()
+    assert (sender.delivered, sender.rejected) == (11, 2)
+    assert sidecar.stats.records_rejected_total == {"out_of_range": 2}
+    assert _stored(sidecar, "SELECT max(tokens) FROM request_events") == ev.MAX_TOKENS
+
+
+def _bound_cases():
+    """(type code, field, value, accepted) just inside and just outside every range check."""
+    for code, t in columnar.TYPES.items():
+        if code >= 1000:
+            continue
+        for field, reason, arg in t.checks:
+            if reason != "out_of_range":
+                continue
+            lo, hi = arg
+            info = np.iinfo(t.dtype[field])
+            yield code, field, lo, True
+            yield code, field, hi, True
+            if lo > info.min:
+                yield code, field, lo - 1, False
+            if hi < info.max:
+                yield code, field, hi + 1, False
+
+
+def _record(code: int, **values) -> np.ndarray:
+    """One valid record of type `code` (zeros, valid enums, world_size 1), with `values` set."""
+    t = columnar.TYPES[code]
+    arr = np.zeros(1, dtype=t.dtype)
+    arr["_type"] = code
+    for name in t.cls._fields:
+        if t.dtype[name].kind == "S":
+            arr[name] = b"x"
+    if "world_size" in t.cls._fields:
+        arr["world_size"] = 1
+    for k, v in values.items():
+        arr[k] = v
+    return arr
+
+
+@pytest.mark.parametrize("code,field,value,accepted", list(_bound_cases()))
+def test_every_range_bound_both_sides(code, field, value, accepted):
+    dec = columnar.decode(_record(code, **{field: value}).tobytes(), 1)
+    assert (sum(dec.rejected.values()) == 0) is accepted, (columnar.TYPES[code].name, field, value)
+    if not accepted:
+        assert dict(dec.rejected) == {"out_of_range": 1}
+
+
+def test_a_record_at_every_upper_bound_at_once_is_stored(short_tmp):
+    """What passes validation fits the store: each data type with every ranged field at its maximum."""
+    store = Store(os.path.join(short_tmp, "b.duckdb"))
+    try:
+        sid = store.register_source(_hello())
+        for code, t in columnar.TYPES.items():
+            if code >= 1000 or t.table is None:
+                continue
+            hi = {f: arg[1] for f, reason, arg in t.checks if reason == "out_of_range"}
+            dec = columnar.decode(_record(code, **hi).tobytes(), 1)
+            assert not dec.rejected, t.name
+            store.write([columnar_part(sid, dec)])
+        n = store.con.execute("SELECT count(*) FROM steps").fetchone()[0]
+        assert n == 1
+    finally:
+        store.close()
+
+
+def columnar_part(sid, dec):
+    from phasescope.agent.sidecar.store import Part
+
+    return Part(sid, dec.arrays, [])
+
+
+DATA_CODES = [c for c, t in columnar.TYPES.items() if c < 1000 and t.table is not None]
+
+
+def _random_frame(rng: np.random.Generator, seq: int) -> tuple[bytes, int]:
+    """A structurally valid v2 frame of random records of random data types, with random field values
+    (raw random bytes, biased to the edges: 0, all ones, NaN/inf floats, bytes that are not UTF-8)."""
+    parts, n = [], int(rng.integers(1, 40))
+    for _ in range(n):
+        code = int(rng.choice(DATA_CODES))
+        t = columnar.TYPES[code]
+        raw = bytearray(rng.integers(0, 256, t.size, dtype=np.uint8).tobytes())
+        edge = rng.random()
+        if edge < 0.2:
+            raw[1:] = b"\0" * (t.size - 1)
+        elif edge < 0.3:
+            raw[1:] = b"\xff" * (t.size - 1)
+        raw[0] = code
+        parts.append(bytes(raw))
+    payload = struct.pack("<Q", seq) + b"".join(parts)
+    return ev.HEADER.pack(ev.MAGIC, 2, 0, n, len(payload)) + payload, n
+
+
+@pytest.mark.slow
+def test_ten_thousand_random_frames_never_stop_the_writer(sidecar):
+    """Property: whatever values structurally valid records hold, the writer keeps going, a legit stream
+    interleaved with them is stored whole, and every random record is either stored or rejected by reason."""
+    rng = np.random.default_rng(22)
+    session = ev.Session(12345, "")
+    attacker = socket.socket(socket.AF_UNIX)
+    attacker.connect(str(sidecar.bound[0].path))
+    attacker.sendall(ev.frame_v2(ev.encode_frame([_hello("fuzz")]), 0, [session]))
+    sender = _good_sender(sidecar, "legit")
+    sent_random = 0
+    legit = 0
+    done = threading.Event()
+
+    def drain():  # the attacker reads its acks, or its connection is dropped for not reading
+        while not done.is_set():
+            try:
+                if select.select([attacker], [], [], 0.2)[0] and not attacker.recv(65536):
+                    return
+            except (OSError, ValueError):
+                return
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    for seq in range(1, 10_001):
+        frame, n = _random_frame(rng, seq)
+        attacker.sendall(frame)
+        sent_random += n
+        if seq % 50 == 0:
+            assert sender.send(ev.encode_frame(_steps(legit, 20)))
+            legit += 20
+    sender.close()
+    deadline = time.monotonic() + 60
+    while sidecar.stats.records_total < sent_random + legit + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    attacker.shutdown(socket.SHUT_WR)
+    assert sidecar.wait_rows(lambda: sidecar.drained(), 60)
+    done.set()
+    attacker.close()
+    assert (sender.sent, sender.delivered, sender.lost) == (legit, legit, 0)
+    with sidecar.store.reading() as con:
+        sid = con.execute("SELECT source_id FROM sources WHERE run_id = 'fuzz'").fetchone()[0]
+        stored = sum(con.execute(f"SELECT count(*) FROM {columnar.TYPES[c].table} WHERE source_id = ?",
+                                 [sid]).fetchone()[0] for c in DATA_CODES)
+        legit_rows = con.execute("SELECT count(*) FROM steps JOIN sources USING (source_id) "
+                                 "WHERE run_id = 'legit'").fetchone()[0]
+    rejected = dict(sidecar.stats.records_rejected_total)
+    print(f"random records: {sent_random}, stored {stored}, rejected {rejected}")
+    assert legit_rows == legit
+    assert stored + sum(rejected.values()) == sent_random
+    assert set(rejected) <= set(columnar.REASONS) and stored > 0 and sum(rejected.values()) > 0
+    assert "write_error" not in rejected and "quarantined" not in rejected  # validation caught every one
+
+
+def test_records_left_in_the_ring_at_close_are_counted(short_tmp):
+    """No sidecar ever came: every record made is counted as dropped at close (was: 1,002 made, 0 dropped)."""
+    torch = pytest.importorskip("torch")
+    from phasescope.agent.probe.probe import Probe
+
+    model = torch.nn.Linear(4, 4)
+    probe = Probe(model, agent=f"unix:{short_tmp}/nothere.sock", cuda_timing=False, flush_interval_s=0.01)
+    for _ in range(50):
+        model(torch.zeros(1, 4))
+    probe.close(timeout_s=0.2)
+    h = probe.health()
+    assert probe.records >= 50
+    assert h.records_total == h.dropped_total == probe.records  # health records included
+
+
+def test_a_read_past_its_time_limit_is_interrupted(short_tmp):
+    store = Store(os.path.join(short_tmp, "t.duckdb"), read_timeout_s=0.2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(duckdb.InterruptException):
+            with store.reading() as con:
+                con.execute("SELECT sum(i * i) FROM range(100000000000) t(i)").fetchone()
+        assert time.monotonic() - t0 < 10
+        with store.reading() as con:  # the store reads on afterwards
+            assert con.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        store.close()
+
+
+def test_the_read_api_answers_503_for_an_interrupted_read(short_tmp, monkeypatch):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from phasescope.agent.sidecar import readapi
+
+    def slow(con, name, params):
+        return con.execute("SELECT sum(i * i) FROM range(100000000000) t(i)").fetchall()
+
+    monkeypatch.setattr(readapi, "run_named", slow)
+    store = Store(os.path.join(short_tmp, "t.duckdb"), read_timeout_s=0.2)
+    api = readapi.ReadAPI(store.reading, "127.0.0.1", 0).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{api.url}/api/v1/query/phase_summary", timeout=30)
+        assert err.value.code == 503
+        assert "time limit" in json.loads(err.value.read())["error"]
+    finally:
+        api.stop()
+        store.close()
+
+
+def test_stop_during_a_long_read_interrupts_it_and_checkpoints(short_tmp):
+    """A graceful stop used to skip the final checkpoint while a read ran (ResourceInUseException)."""
+    sc = Sidecar(os.path.join(short_tmp, "s.duckdb"), listen=[f"unix:{short_tmp}/a.sock"],
+                 batch_interval_s=0.05).start()
+    sender = _good_sender(sc)
+    _send_steps(sender, 500)
+    errors: list[BaseException] = []
+
+    def long_read():
+        try:
+            with sc.store.reading() as con:
+                con.execute("SELECT sum(i * i) FROM range(100000000000) t(i)").fetchone()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=long_read)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    sc.stop()
+    took = time.monotonic() - t0
+    t.join(10)
+    assert took < 10, took
+    assert errors and isinstance(errors[0], duckdb.InterruptException)
+    assert sc.stats.store_errors_total == 0
+    con = Store.open_readonly(os.path.join(short_tmp, "s.duckdb"))
+    try:
+        assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 500
+    finally:
+        con.close()
+    assert not os.path.exists(os.path.join(short_tmp, "s.duckdb.wal"))  # the final checkpoint ran
