@@ -4,6 +4,8 @@ a 0600 socket), or "tcp:127.0.0.1:7701". Shared by the probe and the sidecar; st
 
 from __future__ import annotations
 
+import ipaddress
+
 import os
 import stat
 import tempfile
@@ -103,3 +105,20 @@ def make_private_folder(folder: str, uid: int | None = None) -> None:
     reason = check_private_folder(folder, uid)
     if reason is not None:
         raise PermissionError(f"refusing the socket folder: {reason}")
+
+
+def host_header_allowed(host: str, port: int, bound_host: str) -> bool:
+    """Whether an HTTP `Host` header may reach a server bound to `bound_host`:`port`: it must name that
+    port and be an IP literal, `localhost`, or the bound name. A DNS-rebinding page always sends a DNS
+    name of its own, so a loopback server that checks this cannot be read by a web page."""
+    name, sep, got_port = host.strip().lower().rpartition(":")
+    if not sep or got_port != str(port) or (name.count(":") and not name.startswith("[")):
+        return False
+    name = name.strip("[]")
+    if name in ("localhost", bound_host.lower()):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True

@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import statistics
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from phasescope.agent.address import host_header_allowed
 from phasescope.agent.probe import kvmath
 from phasescope.agent.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
                                      PageEvent, PrefixCounters, PrefixLookup, ProbeHealth, RequestEvent, Step)
@@ -673,8 +678,20 @@ class MetricsServer:
         self._thread = None
 
     def start(self) -> "MetricsServer":
-        self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        """Serve in a daemon thread. prometheus_client's `start_http_server` cannot check the `Host` header,
+        so its WSGI app is served here behind that check when bound to loopback (as the read API does):
+        a DNS-rebinding web page cannot read /metrics."""
+        app = make_wsgi_app(self.registry)
+        if self.host in ("127.0.0.1", "localhost", "::1"):
+            app = _host_checked(app, self)
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+
+        self._server = make_server(self.host, self.port, app, Server, handler_class=_QuietHandler)
         self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name="phasescope-metrics", daemon=True)
+        self._thread.start()
         return self
 
     @property
@@ -690,6 +707,23 @@ class MetricsServer:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+        pass
+
+
+def _host_checked(app: Callable, server: "MetricsServer") -> Callable:
+    """`app` answering 403 to a request whose Host header is not the server's own address."""
+
+    def checked(environ: dict, start_response: Callable) -> Any:
+        if not host_header_allowed(environ.get("HTTP_HOST", ""), server.port, server.host):
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [b"forbidden Host header (only the address this endpoint is bound to)\n"]
+        return app(environ, start_response)
+
+    return checked
 
 
 def _per_model_rank(fams: list, rows: list) -> list:

@@ -23,7 +23,6 @@ one-line reason); an unexpected error answers 500 without its text.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 from contextlib import AbstractContextManager
@@ -33,6 +32,7 @@ from urllib.parse import parse_qsl, urlparse
 
 import duckdb
 
+from ..address import host_header_allowed
 from ..read.jsonsafe import to_json
 from ..read.queries import QUERIES, run_named
 
@@ -129,19 +129,8 @@ class ReadAPI:
         req.wfile.write(data)
 
     def host_allowed(self, host: str) -> bool:
-        """`Host` must name this API's port and be an IP literal, `localhost`, or the name it was bound to:
-        a DNS-rebinding page always sends a DNS name of its own."""
-        name, sep, port = host.rpartition(":")
-        if not sep or port != str(self.port) or (name.count(":") and not name.startswith("[")):
-            return False
-        name = name.strip("[]")
-        if name in ("localhost", self.bound_host.lower()):
-            return True
-        try:
-            ipaddress.ip_address(name)
-        except ValueError:
-            return False
-        return True
+        """`Host` must name this API's port and be an IP literal, `localhost`, or the name it was bound to."""
+        return host_header_allowed(host, self.port, self.bound_host)
 
     def _findings(self, run_id: str | None) -> dict[str, Any]:
         if self._findings_fn is None:
