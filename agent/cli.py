@@ -176,6 +176,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if token is None and any(str(a).startswith("tcp:") for a in listen if a):
         log.warning("TCP listener without --token: any local process can send records (Unix sockets are 0600)")
     os.umask(0o077)  # the DuckDB file, its WAL and exports: private to this user
+    _raise_fd_limit()
     sidecar = Sidecar(args.db, listen=listen, checkpoint_interval_s=args.checkpoint_s, sinks=sinks,
                       collectors=[nvml, host, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose,
                       token=token, memory_budget_bytes=int(args.memory_budget_mib * 2**20),
@@ -491,6 +492,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _raise_fd_limit() -> None:
+    """A flood of idle peers must not exhaust descriptors before the sidecar evicts them: soft = hard."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

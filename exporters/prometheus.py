@@ -627,6 +627,12 @@ class SidecarStatsCollector(Collector):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        closed = CounterMetricFamily("phasescope_sidecar_connections_closed",
+                                     "Probe connections closed, by reason (end, timeout, handshake_timeout, bad_frame, "
+                                     "auth, evicted, lost, shutdown, error, refused).", labels=["reason"])
+        for reason, n in sorted(dict(st.connections_closed_total).items()):
+            closed.add_metric([reason], n)
+        yield closed
         rej = CounterMetricFamily("phasescope_sidecar_rejected_records",
                                   "Records refused for their values (the rest of their frame kept), by reason.",
                                   labels=["reason"])

@@ -59,6 +59,14 @@ def connect(addr: Address, timeout_s: float, folder_uid: int | None = None) -> s
     return sock
 
 
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has data (or EOF) within `timeout_s`. poll(), not select(): a host process with many
+    descriptors (a server with a thousand clients) gives the probe's socket a number select() refuses."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(max(0, int(timeout_s * 1000))))
+
+
 class Sender:
     """A connection to the sidecar that reconnects with exponential backoff.
 
@@ -123,6 +131,8 @@ class Sender:
         self.rejected = 0  # acknowledged as refused by the sidecar (bad values)
         self.lost = 0  # sent, and still unacknowledged when `close` gave up on them
         self.resent = 0  # records sent again after a reconnect (not counted again in `sent`)
+        self.max_reconnect_s = 0.0  # longest time from a lost connection to the next one, s
+        self._lost_at: float | None = None
         self.unacked_v1 = 0  # sent to an old (v1) sidecar, which cannot acknowledge
 
     @property
@@ -160,6 +170,9 @@ class Sender:
         self._sock = sock
         self._backoff_s = self._backoff_min_s
         self.connects += 1
+        if self._lost_at is not None:
+            self.max_reconnect_s = max(self.max_reconnect_s, self._clock() - self._lost_at)
+            self._lost_at = None
         self._warned = False
         if self._unresolved:
             self._resend()
@@ -245,7 +258,7 @@ class Sender:
             return
         while True:
             try:
-                if not select.select([sock], [], [], 0)[0]:
+                if not _readable(sock, 0):
                     break
                 chunk = sock.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -270,7 +283,7 @@ class Sender:
         if sock is None or self._v1 or self._inflight_bytes < self._window:
             return self.ready()
         try:
-            select.select([sock], [], [], timeout_s)
+            _readable(sock, timeout_s)
         except (OSError, ValueError):
             pass
         return self.ready()
@@ -302,6 +315,8 @@ class Sender:
 
     def _lost_connection(self, exc: BaseException) -> None:
         self.failures += 1
+        if self._lost_at is None:
+            self._lost_at = self._clock()
         log.info("phasescope: lost sidecar connection (%s)", exc)
         self._drop_socket()
         self._next_try = self._clock() + self._backoff_s

@@ -16,7 +16,13 @@ Nothing is lost uncounted:
   full, I/O error, invalidated connection) is kept, the store is reopened with
   backoff, and writing resumes when it can (health and /metrics say so meanwhile);
 - connections have a cap, an idle deadline, a per-frame deadline and a cap on the
-  bytes of partial frames held in total; a bad frame closes only its connection.
+  bytes of partial frames held in total; a bad frame closes only its connection;
+- a connection that has not completed its handshake (Session, Hello) lives in a
+  small pool of its own (`max_unverified`, the oldest evicted when full) with a
+  short deadline (`handshake_timeout_s`) and a small first frame, so idle, slow,
+  malformed or half-sent peers never take a real probe's slot or partial budget;
+- a sender that connects again ends its old connections at once (its frames in
+  flight are sent again), and every close is counted by reason.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from .store import ROW_GROUP_ROWS, Part, Store, is_store_failure
 
 log = logging.getLogger("phasescope.sidecar")
 
+FIRST_FRAME_BYTES = 64 << 10  # a first frame (Session, Hello, run labels) holds at most this
+BACKLOG = 4096  # pending connects the kernel holds (capped by net.core.somaxconn): a flood of peers
+# must not fill a short queue and make a real probe's connect fail
 PAUSE_S = 0.01  # no frame queued for this long: the senders paused (the writer then writes what it has)
 PAUSE_MIN_ROWS = 8192  # ... if at least a probe's full frame is queued (fewer wait for the batch interval)
 
@@ -89,6 +98,8 @@ class SidecarStats:
         self.connections_total = 0
         self.open_connections = 0  # gauge
         self.connections_refused_total = 0  # over max_connections
+        self.connections_closed_total: dict[str, int] = {}  # by reason: end, timeout, handshake_timeout,
+        # bad_frame, auth, evicted (unverified pool full), lost, shutdown, error (refused: connections_refused)
         self.auth_failures_total = 0  # wrong or missing token
         self.timeouts_total = 0  # idle or per-frame read deadline passed
         self.frames_total = 0
@@ -160,7 +171,8 @@ class _Timeout(Exception):
 class _Conn:
     """One probe connection as the loop and the writer see it."""
 
-    __slots__ = ("writer", "version", "nonce", "source_id", "pending", "last_seq", "drained", "closed")
+    __slots__ = ("writer", "version", "nonce", "source_id", "pending", "last_seq", "drained", "closed", "evicted",
+                 "task")
 
     def __init__(self, writer: Writer) -> None:
         self.writer = writer
@@ -171,6 +183,8 @@ class _Conn:
         self.last_seq = 0
         self.drained = asyncio.Event()
         self.closed = False
+        self.evicted = False  # aborted to make room in the pool of unverified connections
+        self.task: asyncio.Task | None = None  # the task serving it
 
 
 class _Item:
@@ -208,6 +222,8 @@ class Sidecar:
         sink_queue_batches: int = 64,
         sink_budget_bytes: int = 32 << 20,
         read_memory_mib: int = 512,
+        max_unverified: int = 64,
+        handshake_timeout_s: float = 2.0,
     ) -> None:
         """`read_api`: "HOST:PORT" (loopback; port 0 picks one) to serve named queries to live readers;
         `findings`: (connection, run_id) -> findings served at /api/v1/findings (the CLI injects diagnose).
@@ -222,6 +238,9 @@ class Sidecar:
         by the next one, so transactions grow with the rate up to twice this);
         `sink_budget_bytes`: committed records waiting for the sinks (exporters) held at most; past it the
         sinks miss them (counted in `sink_dropped_records_total`), ingestion never waits for a sink;
+        `max_unverified`: connections that have not completed their handshake (first frame) held at most;
+        when full the oldest is evicted, so such connections never take a verified sender's slot;
+        `handshake_timeout_s`: the first frame (Session, Hello) must arrive whole within this of the connect;
         `read_memory_mib`: DuckDB's memory limit while a read-API query or a retention roll runs
         (`Store.reading`; the writer alone keeps 48 MB)."""
         if batch_interval_s <= 0 or checkpoint_interval_s <= 0:
@@ -245,6 +264,11 @@ class Sidecar:
         self._budget = _Budget(memory_budget_bytes)
         self._partial = _Budget(partial_budget_bytes)
         self.max_connections = max_connections
+        if max_unverified < 1 or handshake_timeout_s <= 0:
+            raise ValueError("max_unverified >= 1 and handshake_timeout_s > 0")
+        self.max_unverified = max_unverified
+        self.handshake_timeout_s = handshake_timeout_s
+        self._unverified: dict[_Conn, None] = {}  # connections without a completed handshake, oldest first
         self.idle_timeout_s = idle_timeout_s
         self.frame_timeout_s = frame_timeout_s
         self._token = token
@@ -403,13 +427,14 @@ class Sidecar:
                 _prepare_unix_path(addr.path)
                 old_umask = os.umask(0o177)  # socket file created 0600
                 try:
-                    server = await self._loop.create_unix_server(lambda: Reader(self._connected), path=addr.path)
+                    server = await self._loop.create_unix_server(lambda: Reader(self._connected), path=addr.path,
+                                                                    backlog=BACKLOG)
                 finally:
                     os.umask(old_umask)
                 os.chmod(addr.path, 0o600)
                 self.bound.append(addr)
             else:
-                server = await self._loop.create_server(lambda: Reader(self._connected), host=addr.path,
+                server = await self._loop.create_server(lambda: Reader(self._connected), host=addr.path, backlog=BACKLOG,
                                                         port=addr.port)
                 port = server.sockets[0].getsockname()[1]
                 self.bound.append(Address("tcp", addr.path, port))
@@ -443,36 +468,55 @@ class Sidecar:
 
     async def _handle(self, reader: Reader, writer: Writer) -> None:
         st = self.stats
-        if st.open_connections >= self.max_connections:
+        conn = _Conn(writer)
+        # a slot for every sender that completed its handshake (up to max_connections); connections that
+        # have not yet (or never will) have a small pool of their own, the oldest evicted when it is full,
+        # so a flood of idle, slow or half-sent connections cannot keep a real probe out
+        if st.open_connections - len(self._unverified) >= self.max_connections:
             st.connections_refused_total += 1
+            self._closed_by("refused", "refused a probe connection: %d connections (--max-connections)",
+                            self.max_connections)
             writer.close()
             return
-        task = asyncio.current_task()
+        while len(self._unverified) >= self.max_unverified:
+            oldest = next(iter(self._unverified))
+            del self._unverified[oldest]
+            oldest.evicted = True
+            oldest.writer.transport.abort()
+        self._unverified[conn] = None
+        task = conn.task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         st.connections_total += 1
         st.open_connections += 1
-        conn = _Conn(writer)
         loop = self._loop
         assert loop is not None
+        reason = "end"
         try:
             while True:
+                verified = conn.source_id is not None
                 try:
-                    first = await asyncio.wait_for(reader.readexactly(1), self.idle_timeout_s)
+                    first = await asyncio.wait_for(reader.readexactly(1), self.idle_timeout_s if verified
+                                                   else self.handshake_timeout_s)
                 except asyncio.IncompleteReadError:
                     break  # clean end of stream
                 except asyncio.TimeoutError:
                     raise _Timeout() from None
-                deadline = loop.time() + self.frame_timeout_s
+                deadline = loop.time() + (self.frame_timeout_s if verified else self.handshake_timeout_s)
                 try:
                     header = first + await self._read(reader, HEADER.size - 1, deadline)
                 except asyncio.IncompleteReadError as exc:
                     raise FrameError(f"connection closed inside a header ({1 + len(exc.partial)} bytes)")
                 version, count, length = read_header(header)
-                # bytes of frames still arriving are capped over all connections (half-sent frames cost at
-                # most `partial_budget_bytes`); a whole frame then waits for room in the memory budget
+                if not verified and length > FIRST_FRAME_BYTES:
+                    raise FrameError(f"a first frame of {length} bytes (at most {FIRST_FRAME_BYTES}: Session, "
+                                     "Hello, run labels)")
+                # bytes of frames still arriving are capped over all verified connections (half-sent frames
+                # cost at most `partial_budget_bytes`; a first frame is small and its pool bounded); a whole
+                # frame then waits for room in the memory budget
+                part = length if verified else 0
                 try:  # the frame's deadline covers the wait for room too: a crowd of half-sent frames ends
-                    await asyncio.wait_for(self._partial.take(length), max(0.0, deadline - loop.time()))
+                    await asyncio.wait_for(self._partial.take(part), max(0.0, deadline - loop.time()))
                 except asyncio.TimeoutError:
                     raise _Timeout() from None
                 try:
@@ -481,7 +525,7 @@ class Sidecar:
                 except asyncio.IncompleteReadError as exc:
                     raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
                 finally:
-                    self._partial.give(length)
+                    self._partial.give(part)
                 try:
                     st.frames_total += 1
                     queued = await self._frame(conn, version, count, payload)
@@ -490,6 +534,8 @@ class Sidecar:
                     raise
                 if not queued:
                     self._budget.give(length)
+                if conn.source_id is not None:
+                    self._unverified.pop(conn, None)
             if conn.pending:  # the probe closed its side: let the writer commit and acknowledge the rest
                 try:
                     await asyncio.wait_for(conn.drained.wait(), 10.0)
@@ -497,21 +543,31 @@ class Sidecar:
                     pass
         except FrameError as exc:
             st.bad_frames_total += 1
+            reason = "bad_frame"
             log.warning("rejected frame from a probe connection (closing it): %s", exc)
         except _Timeout:
             st.timeouts_total += 1
-            log.info("closing a probe connection: read deadline passed")
+            reason = "timeout" if conn.source_id is not None else "handshake_timeout"
+            log.info("closing a probe connection: read deadline passed (%s)", reason)
         except PermissionError as exc:
             st.auth_failures_total += 1
+            reason = "auth"
             log.warning("refused a probe connection: %s", exc)
         except (ConnectionError, OSError) as exc:
-            log.info("probe connection lost: %r", exc)
+            reason = "evicted" if conn.evicted else "lost"
+            log.info("probe connection %s: %r", "evicted (pool of unverified connections full)"
+                     if conn.evicted else "lost", exc)
         except asyncio.CancelledError:
-            pass  # shutting down
+            reason = "shutdown" if self._stopping.is_set() else "replaced"  # or its sender connected again
         except Exception as exc:  # noqa: BLE001 - a bug must cost one connection, never the sidecar
             st.bad_frames_total += 1
+            reason = "error"
             log.error("closing a probe connection after an unexpected error: %r", exc, exc_info=True)
         finally:
+            if conn.evicted:
+                reason = "evicted"
+            self._unverified.pop(conn, None)
+            st.connections_closed_total[reason] = st.connections_closed_total.get(reason, 0) + 1
             conn.closed = True
             if conn.nonce is not None:
                 self._live_by_nonce.get(conn.nonce, set()).discard(conn)
@@ -589,16 +645,17 @@ class Sidecar:
         assert self._loop is not None
         live = self._live_by_nonce.setdefault(nonce, set())
         ev = self._nonce_idle.setdefault(nonce, asyncio.Event())
-        give_up = self._loop.time() + self.frame_timeout_s
+        # the sender connected again, so it gave its old connections up: cut them now (a frame they held
+        # half-read is incomplete, and the sender sends it again after the welcome); frames they queued
+        # whole are committed first, so the welcome says exactly what is stored
+        for c in list(live):
+            c.writer.transport.abort()
+            if c.task is not None:  # it may be waiting for budget, not reading: end it now
+                c.task.cancel()
         while live or self._pending_by_nonce.get(nonce, 0) > 0:
             ev.clear()
-            left = give_up - self._loop.time()
-            if left <= 0 and live:  # an old connection that never ends: cut it; what it did not deliver is lost
-                for c in list(live):
-                    c.writer.transport.abort()
-                give_up = self._loop.time() + self.frame_timeout_s
             try:
-                await asyncio.wait_for(ev.wait(), max(left, 0.05))
+                await asyncio.wait_for(ev.wait(), 0.05)
             except asyncio.TimeoutError:
                 pass
 
@@ -721,6 +778,11 @@ class Sidecar:
                 return
             if self._queued_rows >= PAUSE_MIN_ROWS and now - self._last_enqueue >= PAUSE_S:
                 return
+
+    def _closed_by(self, reason: str, msg: str, *args: object) -> None:
+        """Count a connection closed before it was served, and say why at INFO (`-v`)."""
+        self.stats.connections_closed_total[reason] = self.stats.connections_closed_total.get(reason, 0) + 1
+        log.info(msg, *args)
 
     def _store_failed(self, exc: BaseException) -> None:
         st = self.stats

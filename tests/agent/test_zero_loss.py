@@ -322,3 +322,139 @@ def test_stop_during_a_long_read_interrupts_it_and_checkpoints(short_tmp):
     finally:
         con.close()
     assert not os.path.exists(os.path.join(short_tmp, "s.duckdb.wal"))  # the final checkpoint ran
+
+
+def _flood(path: str, stop: threading.Event, counts: collections.Counter) -> list[threading.Thread]:
+    """Hostile local peers: 2,000 idle connections, slowloris, half-sent maximum frames (unverified and
+    after a valid handshake), malformed frames in a reconnect loop."""
+    held: list[socket.socket] = []
+
+    def connect() -> socket.socket | None:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(1)
+        try:
+            s.connect(path)
+        except OSError:
+            s.close()
+            counts["connect_failed"] += 1
+            return None
+        held.append(s)
+        return s
+
+    def idle():
+        for _ in range(2000):
+            if stop.is_set():
+                return
+            if connect() is not None:
+                counts["idle"] += 1
+
+    def slowloris():
+        socks = [s for s in (connect() for _ in range(50)) if s is not None]
+        while not stop.wait(0.3):
+            for s in socks:
+                try:
+                    s.send(b"P")
+                except OSError:
+                    pass
+            counts["slowloris_rounds"] += 1
+
+    def half_sent():
+        big = ev.HEADER.pack(ev.MAGIC, 1, 0, 1000, ev.MAX_FRAME_BYTES)
+        while not stop.is_set():
+            s = connect()
+            if s is None:
+                continue
+            try:
+                if counts["half"] % 2:  # after a valid handshake: these hold the partial budget until deadline
+                    s.sendall(ev.encode_frame([_hello("half")]))
+                s.sendall(big + b"\0" * (ev.MAX_FRAME_BYTES // 2))
+            except OSError:
+                pass
+            counts["half"] += 1
+            stop.wait(0.05)
+
+    def malformed():
+        while not stop.is_set():
+            s = connect()
+            if s is None:
+                continue
+            try:
+                s.sendall(b"XX" + os.urandom(200))
+            except OSError:
+                pass
+            counts["malformed"] += 1
+            stop.wait(0.01)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (idle, slowloris, half_sent, malformed)]
+    for t in threads:
+        t.start()
+    threads.append(held)  # type: ignore[arg-type] - closed by the caller
+    return threads
+
+
+@pytest.mark.slow
+def test_a_legit_probe_loses_nothing_during_a_hostile_flood(short_tmp):
+    import subprocess
+    import sys
+
+    db, sock = os.path.join(short_tmp, "f.duckdb"), os.path.join(short_tmp, "agent.sock")
+    agent = subprocess.Popen([sys.executable, "-m", "phasescope.agent.cli", "-v", "agent", "--db", db,
+                              "--listen", f"unix:{sock}", "--no-metrics", "--no-api", "--no-retention"],
+                             stdout=subprocess.PIPE, stderr=open(os.path.join(short_tmp, "agent.log"), "w"), text=True)
+    assert "listening" in agent.stdout.readline()
+    sender = Sender(parse_address(f"unix:{sock}"), lambda: ev.encode_frame([_hello("legit")]), backoff_max_s=0.2)
+    stop, counts = threading.Event(), collections.Counter()
+    sent = 0
+    try:
+        for k in range(20):  # before the flood
+            while not sender.send(ev.encode_frame(_steps(sent, 500))):
+                time.sleep(0.01)
+            sent += 500
+        *threads, held = _flood(sock, stop, counts)
+        t_end = time.monotonic() + 12
+        while time.monotonic() < t_end:
+            while not sender.send(ev.encode_frame(_steps(sent, 500))):
+                time.sleep(0.01)
+            sent += 500
+            time.sleep(0.01)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for s in held:
+            s.close()
+        sender.close()
+    finally:
+        agent.terminate()
+        agent.wait(30)
+    con = Store.open_readonly(db)
+    try:
+        n, lo, hi, d = con.execute("SELECT count(*), min(step_id), max(step_id), count(DISTINCT step_id) FROM steps "
+                                   "JOIN sources USING (source_id) WHERE run_id = 'legit'").fetchone()
+    finally:
+        con.close()
+    print(f"flood {dict(counts)}; legit: sent={sender.sent} delivered={sender.delivered} lost={sender.lost} "
+          f"failures={sender.failures} max reconnect {sender.max_reconnect_s:.3f} s")
+    log = open(os.path.join(short_tmp, "agent.log")).read()
+    print("\n".join(line for line in log.splitlines() if "evicted" not in line and "deadline" not in line)[-3000:])
+    assert counts["idle"] >= 1500 and counts["malformed"] > 50 and counts["half"] > 20
+    assert (sender.lost, sender.sent, sender.delivered) == (0, sent, sent)
+    assert (n, lo, hi, d) == (sent, 0, sent - 1, sent)
+    assert sender.max_reconnect_s < 2.0
+
+
+def test_a_probe_in_a_process_with_many_descriptors_reads_its_acks(sidecar):
+    """A server with a thousand clients gives the probe's socket a descriptor past 1024, which select()
+    refuses ("filedescriptor out of range"): every ack read then cut the connection."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    fds = [os.dup(null) for _ in range(1100)]
+    try:
+        sender = _good_sender(sidecar)
+        for k in range(10):
+            assert sender.send(ev.encode_frame(_steps(k * 100, 100)))
+        assert sender._sock.fileno() > 1024
+        sender.close()
+        assert (sender.delivered, sender.failures, sender.lost) == (1000, 0, 0)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        os.close(null)
