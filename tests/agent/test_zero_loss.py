@@ -458,3 +458,28 @@ def test_a_probe_in_a_process_with_many_descriptors_reads_its_acks(sidecar):
         for fd in fds:
             os.close(fd)
         os.close(null)
+
+
+def test_metrics_checks_the_host_header_like_the_read_api():
+    """A DNS-rebinding page sends its own name as Host: /metrics on loopback answers it 403."""
+    import http.client
+
+    from prometheus_client import CollectorRegistry
+
+    from phasescope.exporters.prometheus import MetricsServer
+
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1:0").start()
+    try:
+        def get(host: str) -> int:
+            c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            c.request("GET", "/metrics", headers={"Host": host})
+            status = c.getresponse().status
+            c.close()
+            return status
+
+        assert get(f"rebind.example.com:{server.port}") == 403
+        assert get(f"127.0.0.1:{server.port + 1 if server.port < 65535 else 1}") == 403
+        assert get(f"127.0.0.1:{server.port}") == 200
+        assert get(f"localhost:{server.port}") == 200
+    finally:
+        server.close()
