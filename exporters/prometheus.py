@@ -33,8 +33,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.agent.probe import kvmath
-from phasescope.agent.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
+from phasescope.agent.records import kvmath
+from phasescope.agent.records.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
                                      PageEvent, PrefixCounters, PrefixLookup, ProbeHealth, RequestEvent, Step)
 from phasescope.agent.read.queries import split_lookup
 from phasescope.agent.read.thresholds import T
