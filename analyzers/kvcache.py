@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from phasescope.agent.probe.kvmath import predicted_waste
+from phasescope.agent.records.kvmath import predicted_waste
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref

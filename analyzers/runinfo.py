@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import duckdb
 
-from phasescope.agent.sidecar.schema import RUN_INFO_DDL  # one definition, in the store schema
+from phasescope.agent.records.schema import RUN_INFO_DDL  # one definition, in the store schema
 
 
 def record_run_info(target: str | duckdb.DuckDBPyConnection, run_id: str,

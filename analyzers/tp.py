@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phasescope.agent.probe.kvmath import kv_imbalance
+from phasescope.agent.records.kvmath import kv_imbalance
 from phasescope.agent.read.queries import STEP_MS
 
 from phasescope.agent.read.thresholds import T

@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from phasescope.agent import attach
 from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching, cb_config
-from phasescope.agent.events import PHASES, KVSnapshot, Step
+from phasescope.agent.records.events import PHASES, KVSnapshot, Step
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from phasescope.agent import attach
-from phasescope.agent.events import PHASE_DECODE, Step
+from phasescope.agent.records.events import PHASE_DECODE, Step
 from phasescope.agent.probe.phases import StepShape
 
 GEOMETRY = dict(hidden=2048, inter=5632, layers=22, heads=32, kv_heads=4, head_dim=64, vocab=32000)

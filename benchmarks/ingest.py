@@ -37,7 +37,7 @@ import psutil
 
 
 def _frames(n_records: int, frame_records: int, rank: int) -> list[bytes]:
-    from phasescope.agent import events as ev
+    from phasescope.agent.records import events as ev
 
     out, i = [], 0
     while i < n_records:
@@ -49,8 +49,8 @@ def _frames(n_records: int, frame_records: int, rank: int) -> list[bytes]:
 
 
 def _producer(sock: str, n_records: int, rank: int, ready, go, results) -> None:
-    from phasescope.agent import events as ev
-    from phasescope.agent.address import parse_address
+    from phasescope.agent.records import events as ev
+    from phasescope.agent.records.address import parse_address
     from phasescope.agent.probe.sender import Sender
 
     frames = _frames(n_records, 8192, rank)
@@ -125,7 +125,7 @@ class OtlpStepReceiver:
 
 def _agent(db: str, sock: str, metrics: bool, otlp: str | None = None,
            extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str | None]:
-    args = [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api",
+    args = [sys.executable, "-m", "phasescope.cli", "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api",
             "--no-retention", *extra]
     args += ["--metrics-addr", "127.0.0.1:0"] if metrics or otlp else ["--no-metrics"]
     env = None

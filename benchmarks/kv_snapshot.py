@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from phasescope.agent.probe.kvmath import largest_run, page_stats_fast
+from phasescope.agent.records.kvmath import largest_run, page_stats_fast
 
 
 def median_us(fn, n: int = 50) -> float:
@@ -54,7 +54,7 @@ def real_hf(num_blocks: int = 1024) -> tuple[float, float, int]:
 
     from phasescope.agent import attach
     from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching, hf_page_stats
-    from phasescope.agent.events import PHASE_DECODE, Step
+    from phasescope.agent.records.events import PHASE_DECODE, Step
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -21,7 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from phasescope.agent import attach
-from phasescope.agent.events import PHASES, Step
+from phasescope.agent.records.events import PHASES, Step
 
 MODELS = {
     # TinyLlama-1.1B geometry: 22 layers, 2048 hidden, 32 heads, 4 KV heads

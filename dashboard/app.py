@@ -18,7 +18,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from phasescope.agent.errors import CliError
+from phasescope.agent.records.errors import CliError
 from phasescope.agent.read.exports import export_glob, hosts
 from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.thresholds import T

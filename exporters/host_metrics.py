@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.agent.events import HostSample, ProcessSample
+from phasescope.agent.records.events import HostSample, ProcessSample
 from phasescope.agent.sidecar import Batch
 
 

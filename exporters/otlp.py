@@ -60,7 +60,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.agent.events import PHASES, Hello, RequestEvent, Step
+from phasescope.agent.records.events import PHASES, Hello, RequestEvent, Step
 from phasescope.agent.sidecar import Batch, Chunk
 
 from . import buckets

@@ -37,9 +37,9 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from phasescope.agent.address import host_header_allowed
-from phasescope.agent.probe import kvmath
-from phasescope.agent.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
+from phasescope.agent.records.address import host_header_allowed
+from phasescope.agent.records import kvmath
+from phasescope.agent.records.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
                                      PageEvent, PrefixCounters, PrefixLookup, ProbeHealth, RequestEvent, Step)
 from phasescope.agent.read.queries import split_lookup
 from phasescope.agent.read.thresholds import T

@@ -26,7 +26,7 @@ from typing import Iterable, NamedTuple, Protocol
 
 import numpy as np
 
-from phasescope.agent.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
+from phasescope.agent.records.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
                                      REQ_TOKEN, RequestEvent)
 
 from .sources import Source

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from phasescope.agent.events import Hello
+from phasescope.agent.records.events import Hello
 
 
 class Source(NamedTuple):

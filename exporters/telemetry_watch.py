@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from phasescope.agent.events import Hello, KVSnapshot, PrefixCounters, ProbeHealth, RunLabel, Step
+from phasescope.agent.records.events import Hello, KVSnapshot, PrefixCounters, ProbeHealth, RunLabel, Step
 from phasescope.agent.read.thresholds import T
 from phasescope.agent.sidecar import Batch, Chunk
 

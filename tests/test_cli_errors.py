@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from phasescope.agent.cli import main
-from phasescope.agent.events import REQUEST_EVENTS, Hello, RequestEvent
+from phasescope.cli.main import main
+from phasescope.agent.records.events import REQUEST_EVENTS, Hello, RequestEvent
 from phasescope.agent.sidecar.store import Store
 
 

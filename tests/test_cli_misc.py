@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import duckdb
 
-from phasescope.agent.cli import main
-from phasescope.agent.events import REQUEST_EVENTS, Hello, RequestEvent
-from phasescope.agent.sidecar.schema import ddl
+from phasescope.cli.main import main
+from phasescope.agent.records.events import REQUEST_EVENTS, Hello, RequestEvent
+from phasescope.agent.records.schema import ddl
 from phasescope.agent.sidecar.store import Store
 
 
@@ -30,7 +30,7 @@ def test_summary_header_names_model_and_device(tmp_path, capsys, monkeypatch):
     path = str(tmp_path / "s.duckdb")
     store = Store(path)
     sid = store.register_source(Hello(1, 0, 1, 0, 1, "run-s", "tiny-llama-7b", "hf-cb"))
-    from phasescope.agent.events import RunLabel
+    from phasescope.agent.records.events import RunLabel
 
     store.append([(sid, [RequestEvent(2, 0, REQUEST_EVENTS.index("arrival"), "r", 4, 0),
                          RunLabel(3, "gpu_name", "NVIDIA H200")])])

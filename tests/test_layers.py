@@ -16,31 +16,33 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"agent": "phasescope.agent", "analyzers": "phasescope.analyzers",
-           "exporters": "phasescope.exporters", "dashboard": "phasescope.dashboard"}
+           "exporters": "phasescope.exporters", "dashboard": "phasescope.dashboard", "cli": "phasescope.cli"}
 
 # layer -> module prefixes it holds; first match wins, so the more specific prefixes come first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # the store's format (tables, columns, views; pure data, imports nothing): the sidecar writes it,
-    # the read layer opens Parquet exports with it (agent/read/exports.py)
-    ("records", ("phasescope.agent.sidecar.schema",)),
-    ("records", ("phasescope.agent.events", "phasescope.agent.address", "phasescope.agent.errors")),
+    # records, wire, addresses, the store's format, KV math: the floor, imports nothing of ours
+    ("records", ("phasescope.agent.records",)),
+    ("settings", ("phasescope.agent.settings",)),
     ("probe", ("phasescope.agent.probe",)),
     ("read", ("phasescope.agent.read",)),
     ("sidecar", ("phasescope.agent.sidecar",)),
     ("analyzers", ("phasescope.analyzers",)),
     ("exporters", ("phasescope.exporters",)),
     ("dashboard", ("phasescope.dashboard",)),
-    ("top", ("phasescope.agent",)),  # cli, demo, scenarios, synthetic, the package's attach re-export
+    ("package", ("phasescope.agent",)),  # the package's lazy attach re-export
+    ("top", ("phasescope.cli",)),  # the command line and the demo
 ]
 ALLOWED: dict[str, set[str]] = {
     "records": set(),
-    "probe": {"records"},
+    "settings": {"records"},
+    "probe": {"records", "settings"},
     "read": {"records"},
-    "sidecar": {"records", "read"},
+    "sidecar": {"records", "settings", "read"},
     "analyzers": {"records", "probe", "read", "sidecar"},
     "exporters": {"records", "probe", "read", "sidecar", "analyzers"},
     "dashboard": {"records", "read", "analyzers"},
-    "top": {"records", "probe", "read", "sidecar", "analyzers", "exporters", "dashboard"},
+    "package": {"probe"},
+    "top": {"records", "settings", "probe", "read", "sidecar", "analyzers", "exporters", "dashboard", "package"},
 }
 
 
@@ -92,7 +94,7 @@ def test_layer_table_catches_an_upward_import(tmp_path: Path) -> None:
     """The checker itself: a probe module importing the sidecar is reported."""
     assert layer_of("phasescope.agent.probe.probe") == "probe"
     assert layer_of("phasescope.agent.sidecar.store") not in ALLOWED["probe"] | {"probe"}
-    assert layer_of("phasescope.agent.cli") == "top"
+    assert layer_of("phasescope.cli.main") == "top"
     assert layer_of("phasescope.analyzers.diagnose") not in ALLOWED["read"] | {"read"}
 
 
@@ -117,7 +119,7 @@ def test_importing_the_probe_loads_nothing_heavy() -> None:
         "import phasescope.agent, phasescope.agent.probe\n"
         "import phasescope.agent.probe.adapters.base, phasescope.agent.probe.adapters.hf_generate\n"
         "import phasescope.agent.probe.adapters.hf_cb, phasescope.agent.probe.cuda_timing\n"
-        "import phasescope.agent.probe.labels, phasescope.agent.probe.kvmath, phasescope.agent.probe.sender\n"
+        "import phasescope.agent.probe.labels, phasescope.agent.records.kvmath, phasescope.agent.probe.sender\n"
         "heavy = ('duckdb', 'prometheus_client', 'rich', 'pandas', 'streamlit', 'opentelemetry', 'pyarrow')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
     )

@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-from ..events import PageEvent, Record
+from ..records.events import PageEvent, Record
 
 ROOT = -1  # parent key of a prompt's first page
 

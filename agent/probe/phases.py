@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from ..events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
+from ..records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
 
 
 class StepShape(NamedTuple):

@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ..events import (
+from ..records.events import (
     PHASE_IDLE,
     Hello,
     ProbeHealth,
@@ -45,7 +45,7 @@ from ..events import (
     REQUEST_EVENTS,
 )
 from .phases import StepShape, classify_packed, classify_padded, phase_of
-from ..address import Address, parse_address
+from ..records.address import Address, parse_address
 from .sampling import BudgetSampler
 from .sender import Sender
 

@@ -31,8 +31,8 @@ import socket
 import time
 from typing import Callable
 
-from ..address import ENV_TOKEN, Address, check_private_folder
-from ..events import ACK_WELCOME, HEADER, TOKEN_BYTES, Ack, FrameError, Session, decode_acks, decode_header, frame_v2
+from ..records.address import ENV_TOKEN, Address, check_private_folder
+from ..records.events import ACK_WELCOME, HEADER, TOKEN_BYTES, Ack, FrameError, Session, decode_acks, decode_header, frame_v2
 
 log = logging.getLogger("phasescope.transport")
 

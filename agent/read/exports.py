@@ -21,7 +21,7 @@ from typing import Any
 
 import duckdb
 
-from ..sidecar.schema import RUN_INFO_DDL, TABLES, VIEWS
+from ..records.schema import RUN_INFO_DDL, TABLES, VIEWS
 
 HIVE = re.compile(r"(?:^|/)host=(?P<host>[^/]+)/date=(?P<date>[^/]+)/table=(?P<table>[^/]+)/[^/]+\.parquet$")
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 import duckdb
 
-from ..errors import CliError
+from ..records.errors import CliError
 from .exports import export_glob, hosts, open_host
 from .jsonsafe import json_safe
 from .queries import run_named

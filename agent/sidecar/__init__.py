@@ -1,11 +1,22 @@
-"""What runs in the sidecar process: the ingest server, the DuckDB store writer
-and its schema, the collectors it polls (NVML) and the read API it serves.
+"""What runs in the sidecar process: the ingest server, the DuckDB store writer,
+the collectors it polls (NVML, psutil, /metrics scrapes), retention and the read API it serves.
 
-Imports the records (`agent.events`), addresses (`agent.address`) and the read
-layer's named queries (`agent.read`); never the probe, analyzers, exporters or
-dashboard (the CLI wires exporters in as sinks). Needs no torch.
+Imports the records floor (`agent.records`: records, addresses, the store schema) and the
+read layer's named queries (`agent.read`); never the probe, analyzers, exporters or
+dashboard (the CLI wires exporters in as sinks). Needs no torch. The names below load
+`server.py` on first use, so importing `sidecar.store` or `sidecar.retention` alone does not.
 """
 
-from .server import SIDECAR_SOURCE_ID, Batch, Chunk, Collector, RecordSink, Sidecar, SidecarStats
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["SIDECAR_SOURCE_ID", "Batch", "Chunk", "Collector", "RecordSink", "Sidecar", "SidecarStats"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,7 @@ import math
 import time
 from typing import Any, Callable, Sequence
 
-from ..events import GpuSample, Record
+from ..records.events import GpuSample, Record
 
 log = logging.getLogger("phasescope.collectors")
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..events import LAYOUTS, LIMITS, PHASES, REQUEST_EVENTS, FrameError, Hello, Record, RunLabel, Session
-from .schema import TABLE_OF_RECORD, TABLES
+from ..records.events import LAYOUTS, LIMITS, PHASES, REQUEST_EVENTS, FrameError, Hello, Record, RunLabel, Session
+from ..records.schema import TABLE_OF_RECORD, TABLES
 
 REASONS = ("bad_enum", "out_of_range", "not_finite", "negative", "bad_utf8")
 

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from ..events import Hello, HostSample, ProcessSample, Record
+from ..records.events import Hello, HostSample, ProcessSample, Record
 
 log = logging.getLogger("phasescope.host")
 

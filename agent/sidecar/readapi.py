@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, urlparse
 
 import duckdb
 
-from ..address import host_header_allowed
+from ..records.address import host_header_allowed
 from ..read.jsonsafe import to_json
 from ..read.queries import QUERIES, run_named
 

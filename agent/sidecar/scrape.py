@@ -30,7 +30,7 @@ import urllib.request
 import uuid
 from typing import Callable
 
-from ..events import Hello, PrefixCounters, Record, RunLabel, ServerMetric
+from ..records.events import Hello, PrefixCounters, Record, RunLabel, ServerMetric
 
 log = logging.getLogger("phasescope.scrape")
 

@@ -39,8 +39,8 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-from ..address import Address, make_private_folder, parse_address
-from ..events import (ACK_COMMIT, ACK_WELCOME, HEADER, SEQ, Ack, FrameError, Hello, Record, RunLabel, Session,
+from ..records.address import Address, make_private_folder, parse_address
+from ..records.events import (ACK_COMMIT, ACK_WELCOME, HEADER, SEQ, Ack, FrameError, Hello, Record, RunLabel, Session,
                       encode_ack, read_header)
 from . import columnar
 from .connio import Reader, Writer

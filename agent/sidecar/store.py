@@ -22,9 +22,9 @@ from typing import Iterable, Iterator, Sequence
 import duckdb
 import numpy as np
 
-from ..events import Hello, Record, RunLabel
+from ..records.events import Hello, Record, RunLabel
 from . import columnar
-from .schema import SCHEMA_VERSION, TABLES, ddl
+from ..records.schema import SCHEMA_VERSION, TABLES, ddl
 
 log = logging.getLogger("phasescope.store")
 

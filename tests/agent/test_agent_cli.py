@@ -10,7 +10,7 @@ import sys
 import duckdb
 import pytest
 
-from phasescope.agent.cli import build_parser
+from phasescope.cli.main import build_parser
 
 
 def _subcommands():
@@ -21,7 +21,7 @@ def _subcommands():
 
 @pytest.mark.parametrize("cmd", [[]] + [[c] for c in _subcommands()])
 def test_help_on_every_subcommand(cmd):
-    out = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", *cmd, "--help"],
+    out = subprocess.run([sys.executable, "-m", "phasescope.cli", *cmd, "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "usage: phasescope" in out.stdout
@@ -30,7 +30,7 @@ def test_help_on_every_subcommand(cmd):
 @pytest.mark.slow
 def test_demo_writes_both_phases_and_prints_the_summary(tmp_path):
     env = dict(os.environ, COLUMNS="120")
-    out = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "demo", "--requests", "12", "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "phasescope.cli", "demo", "--requests", "12", "--device", "cpu"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert "prefill" in out.stdout and "decode" in out.stdout and "TTFT" in out.stdout and "TPOT" in out.stdout
@@ -43,7 +43,7 @@ def test_demo_writes_both_phases_and_prints_the_summary(tmp_path):
         "bool_and(tpot_s > 0 OR output_tokens <= 1) FROM requests").fetchone()
     assert (n, finished, ttft_ok, tpot_ok) == (12, 12, True, True)
     con.close()
-    js = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "summary", str(db), "--json"],
+    js = subprocess.run([sys.executable, "-m", "phasescope.cli", "summary", str(db), "--json"],
                         capture_output=True, text=True, timeout=60)
     summary = json.loads(js.stdout)
     assert summary["requests"]["requests"] == 12

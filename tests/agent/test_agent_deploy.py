@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from phasescope.agent import agentconfig
-from phasescope.agent.cli import build_parser
+from phasescope.agent import settings as agentconfig
+from phasescope.cli.main import build_parser
 
 
 def _free_port() -> int:
@@ -84,9 +84,9 @@ def test_agent_health_readiness_and_socket_mode(short_tmp):
                 "PHASESCOPE_API": f"127.0.0.1:{api}", "PHASESCOPE_METRICS_ADDR": f"127.0.0.1:{metrics}",
                 "PHASESCOPE_SOCKET_MODE": "0660", "PHASESCOPE_EXPORT_DIR": os.path.join(short_tmp, "exp"),
                 "PHASESCOPE_RETENTION_INTERVAL_S": "0.2"})
-    proc = subprocess.Popen([sys.executable, "-m", "phasescope.agent.cli", "agent"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "phasescope.cli", "agent"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    health = [sys.executable, "-m", "phasescope.agent.cli", "health", "--ready"]
+    health = [sys.executable, "-m", "phasescope.cli", "health", "--ready"]
     try:
         body = None
         for _ in range(100):
@@ -125,7 +125,7 @@ def test_agent_health_readiness_and_socket_mode(short_tmp):
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
-    nobody = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "health", "--api", f"127.0.0.1:{api}"],
+    nobody = subprocess.run([sys.executable, "-m", "phasescope.cli", "health", "--api", f"127.0.0.1:{api}"],
                             capture_output=True, text=True, timeout=60)
     assert nobody.returncode == 1 and "no agent answers" in nobody.stdout
 

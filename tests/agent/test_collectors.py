@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phasescope.agent.sidecar.collectors import NvmlCollector
-from phasescope.agent.events import GpuSample
+from phasescope.agent.records.events import GpuSample
 from phasescope.agent.sidecar import Sidecar
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 
 i64 = st.integers(-(2**63), 2**63 - 1)
 u64 = st.integers(0, 2**64 - 1)

@@ -63,14 +63,14 @@ def test_fleet_findings_name_the_outlier(fleet_exports):
 
 def test_diagnose_fleet_cli(fleet_exports):
     pattern = os.path.join(fleet_exports, "**", "*.parquet")
-    out = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "diagnose", "--fleet", pattern, "--json"],
+    out = subprocess.run([sys.executable, "-m", "phasescope.cli", "diagnose", "--fleet", pattern, "--json"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert sorted(doc["hosts"]) == ["a", "b", "c"]
     outliers = [f for f in doc["findings"] if f["id"] == "fleet-outlier-host"]
     assert [f["evidence"]["host"] for f in outliers] == ["c"]
-    text = subprocess.run([sys.executable, "-m", "phasescope.agent.cli", "diagnose", "--fleet", pattern],
+    text = subprocess.run([sys.executable, "-m", "phasescope.cli", "diagnose", "--fleet", pattern],
                           capture_output=True, text=True, timeout=300)
     assert text.returncode == 0 and "host c" in text.stdout
 
@@ -83,7 +83,7 @@ def _snapshot(folder: str) -> dict[str, tuple[int, int]]:
 def test_open_reader_reads_an_export_folder_as_a_store(fleet_exports, tmp_path):
     """A folder of exports is a target like a DuckDB file: one host at a time, named queries and
     findings as on a store, the files never written."""
-    from phasescope.agent.errors import CliError
+    from phasescope.agent.records.errors import CliError
     from phasescope.agent.read.exports import export_glob
     from phasescope.agent.read.reader import ExportReader, FileReader, open_reader
     from phasescope.analyzers.diagnose import diagnose
@@ -119,6 +119,6 @@ def test_open_reader_reads_an_export_folder_as_a_store(fleet_exports, tmp_path):
     plain = open_reader(str(db))
     assert type(plain) is FileReader
     plain.close()
-    cli = [sys.executable, "-m", "phasescope.agent.cli", "dashboard", str(empty)]
+    cli = [sys.executable, "-m", "phasescope.cli", "dashboard", str(empty)]
     out = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "no export files" in out.stderr and "Traceback" not in out.stderr, out.stderr

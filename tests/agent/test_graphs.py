@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from phasescope.agent import attach  # noqa: E402
-from phasescope.agent.events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL, Step  # noqa: E402
+from phasescope.agent.records.events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL, Step  # noqa: E402
 from phasescope.agent.probe.cuda_timing import CaptureGuard  # noqa: E402
 from phasescope.agent.probe.phases import StepShape  # noqa: E402
 from phasescope.agent.probe.sampling import BudgetSampler  # noqa: E402

@@ -1,7 +1,7 @@
 """HF continuous batching on a real random-weight Llama (CPU): lifecycle, paged KV, prefix cache.
 
 The KV figures are checked against an oracle written here, independently of
-phasescope.agent.probe.kvmath, from the cache's own block table, ledger and pool at the
+phasescope.agent.records.kvmath, from the cache's own block table, ledger and pool at the
 same instant (a forward pre-hook of the test's own, which runs right after the
 adapter's snapshot and before any cache change).
 """
@@ -22,9 +22,9 @@ from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
 from phasescope.agent import attach  # noqa: E402
-from phasescope.agent.probe import kvmath  # noqa: E402
+from phasescope.agent.records import kvmath  # noqa: E402
 from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching  # noqa: E402
-from phasescope.agent.events import REQUEST_EVENTS, KVSnapshot, PrefixCounters, RequestEvent, Step  # noqa: E402
+from phasescope.agent.records.events import REQUEST_EVENTS, KVSnapshot, PrefixCounters, RequestEvent, Step  # noqa: E402
 
 PAGE = 32
 SYSTEM = list(range(2, 2 + 2 * PAGE))  # a 2-page shared prefix
@@ -292,7 +292,7 @@ def test_prefix_lookups_of_a_burst_are_in_flight_or_cache_disabled(sharing):
     """Three prompts sharing a 2-page prefix, queued before the manager starts: one scheduling pass looks them all
     up, so the 2nd and 3rd find the prefix shared but not cached yet (in-flight); with sharing off, every prompt
     is admitted with the cache disabled. Per-cause tokens from the records add up to the missed tokens."""
-    from phasescope.agent.events import PrefixLookup
+    from phasescope.agent.records.events import PrefixLookup
     from phasescope.agent.read.queries import split_lookup
 
     model = _model()

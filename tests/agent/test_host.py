@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import duckdb
 import pytest
 
-from phasescope.agent.events import Hello, HostSample, ProcessSample, encode_frame
+from phasescope.agent.records.events import Hello, HostSample, ProcessSample, encode_frame
 from phasescope.agent.sidecar import Sidecar
 from phasescope.agent.sidecar.host import HostCollector
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from phasescope.agent.probe import kvmath as k
+from phasescope.agent.records import kvmath as k
 
 
 def test_empty_cache():

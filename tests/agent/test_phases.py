@@ -1,6 +1,6 @@
 """Phase classification, on hand-made shapes."""
 
-from phasescope.agent.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
+from phasescope.agent.records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
 from phasescope.agent.probe.phases import StepShape, classify_packed, classify_padded
 
 

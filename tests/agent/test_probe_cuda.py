@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from phasescope.agent import attach  # noqa: E402
-from phasescope.agent.events import PHASES, Step  # noqa: E402
+from phasescope.agent.records.events import PHASES, Step  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_continuous_batching_on_cuda_exact_counts_and_event_timing(cuda_llama):
     from transformers import GenerationConfig
 
     from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching, cb_config
-    from phasescope.agent.events import KVSnapshot, PrefixCounters
+    from phasescope.agent.records.events import KVSnapshot, PrefixCounters
 
     got: list = []
     probe = attach(cuda_llama, sink=got.extend, runtime="hf-cb", gpu_budget=None)

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 from phasescope.agent.read.reader import AgentReader, FileReader, StoreBusyError, open_reader
 from phasescope.agent.sidecar import Sidecar
 
@@ -68,7 +68,7 @@ def test_live_reads_through_the_sidecar_match_the_file_afterwards(short_tmp):
 
 def test_diagnose_summary_compare_read_a_live_agent(short_tmp, capsys):
     """`--agent URL` goes through the read API (never DuckDB's httpfs) and equals the file afterwards."""
-    from phasescope.agent.cli import main
+    from phasescope.cli.main import main
     from phasescope.analyzers.diagnose import diagnose
 
     db = os.path.join(short_tmp, "agent.duckdb")

@@ -13,7 +13,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from phasescope.agent.events import REQUEST_EVENTS, Hello, RequestEvent
+from phasescope.agent.records.events import REQUEST_EVENTS, Hello, RequestEvent
 from phasescope.agent.read import queries
 from phasescope.agent.sidecar.store import Store
 from phasescope.exporters.prometheus import PrometheusExporter

@@ -11,7 +11,7 @@ import time
 import duckdb
 import pytest
 
-from phasescope.agent.events import PHASE_DECODE, PHASE_PREFILL, REQ_ARRIVAL, REQ_FINISHED, Hello, RequestEvent, Step
+from phasescope.agent.records.events import PHASE_DECODE, PHASE_PREFILL, REQ_ARRIVAL, REQ_FINISHED, Hello, RequestEvent, Step
 from phasescope.agent.sidecar.retention import Retention, RetentionPolicy, used_bytes
 from phasescope.agent.sidecar.store import Store
 

@@ -37,7 +37,7 @@ def _run(argv: list[str], env_extra: dict[str, str] | None = None) -> subprocess
 
 
 def _ps_run(agent: str, program: list[str], *extra: str) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "phasescope.agent.cli", "run", "--agent", agent, *extra, "--", *program])
+    return _run([sys.executable, "-m", "phasescope.cli", "run", "--agent", agent, *extra, "--", *program])
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_hf_script_without_an_agent_is_byte_identical(hf_model_dir, short_tmp):
 
 @pytest.mark.slow
 def test_demo_same_tokens_with_and_without_and_records_arrive(sidecar, short_tmp):
-    program = [sys.executable, "-m", "phasescope.agent.serve_demo", "--requests", "6"]
+    program = [sys.executable, "-m", "phasescope.cli.serve_demo", "--requests", "6"]
     plain = _run(program)
     assert plain.returncode == 0, plain.stderr.decode()
     assert len(plain.stdout.splitlines()) == 6
@@ -112,7 +112,7 @@ def test_demo_same_tokens_with_and_without_and_records_arrive(sidecar, short_tmp
 
 
 def test_run_environment(monkeypatch):
-    from phasescope.agent.deploycli import bootstrap_dir, build_run_env
+    from phasescope.cli.deploy import bootstrap_dir, build_run_env
 
     env = build_run_env(agent="tcp:127.0.0.1:7701", run_id=None, labels=["a=1,b=2", "c=3"], no_cuda_timing=True,
                         environ={"PYTHONPATH": "/x", "PHASESCOPE_LABELS": "z=9"})
@@ -136,5 +136,5 @@ def test_env_options_are_checked():
 
 
 def test_run_without_a_program_is_an_error():
-    r = _run([sys.executable, "-m", "phasescope.agent.cli", "run"])
+    r = _run([sys.executable, "-m", "phasescope.cli", "run"])
     assert r.returncode != 0 and b"give the program" in r.stderr

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from phasescope.agent.events import PrefixCounters, RunLabel, ServerMetric
+from phasescope.agent.records.events import PrefixCounters, RunLabel, ServerMetric
 from phasescope.agent.sidecar.scrape import CANNOT, ScrapeCollector
 
 SAMPLE = (pathlib.Path(__file__).parent / "vllm" / "metrics_sample.txt").read_text()

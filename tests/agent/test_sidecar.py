@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 from phasescope.agent.sidecar import Sidecar
 from phasescope.agent.sidecar.store import Store
 

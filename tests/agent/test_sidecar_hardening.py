@@ -22,8 +22,8 @@ import urllib.request
 import psutil
 import pytest
 
-from phasescope.agent import events as ev
-from phasescope.agent.address import check_private_folder, make_private_folder, parse_address
+from phasescope.agent.records import events as ev
+from phasescope.agent.records.address import check_private_folder, make_private_folder, parse_address
 from phasescope.agent.probe.sender import Sender, connect
 from phasescope.agent.sidecar import Sidecar
 from phasescope.agent.sidecar.store import Store
@@ -82,7 +82,7 @@ class Streamer:
 
 def _start_agent(db, sock, *extra):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}",
+        [sys.executable, "-m", "phasescope.cli", "agent", "--db", db, "--listen", f"unix:{sock}",
          "--checkpoint-s", "0.5", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

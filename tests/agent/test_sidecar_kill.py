@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def _start_agent(db, sock):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phasescope.agent.cli", "agent", "--db", db, "--listen", f"unix:{sock}",
+        [sys.executable, "-m", "phasescope.cli", "agent", "--db", db, "--listen", f"unix:{sock}",
          "--checkpoint-s", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from phasescope.agent.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
+from phasescope.agent.records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
 from phasescope.agent.probe.adapters import vllm as adapter
 from phasescope.agent.probe.adapters import vllm_plugin
 

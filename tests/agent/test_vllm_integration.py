@@ -57,7 +57,7 @@ def vllm_env():
     target = tempfile.mkdtemp(prefix="ps-vllm-site-")
     build = tempfile.mkdtemp(prefix="ps-vllm-src-")
     # a clean copy of the package sources: never build inside the checkout
-    for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard"):
+    for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard", "cli"):
         src = REPO / name
         if src.is_dir():
             shutil.copytree(src, os.path.join(build, name), ignore=shutil.ignore_patterns("__pycache__"))

@@ -15,8 +15,8 @@ import duckdb
 import numpy as np
 import pytest
 
-from phasescope.agent import events as ev
-from phasescope.agent.address import parse_address
+from phasescope.agent.records import events as ev
+from phasescope.agent.records.address import parse_address
 from phasescope.agent.probe.sender import Sender
 from phasescope.agent.sidecar import Sidecar, columnar
 from phasescope.agent.sidecar.store import Store
@@ -398,7 +398,7 @@ def test_a_legit_probe_loses_nothing_during_a_hostile_flood(short_tmp):
     import sys
 
     db, sock = os.path.join(short_tmp, "f.duckdb"), os.path.join(short_tmp, "agent.sock")
-    agent = subprocess.Popen([sys.executable, "-m", "phasescope.agent.cli", "-v", "agent", "--db", db,
+    agent = subprocess.Popen([sys.executable, "-m", "phasescope.cli", "-v", "agent", "--db", db,
                               "--listen", f"unix:{sock}", "--no-metrics", "--no-api", "--no-retention"],
                              stdout=subprocess.PIPE, stderr=open(os.path.join(short_tmp, "agent.log"), "w"), text=True)
     assert "listening" in agent.stdout.readline()

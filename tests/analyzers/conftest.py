@@ -7,7 +7,7 @@ import os
 import duckdb
 import pytest
 
-from phasescope.agent.scenarios import DATA_DIR, load
+from builders.scenarios import DATA_DIR, load
 
 
 @pytest.fixture(scope="session")

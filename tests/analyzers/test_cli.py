@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from phasescope.agent.cli import main
+from phasescope.cli.main import main
 from phasescope.analyzers.compare import compare, resolve
 from phasescope.analyzers.runinfo import read_run_info, record_run_info
 

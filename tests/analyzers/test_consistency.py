@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from phasescope.agent.scenarios import SCENARIOS
+from builders.scenarios import SCENARIOS
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.prefill import chunked_prefill
 from phasescope.analyzers.runinfo import read_run_info, record_run_info

@@ -11,7 +11,7 @@ import statistics
 import duckdb
 import pytest
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 from phasescope.agent.sidecar.store import Store
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.host import host_bound, process_memory_growth

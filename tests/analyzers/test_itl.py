@@ -10,7 +10,7 @@ import time
 import duckdb
 import pytest
 
-from phasescope.agent.events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, \
+from phasescope.agent.records.events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, \
     REQ_TOKEN, Hello, RequestEvent, Step
 from phasescope.agent.read.queries import ITL_GAPS, STEP_MS, itl_attribution
 from phasescope.analyzers.diagnose import diagnose

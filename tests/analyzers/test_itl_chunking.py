@@ -37,7 +37,7 @@ def workload() -> list:
     """Closed-loop rounds: each long prompt is prefilled while the same four requests are decoding."""
     import random
 
-    from phasescope.agent.demo import DemoRequest
+    from phasescope.cli.demo import DemoRequest
 
     rng = random.Random(13)
     system = [rng.randrange(2, 4096) for _ in range(32)]
@@ -51,8 +51,8 @@ def workload() -> list:
 
 
 def record(path: str, budget: int) -> tuple[duckdb.DuckDBPyConnection, str]:
-    from phasescope.agent.demo import DemoConfig, record_workload
-    from phasescope.agent.scenarios import reniced
+    from phasescope.cli.demo import DemoConfig, record_workload
+    from builders.scenarios import reniced
 
     cfg = DemoConfig(device="cpu", page_size=32, num_pages=1024, max_batch_tokens=budget)
     with reniced(-20, 1):  # the engine ahead of the machine's other work, torch on one thread

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from phasescope.agent.events import REQUEST_EVENTS, Hello, RequestEvent
+from phasescope.agent.records.events import REQUEST_EVENTS, Hello, RequestEvent
 from phasescope.agent.sidecar.store import Store
 from phasescope.analyzers.queries import one
 from phasescope.analyzers.queueing import QUEUE_SQL

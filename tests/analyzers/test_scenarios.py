@@ -10,7 +10,7 @@ import duckdb
 import pytest
 
 from phasescope.analyzers.diagnose import diagnose
-from phasescope.agent.scenarios import SCENARIOS, build_db
+from builders.scenarios import SCENARIOS, build_db
 
 # vLLM runs are deterministic: test_prefix_miss.py rebuilds prefix-miss-vllm and checks its exact numbers
 REAL = [n for n, s in SCENARIOS.items() if s.kind not in ("synthetic", "vllm")]

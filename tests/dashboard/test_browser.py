@@ -61,7 +61,7 @@ SETTLE_S = 10.0
 
 
 def _dashboard(target_args: list[str], port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phasescope.agent.cli", "dashboard", *target_args,
+    return subprocess.Popen([sys.executable, "-m", "phasescope.cli", "dashboard", *target_args,
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -121,7 +121,7 @@ def _visit_every_page(url: str, tag: str) -> dict[str, float]:
 def test_every_page_offline_and_the_file_stays_free(tmp_path):
     import duckdb
 
-    from phasescope.agent import scenarios
+    from builders import scenarios
 
     db = str(tmp_path / "demo.duckdb")
     scenarios.load(os.path.join(scenarios.DATA_DIR, "service-mix"), db)
@@ -151,7 +151,7 @@ def test_every_page_offline_and_the_file_stays_free(tmp_path):
 def test_killing_the_dashboard_hard_still_stops_its_child(tmp_path):
     import psutil
 
-    from phasescope.agent import scenarios
+    from builders import scenarios
 
     db = str(tmp_path / "h.duckdb")
     scenarios.load(os.path.join(scenarios.DATA_DIR, "healthy"), db)

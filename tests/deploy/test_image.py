@@ -147,7 +147,7 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
 
         # the "server" runs as the agent's uid (both containers runAsUser 10001): a probe connects only
         # through a socket folder owned by its own uid (or root) and writable by no one else
-        # (agent/address.py check_private_folder); root keeps its saved uid to come back
+        # (agent/records/address.py check_private_folder); root keeps its saved uid to come back
         os.setresgid(10001, 10001, 0)
         os.setresuid(10001, 10001, 0)
         try:

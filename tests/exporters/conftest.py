@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from phasescope.agent.events import (PHASE_DECODE, PHASE_PREFILL, REQUEST_EVENTS, GpuSample, Hello, KVSnapshot,
+from phasescope.agent.records.events import (PHASE_DECODE, PHASE_PREFILL, REQUEST_EVENTS, GpuSample, Hello, KVSnapshot,
                                      PrefixCounters, ProbeHealth, RequestEvent, Step)
 
 MODEL = "tiny-llama"
@@ -93,7 +93,7 @@ def send_workload(socket_path: str) -> None:
     """Send the crafted workload to a sidecar over its Unix socket, as two probes (ranks 0 and 1) would."""
     import socket
 
-    from phasescope.agent.events import encode_frame
+    from phasescope.agent.records.events import encode_frame
 
     by_source: dict[int, list] = {}
     for sid, recs in crafted_batch():
@@ -197,8 +197,8 @@ def stream_paced(sock: str, hello_record, frames: list, frame_records: int, rate
     the probe's real Sender; returns (sender, seconds taken) once every frame is acknowledged or lost."""
     import time
 
-    from phasescope.agent import events as ev
-    from phasescope.agent.address import parse_address
+    from phasescope.agent.records import events as ev
+    from phasescope.agent.records.address import parse_address
     from phasescope.agent.probe.sender import Sender
 
     s = Sender(parse_address(f"unix:{sock}"), lambda: ev.encode_frame([hello_record]), window_bytes=16 << 20,

@@ -127,7 +127,7 @@ def test_one_table_of_thresholds_feeds_analyzers_queries_and_rules():
 
 
 def test_slos_are_options_of_phasescope_rules(capsys):
-    from phasescope.agent.cli import main
+    from phasescope.cli.main import main
 
     assert main(["rules", "--ttft-slo-s", "1.0", "--tpot-slo-s", "0.05"]) == 0
     text = capsys.readouterr().out

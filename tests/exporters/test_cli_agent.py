@@ -15,7 +15,7 @@ import pytest
 from conftest import MODEL, send_workload
 from phasescope.exporters.rules import dashboard_text, rules_text
 
-CLI = [sys.executable, "-m", "phasescope.agent.cli"]
+CLI = [sys.executable, "-m", "phasescope.cli"]
 
 
 def _free_port() -> int:

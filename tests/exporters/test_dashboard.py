@@ -47,7 +47,7 @@ def metric_names(expr: str) -> set[str]:
 
 def exposed_names() -> set[str]:
     """Every sample name the exporters expose after the crafted workload (histogram series included)."""
-    from phasescope.agent.events import PageEvent, PrefixLookup
+    from phasescope.agent.records.events import PageEvent, PrefixLookup
 
     reg = CollectorRegistry()
     exp = PrometheusExporter(reg)
@@ -56,7 +56,7 @@ def exposed_names() -> set[str]:
     exp.on_records([(1, [PrefixLookup(10, 0, "r9", "first", 16, 100, 96, 16, 64, 48, 250.0, 8, 0),
                          PageEvent(11, 0, 3, "reused", 40.0, 5.0, 1, 0), PageEvent(12, 0, 4, "evicted", 90.0, 30.0, 1, 0)])])
     # a decode token right after a step that prefilled a long prompt (phasescope_inter_token_latency_long_prefill_*)
-    from phasescope.agent.events import PHASE_MIXED, REQ_ARRIVAL, REQ_TOKEN, RequestEvent, Step
+    from phasescope.agent.records.events import PHASE_MIXED, REQ_ARRIVAL, REQ_TOKEN, RequestEvent, Step
 
     exp.on_records([(1, [RequestEvent(20, 0, REQ_ARRIVAL, "r8", 4, 0), RequestEvent(21, 0, REQ_TOKEN, "r8", 1, 0),
                          Step(22, 99, 0, PHASE_MIXED, 2, 512, 1, 4, 50.0, float("nan")),

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasescope.agent.events import HostSample, ProcessSample
+from phasescope.agent.records.events import HostSample, ProcessSample
 from phasescope.exporters.host_metrics import HostMetricsExporter
 
 PROC = ProcessSample(1, 4242, "run-a", 12.5, 3.25, 17, 4243, 0.97, 0.4, 3 << 30, 41, 1000, 250)

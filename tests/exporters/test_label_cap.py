@@ -10,7 +10,7 @@ import urllib.request
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasescope.agent.events import PHASE_DECODE, Hello, Step
+from phasescope.agent.records.events import PHASE_DECODE, Hello, Step
 from phasescope.exporters.prometheus import MetricsServer, PrometheusExporter
 from phasescope.exporters.sources import OTHER, LabelCap
 
@@ -109,8 +109,8 @@ def test_exporter_keeps_the_heavy_models_and_ranks_and_metrics_stay_small():
 def test_sidecar_to_metrics_a_probe_sending_3000_ranks(tmp_path):
     """End to end: a probe streams steps with 3,000 distinct ranks through the sidecar; /metrics keeps the
     busy ranks and stays small."""
-    from phasescope.agent import events as ev
-    from phasescope.agent.address import parse_address
+    from phasescope.agent.records import events as ev
+    from phasescope.agent.records.address import parse_address
     from phasescope.agent.probe.sender import Sender
     from phasescope.agent.sidecar import Sidecar
 

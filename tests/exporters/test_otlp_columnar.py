@@ -11,8 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from phasescope.agent import events as ev
-from phasescope.agent.events import PHASES, Hello, Step
+from phasescope.agent.records import events as ev
+from phasescope.agent.records.events import PHASES, Hello, Step
 from phasescope.agent.sidecar import Chunk, columnar
 from phasescope.exporters import buckets
 from phasescope.exporters.otlp import INSTRUMENTS, OtlpExporter

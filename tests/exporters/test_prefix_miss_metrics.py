@@ -9,9 +9,9 @@ import os
 import duckdb
 from prometheus_client import CollectorRegistry
 
-from phasescope.agent.events import Hello, PageEvent, PrefixLookup
+from phasescope.agent.records.events import Hello, PageEvent, PrefixLookup
 from phasescope.agent.read.queries import MISS_CAUSES, kv_residency, prefix_miss_causes
-from phasescope.agent.scenarios import DATA_DIR, load
+from builders.scenarios import DATA_DIR, load
 from phasescope.exporters.prometheus import PrometheusExporter
 
 

@@ -213,7 +213,7 @@ def test_no_created_series_are_exposed():
 
 
 def test_gaps_ended_by_a_long_prefill_step_are_counted_apart():
-    from phasescope.agent.events import PHASE_DECODE, PHASE_MIXED, REQ_ARRIVAL, REQ_TOKEN, RequestEvent, Step
+    from phasescope.agent.records.events import PHASE_DECODE, PHASE_MIXED, REQ_ARRIVAL, REQ_TOKEN, RequestEvent, Step
 
     e = PrometheusExporter(CollectorRegistry(), long_prefill_tokens=128)
     nan = float("nan")

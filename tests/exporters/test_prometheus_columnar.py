@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasescope.agent import events as ev
-from phasescope.agent.events import PHASES, Hello, Step
+from phasescope.agent.records import events as ev
+from phasescope.agent.records.events import PHASES, Hello, Step
 from phasescope.agent.sidecar import Chunk, columnar
 from phasescope.exporters import buckets
 from phasescope.exporters.prometheus import PrometheusExporter, SidecarStatsCollector
@@ -177,7 +177,7 @@ def _request_stream(n_requests: int, seed: int) -> list:
     """Interleaved request lifecycles of one source: arrivals, scheduling, token events (some carrying
     several tokens), preemptions and re-scheduling, aborts, finishes, a reused id; steps between them,
     some with long prefills (rank 0)."""
-    from phasescope.agent.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
+    from phasescope.agent.records.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
                                          REQ_TOKEN, RequestEvent)
 
     rng = np.random.default_rng(seed)

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from conftest import MODEL, T0, hello, request_events
-from phasescope.agent.events import PrefixCounters, encode_frame
+from phasescope.agent.records.events import PrefixCounters, encode_frame
 from phasescope.agent.sidecar import Sidecar
 from phasescope.exporters.prometheus import MetricsServer, PrometheusExporter, SidecarStatsCollector
 

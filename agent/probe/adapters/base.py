@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from ...events import KVSnapshot, PrefixCounters
-from ..kvmath import PageStats
+from ...records.events import KVSnapshot, PrefixCounters
+from ...records.kvmath import PageStats
 from ..probe import Probe
 
 

@@ -36,8 +36,8 @@ import math
 import time
 from typing import Any, Callable
 
-from ...events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL, PrefixLookup, short_id
-from ..kvmath import PageStats, largest_run, page_stats_fast
+from ...records.events import PHASE_DECODE, PHASE_MIXED, PHASE_PREFILL, PrefixLookup, short_id
+from ...records.kvmath import PageStats, largest_run, page_stats_fast
 from ..pagetrack import PageLife, PrefixTable
 from ..phases import StepShape
 from ..probe import Probe

@@ -38,7 +38,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ...events import (
+from ...records.events import (
     PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, KVSnapshot, PrefixCounters, PrefixLookup, RequestEvent,
     Step,
     REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,

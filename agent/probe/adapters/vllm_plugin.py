@@ -14,8 +14,8 @@ import os
 import time
 from typing import Any
 
-from ...address import ENV_ADDRESS
-from ...events import ServerMetric
+from ...records.address import ENV_ADDRESS
+from ...records.events import ServerMetric
 
 log = logging.getLogger("phasescope.vllm")
 _FORK_HOOKED = False

@@ -1,7 +1,7 @@
 """The demo's model and workload served with no phasescope code: the program `phasescope run` attaches to.
 
-    python -m phasescope.agent.serve_demo [--runtime cb|generate] [--requests N]
-    phasescope run -- python -m phasescope.agent.serve_demo
+    python -m phasescope.cli.serve_demo [--runtime cb|generate] [--requests N]
+    phasescope run -- python -m phasescope.cli.serve_demo
 
 Prints each request's generated tokens (JSON, one line per request, in request
 order) to stdout, so a run with and without phasescope can be compared byte for byte.
@@ -26,7 +26,7 @@ def serve_plain(cfg: DemoConfig) -> dict[str, list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m phasescope.agent.serve_demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m phasescope.cli.serve_demo", description=__doc__.splitlines()[0])
     p.add_argument("--runtime", choices=("cb", "generate"), default="cb")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""`phasescope diagnose`, `plan-kv` and `compare` (registered by agent/cli.py)."""
+"""`phasescope diagnose`, `plan-kv` and `compare` (registered by cli/main.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from phasescope.agent.errors import CliError, UsageError
+from phasescope.agent.records.errors import CliError, UsageError
 
 
 def _value(text: str) -> Any:
@@ -38,10 +38,10 @@ def _overrides(items: list[str], known: dict[str, Any]) -> dict[str, Any]:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from phasescope.agent.read.reader import connect_readonly, open_reader, require_run
 
-    from .diagnose import diagnose, thresholds
-    from .findings import Finding
-    from .geometry import load_config
-    from .render import print_findings, print_thresholds
+    from phasescope.analyzers.diagnose import diagnose, thresholds
+    from phasescope.analyzers.findings import Finding
+    from phasescope.analyzers.geometry import load_config
+    from phasescope.analyzers.render import print_findings, print_thresholds
 
     if args.list_thresholds:
         if args.json:
@@ -50,7 +50,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             print_thresholds()
         return 0
     if args.fleet:
-        from .fleet import diagnose_fleet, print_fleet
+        from phasescope.analyzers.fleet import diagnose_fleet, print_fleet
 
         report = diagnose_fleet(args.fleet)
         print(json.dumps(report, indent=2, default=str)) if args.json else print_fleet(report)
@@ -83,7 +83,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             except (OSError, ValueError) as exc:
                 raise CliError(f"cannot read {args.model_config!r} as an HF config.json: {exc}") from None
         if args.gpu:
-            from .gpus import lookup
+            from phasescope.analyzers.gpus import lookup
 
             if lookup(args.gpu) is None:
                 raise UsageError(f"unknown GPU {args.gpu!r}")
@@ -114,7 +114,7 @@ def _positive_ints(text: str, flag: str) -> list[int]:
 
 
 def _geometry_from_flags(args: argparse.Namespace) -> Any:
-    from .geometry import ModelGeometry
+    from phasescope.analyzers.geometry import ModelGeometry
 
     if not (args.layers and args.kv_heads and args.head_dim):
         raise UsageError("give --config config.json, or --layers, --kv-heads and --head-dim "
@@ -134,10 +134,10 @@ def _geometry_from_flags(args: argparse.Namespace) -> Any:
 def cmd_plan_kv(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from .geometry import dtype_bytes, load_config
-    from .gpus import lookup
-    from .kvplan import GIB, plan
-    from .render import print_plan
+    from phasescope.analyzers.geometry import dtype_bytes, load_config
+    from phasescope.analyzers.gpus import lookup
+    from phasescope.analyzers.kvplan import GIB, plan
+    from phasescope.analyzers.render import print_plan
 
     if args.context <= 0:
         raise UsageError(f"--context must be > 0 tokens, got {args.context}")
@@ -179,8 +179,8 @@ def cmd_plan_kv(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import compare, resolve
-    from .render import print_compare
+    from phasescope.analyzers.compare import compare, resolve
+    from phasescope.analyzers.render import print_compare
 
     if args.agent and args.db:
         raise UsageError("give --db FILE or --agent URL, not both")

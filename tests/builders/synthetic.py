@@ -11,7 +11,7 @@ import time
 import math
 from typing import Any, Callable
 
-from phasescope.agent.events import (
+from phasescope.agent.records.events import (
     PHASE_DECODE, PHASE_PREFILL, REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_SCHEDULED, REQ_TOKEN,
     GpuSample, Hello, KVSnapshot, ProbeHealth, RequestEvent, Step,
 )
@@ -148,7 +148,7 @@ def reused_ids(db_path: str) -> str:
     r = REUSE
 
     def rank_records(rank: int) -> list[Any]:
-        from phasescope.agent.events import REQ_PREEMPTED, PrefixCounters
+        from phasescope.agent.records.events import REQ_PREEMPTED, PrefixCounters
 
         out: list[Any] = []
         queried = hit = recomputed = 0

@@ -18,7 +18,7 @@ vLLM's own counters (`LLM.get_metrics()`) and what the run did as one JSON line 
   behind a shared system prompt of whole pages, one added every `HEALTHY_EVERY_STEPS` steps, a pool far larger
   than the run needs (nothing evicted, nothing preempted), chunked prefill at a budget no prompt fills.
 
-    python -m phasescope.agent.vllm_workload MODEL_DIR [--workload prefix-miss|itl|silent|healthy]
+    python tests/builders/vllm_workload.py MODEL_DIR [--workload prefix-miss|itl|silent|healthy]
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def _serve_silent(llm) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m phasescope.agent.vllm_workload")
+    ap = argparse.ArgumentParser(prog="python tests/builders/vllm_workload.py")
     ap.add_argument("model", help="model folder (config.json; weights are random: load_format dummy)")
     ap.add_argument("--workload", default="prefix-miss", choices=("prefix-miss", "itl", "silent", "healthy"))
     args = ap.parse_args(argv)

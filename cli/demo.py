@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .address import Address
+from phasescope.agent.records.address import Address
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def serve(model: Any, device: Any, probe: Any, workload: list[DemoRequest], max_
     """Serve `workload` in arrival order with static batches; returns tokens per request."""
     import torch
 
-    from .probe.adapters.hf_generate import GenerateRequests
+    from phasescope.agent.probe.adapters.hf_generate import GenerateRequests
 
     start = time.monotonic_ns()
     pending = list(workload)
@@ -157,7 +157,7 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
 
     from transformers import GenerationConfig
 
-    from .probe.adapters.hf_cb import cb_config
+    from phasescope.agent.probe.adapters.hf_cb import cb_config
 
     gen = GenerationConfig(max_new_tokens=max(r.output_tokens for r in workload), do_sample=False, eos_token_id=-1)
     cb = cb_config(cfg.page_size, cfg.num_pages, cfg.max_batch_tokens)
@@ -220,11 +220,11 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .probe.adapters.hf_cb import HFContinuousBatching
-    from .sidecar.collectors import NvmlCollector
-    from .sidecar.host import HostCollector
-    from .probe import attach
-    from .sidecar import Sidecar
+    from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching
+    from phasescope.agent.sidecar.collectors import NvmlCollector
+    from phasescope.agent.sidecar.host import HostCollector
+    from phasescope.agent.probe import attach
+    from phasescope.agent.sidecar import Sidecar
 
     if model is None:
         model, device = build_model(cfg)
@@ -277,9 +277,9 @@ def run_demo(db_path: str = "phasescope.duckdb", cfg: DemoConfig | None = None, 
     """Run the whole demo; returns the summary (also printed unless quiet)."""
     from rich.console import Console
 
-    from .read.queries import kv_summary, phase_summary, prefix_summary, probe_health, request_summary
-    from .sidecar.store import Store
-    from .read.summary import print_summary
+    from phasescope.agent.read.queries import kv_summary, phase_summary, prefix_summary, probe_health, request_summary
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.agent.read.summary import print_summary
 
     cfg = cfg or DemoConfig()
     t0 = time.monotonic()

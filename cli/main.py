@@ -11,7 +11,7 @@ import socket
 import sys
 import threading
 
-from .errors import CliError, UsageError
+from phasescope.agent.records.errors import CliError, UsageError
 
 DEFAULT_API_ADDR = "127.0.0.1:7702"
 
@@ -27,7 +27,7 @@ def _check_agent_args(args: argparse.Namespace) -> None:
     """Refuse, in one line, what the agent could only fail on later (or silently misread)."""
     import os
 
-    from .address import parse_address
+    from phasescope.agent.records.address import parse_address
 
     for addr in args.listen or []:
         if not addr.startswith(("unix:", "tcp:")) and "/" not in addr:
@@ -54,11 +54,11 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         import streamlit  # noqa: F401
     except ImportError:
         raise CliError("needs streamlit: pip install 'phasescope[dashboard]'")
-    from .read.exports import export_glob
+    from phasescope.agent.read.exports import export_glob
 
     target = args.agent or args.db
     if not target.startswith("http"):
-        from .read.reader import ExportReader, connect_readonly
+        from phasescope.agent.read.reader import ExportReader, connect_readonly
 
         if export_glob(target) is not None:
             ExportReader(target).close()  # one line now for a folder without exports
@@ -118,11 +118,11 @@ def _run_child(cmd: list[str]) -> int:
 def _cmd_agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
-    from .agentconfig import resolve
-    from .deploycli import start_agent_extras
-    from .sidecar import Sidecar
-    from .sidecar.collectors import NvmlCollector
-    from .sidecar.host import HostCollector
+    from phasescope.agent.settings import resolve
+    from .deploy import start_agent_extras
+    from phasescope.agent.sidecar import Sidecar
+    from phasescope.agent.sidecar.collectors import NvmlCollector
+    from phasescope.agent.sidecar.host import HostCollector
 
     log = logging.getLogger("phasescope.cli")
     try:
@@ -155,7 +155,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         sinks.append(HostMetricsExporter(registry))
     scrapers = []
     if args.scrape:
-        from .sidecar.scrape import ScrapeCollector
+        from phasescope.agent.sidecar.scrape import ScrapeCollector
 
         scrapers = [ScrapeCollector(url) for url in args.scrape]  # a bad URL fails here, loudly
     api = None if args.no_api else (args.api or DEFAULT_API_ADDR)
@@ -211,10 +211,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     extra += f"; read API on {sidecar.read_api.url}" if sidecar.read_api is not None else ""
     extra += "; exporting OTLP" if args.otlp else ""
     if scrapers:
-        from .sidecar.scrape import CANNOT
+        from phasescope.agent.sidecar.scrape import CANNOT
 
         extra += "; scraping " + ", ".join(s.url for s in scrapers) + " (scrape mode cannot give: " + "; ".join(CANNOT) + ")"
-    from .sidecar.health import store_location
+    from phasescope.agent.sidecar.health import store_location
 
     where = store_location(args.db)
     mount = where["mount"]
@@ -288,8 +288,8 @@ def _reader_target(args: argparse.Namespace, command: str) -> str:
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
-    from .read.reader import open_reader, require_run
-    from .read.summary import print_summary
+    from phasescope.agent.read.reader import open_reader, require_run
+    from phasescope.agent.read.summary import print_summary
 
     target = _reader_target(args, "summary")
     reader = open_reader(target)
@@ -321,7 +321,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
     import duckdb
 
-    from .sidecar.schema import RUN_INFO_DOC, SCHEMA_VERSION, TABLES, ddl
+    from phasescope.agent.records.schema import RUN_INFO_DOC, SCHEMA_VERSION, TABLES, ddl
 
     console = Console()
     console.print(f"phasescope store schema version {SCHEMA_VERSION}")
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--otlp-interval-s", type=float, default=10.0,
                    help="OTLP metric export interval, s (default: %(default)s)")
     a.add_argument("--sample-s", type=float, default=1.0, help="GPU (NVML), host and server-process (psutil) sampling interval, s (default: %(default)s)")
-    from .agentconfig import add_arguments
+    from phasescope.agent.settings import add_arguments
 
     add_arguments(a)  # --config, --socket-mode, retention; every option also from PHASESCOPE_* / the file
     a.add_argument("--scrape", action="append", metavar="URL",
@@ -481,10 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Every table and column of the DuckDB store, with units.")
     sc.set_defaults(func=_cmd_schema)
 
-    from phasescope.analyzers.cli import add_commands  # diagnose, plan-kv, compare
+    from phasescope.cli.analyze import add_commands  # diagnose, plan-kv, compare
 
     add_commands(sub)
-    from .deploycli import add_commands as add_deploy_commands  # run, health, retention
+    from .deploy import add_commands as add_deploy_commands  # run, health, retention
 
     add_deploy_commands(sub)
     return p

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import agentconfig
+from phasescope.agent import settings as agentconfig
 
 GIB = 1 << 30
 DAY_S = 86_400.0
@@ -31,7 +31,7 @@ DAY_S = 86_400.0
 
 def bootstrap_dir() -> str:
     """The folder whose `sitecustomize.py` attaches probes (put first on PYTHONPATH)."""
-    from .probe import autoattach
+    from phasescope.agent.probe import autoattach
 
     return str(Path(autoattach.__file__).resolve().parent / "bootstrap")
 
@@ -39,7 +39,7 @@ def bootstrap_dir() -> str:
 def build_run_env(agent: str | None, run_id: str | None, labels: list[str] | None, no_cuda_timing: bool,
                   environ: dict[str, str]) -> dict[str, str]:
     """The environment `phasescope run` gives the program: `environ` plus PHASESCOPE_* and the bootstrap."""
-    from .probe.autoattach import ENV_CUDA_TIMING, ENV_LABELS, ENV_RUN_ID, parse_labels
+    from phasescope.agent.probe.autoattach import ENV_CUDA_TIMING, ENV_LABELS, ENV_RUN_ID, parse_labels
 
     env = dict(environ)
     if agent:
@@ -76,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def api_address(args: argparse.Namespace, environ: Any = os.environ) -> str:
     """The read API the local agent serves: --api, else $PHASESCOPE_API, else the config file's, else the default."""
-    from .cli import DEFAULT_API_ADDR
+    from .main import DEFAULT_API_ADDR
 
     if args.api:
         return args.api
@@ -104,7 +104,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def policy_from_args(args: argparse.Namespace) -> Any:
-    from .sidecar.retention import RetentionPolicy
+    from phasescope.agent.sidecar.retention import RetentionPolicy
 
     return RetentionPolicy(max_age_s=args.retention_days * DAY_S, max_bytes=int(args.retention_max_gib * GIB),
                            rollup_max_age_s=args.rollup_days * DAY_S, export_dir=args.export_dir,
@@ -118,14 +118,14 @@ def start_agent_extras(args: argparse.Namespace, sidecar: Any) -> Any:
             os.chmod(addr.path, args.socket_mode)
     if args.no_retention:
         return None
-    from .sidecar.retention import Retention
+    from phasescope.agent.sidecar.retention import Retention
 
     return Retention(sidecar.store, policy_from_args(args)).start(args.retention_interval_s)
 
 
 def cmd_retention(args: argparse.Namespace) -> int:
-    from .sidecar.retention import Retention
-    from .sidecar.store import Store
+    from phasescope.agent.sidecar.retention import Retention
+    from phasescope.agent.sidecar.store import Store
 
     store = Store(args.db)
     try:

@@ -15,8 +15,8 @@ configuration, notes and run labels) and one zstd Parquet file per table (a few
 KB each; the DuckDB file itself is ~2 MB of mostly empty blocks). `load()`
 turns the folder back into a DuckDB file with the store's schema.
 
-    python -m phasescope.agent.scenarios build            # all, into tests/data (vLLM ones if its venv exists)
-    python -m phasescope.agent.scenarios build healthy kv-pressure --out DIR
+    PYTHONPATH=tests python -m builders.scenarios build   # all, into tests/data (vLLM ones if its venv exists)
+    PYTHONPATH=tests python -m builders.scenarios build healthy kv-pressure --out DIR
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import duckdb
 
 from phasescope.analyzers.runinfo import RUN_INFO_DDL, record_run_info
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # tests/data
 TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples",
           "probe_health", "process_samples", "host_samples", "prefix_lookups", "page_events", "run_info")
 
@@ -59,7 +59,7 @@ class Scenario:
 # --- real runs of the demo runtime ---
 
 def _demo_config(overrides: dict[str, Any]) -> Any:
-    from phasescope.agent.demo import DemoConfig
+    from phasescope.cli.demo import DemoConfig
 
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
     return DemoConfig(device="cpu", **kw)
@@ -67,7 +67,7 @@ def _demo_config(overrides: dict[str, Any]) -> Any:
 
 def prefix_last_workload(cfg: Any) -> list[Any]:
     """The demo's workload with the shared system prompt placed *after* the variable part."""
-    from phasescope.agent.demo import DemoRequest, make_workload
+    from phasescope.cli.demo import DemoRequest, make_workload
 
     out = []
     for r in make_workload(cfg):
@@ -87,7 +87,7 @@ def miss_workload(cfg: Any) -> list[Any]:
     evicted); m11, the document again (its 4 pages evicted); then m12..m14, three 40-token prompts
     generating 160 tokens each, more than the cache holds (preemption, re-admission).
     """
-    from phasescope.agent.demo import DemoRequest
+    from phasescope.cli.demo import DemoRequest
 
     nxt = iter(range(2, cfg.vocab_size))
 
@@ -108,13 +108,13 @@ def miss_workload(cfg: Any) -> list[Any]:
 
 def run_workload(db_path: str, cfg: Any, workload: list[Any]) -> str:
     """Serve `workload` like `run_demo` does (HF continuous batching, probe, in-process sidecar); returns the run id."""
-    from phasescope.agent.demo import record_workload
+    from phasescope.cli.demo import record_workload
 
     return record_workload(db_path, cfg, workload)
 
 
 VLLM_VERSION = "0.32.0"
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VLLM_MODEL = os.path.join(REPO_DIR, "tests", "agent", "vllm", "tiny-llama")  # config.json only: random weights
 
 
@@ -143,7 +143,7 @@ def record_vllm(db_path: str, run_id: str, workload: str = "prefix-miss", timeou
     try:
         src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
         os.makedirs(src)
-        for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard"):
+        for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard", "cli"):
             path = os.path.join(REPO_DIR, name)
             if os.path.isdir(path):
                 shutil.copytree(path, os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
@@ -162,7 +162,8 @@ def record_vllm(db_path: str, run_id: str, workload: str = "prefix-miss", timeou
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         side = Sidecar(db_path, listen=[sock], batch_interval_s=0.05).start()
         try:
-            cmd = [exe, "-m", "phasescope.agent.vllm_workload", VLLM_MODEL, "--workload", workload]
+            cmd = [exe, os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_workload.py"), VLLM_MODEL,
+                   "--workload", workload]
             p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s)
             time.sleep(0.5)  # the probes' last flush
         finally:
@@ -406,7 +407,7 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
         with contended(**sc.contention) if sc.contention else contextlib.nullcontext({}) as how, \
                 reniced(sc.nice, sc.torch_threads) as nice:
             if sc.kind == "demo":
-                from phasescope.agent.demo import run_demo
+                from phasescope.cli.demo import run_demo
 
                 run_id = run_demo(db_path, cfg, quiet=True)["run_id"]
             else:
@@ -498,7 +499,7 @@ def load(scenario_dir: str, db_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m phasescope.agent.scenarios")
+    p = argparse.ArgumentParser(prog="PYTHONPATH=tests python -m builders.scenarios")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build scenario fixtures")
     b.add_argument("names", nargs="*", help=f"scenarios (default: all of {', '.join(SCENARIOS)})")
