@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SIDECAR_SOURCE_ID", "Batch", "Chunk", "Collector", "RecordSink", "Sidecar", "SidecarStats"]
+# name -> the module that holds it (loaded on first use: exporters take Batch/Chunk/SidecarStats without
+# loading the server)
+_WHERE = {"SIDECAR_SOURCE_ID": "server", "Collector": "server", "Sidecar": "server", "Batch": "fanout",
+          "Chunk": "fanout", "RecordSink": "fanout", "SidecarStats": "stats", "SidecarLimits": "limits"}
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import server
+    if name in _WHERE:
+        import importlib
 
-        return getattr(server, name)
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

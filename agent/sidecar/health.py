@@ -20,17 +20,18 @@ from typing import Any, Callable
 Check = Callable[[], tuple[bool, str]]
 
 
-def _thread_alive(t: Any, name: str) -> tuple[bool, str]:
-    if t is None:
+def _thread_alive(alive: bool | None, name: str) -> tuple[bool, str]:
+    if alive is None:
         return False, f"{name} not started"
-    return (True, f"{name} running") if t.is_alive() else (False, f"{name} stopped")
+    return (True, f"{name} running") if alive else (False, f"{name} stopped")
 
 
 def liveness(sidecar: Any) -> dict[str, Any]:
-    """{"ok": bool, "checks": {name: {"ok", "detail"}}} for the sidecar's threads."""
+    """{"ok": bool, "checks": {name: {"ok", "detail"}}} for the sidecar's threads (`Sidecar.status`)."""
+    status = sidecar.status()
     checks = {
-        "network_loop": _thread_alive(sidecar._loop_thread, "the asyncio loop serving probes"),
-        "writer": _thread_alive(sidecar._writer_thread, "the store writer"),
+        "network_loop": _thread_alive(status["network_loop"], "the asyncio loop serving probes"),
+        "writer": _thread_alive(status["writer"], "the store writer"),
     }
     return _report(checks, sidecar)
 
@@ -46,9 +47,10 @@ def readiness(sidecar: Any, extra: dict[str, Check] | None = None) -> dict[str, 
             checks[f"tcp {addr.path}:{addr.port}"] = (True, "bound")
     if not sidecar.bound:
         checks["listeners"] = (False, "no address bound")
-    b = sidecar._budget
-    full = b.used >= 0.9 * b.limit
-    checks["ingest_queue"] = (not full, f"{b.used} of {b.limit} bytes of received-but-unwritten frames held"
+    status = sidecar.status()
+    used, limit = status["budget_used_bytes"], status["budget_limit_bytes"]
+    full = used >= 0.9 * limit
+    checks["ingest_queue"] = (not full, f"{used} of {limit} bytes of received-but-unwritten frames held"
                               + (" (backpressure: probes are asked to slow down)" if full else ""))
     for name, fn in (extra or {}).items():
         try:

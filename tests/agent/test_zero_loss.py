@@ -424,8 +424,10 @@ def test_a_legit_probe_loses_nothing_during_a_hostile_flood(short_tmp):
             s.close()
         sender.close()
     finally:
+        t_stop = time.monotonic()
         agent.terminate()
-        agent.wait(30)
+        rc = agent.wait(30)
+        stop_s = time.monotonic() - t_stop
     con = Store.open_readonly(db)
     try:
         n, lo, hi, d = con.execute("SELECT count(*), min(step_id), max(step_id), count(DISTINCT step_id) FROM steps "
@@ -433,13 +435,14 @@ def test_a_legit_probe_loses_nothing_during_a_hostile_flood(short_tmp):
     finally:
         con.close()
     print(f"flood {dict(counts)}; legit: sent={sender.sent} delivered={sender.delivered} lost={sender.lost} "
-          f"failures={sender.failures} max reconnect {sender.max_reconnect_s:.3f} s")
+          f"failures={sender.failures} max reconnect {sender.max_reconnect_s:.3f} s; stop {stop_s:.2f} s")
     log = open(os.path.join(short_tmp, "agent.log")).read()
     print("\n".join(line for line in log.splitlines() if "evicted" not in line and "deadline" not in line)[-3000:])
     assert counts["idle"] >= 1500 and counts["malformed"] > 50 and counts["half"] > 20
     assert (sender.lost, sender.sent, sender.delivered) == (0, sent, sent)
     assert (n, lo, hi, d) == (sent, 0, sent - 1, sent)
     assert sender.max_reconnect_s < 2.0
+    assert rc == 0 and stop_s < 20, (rc, stop_s)  # SIGTERM: a clean stop, in bounded time
 
 
 def test_a_probe_in_a_process_with_many_descriptors_reads_its_acks(sidecar):
