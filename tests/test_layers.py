@@ -136,8 +136,12 @@ def test_importing_the_probe_loads_nothing_heavy() -> None:
 def room_of(path: Path) -> str:
     """The folder a module lives in, as the layout names rooms: agent/'s sub-folders (records, probe, read,
     sidecar) are rooms of their own, deeper folders (probe/adapters) belong to theirs, every other top-level
-    folder (analyzers, exporters, dashboard, cli) is one room; agent/'s own modules are the room `agent`."""
+    folder (analyzers, exporters, dashboard, cli) is one room; agent/'s own modules (settings.py) are the room
+    `agent`, and its package file, the probe's front door (`from phasescope.agent import attach`, loaded on
+    first use), is a room of its own: nothing of ours imports it."""
     parts = path.relative_to(ROOT).parts
+    if parts == ("agent", "__init__.py"):
+        return "agent/__init__"
     if parts[0] == "agent" and len(parts) > 2:
         return f"agent/{parts[1]}"
     return parts[0]
@@ -208,6 +212,7 @@ def test_circle_finder_finds_a_circle() -> None:
     assert circles({"a": {"b"}, "b": set()}) == []
     assert room_of(ROOT / "agent" / "probe" / "adapters" / "vllm.py") == "agent/probe"
     assert room_of(ROOT / "agent" / "settings.py") == "agent"
+    assert room_of(ROOT / "agent" / "__init__.py") == "agent/__init__"
     assert room_of_module("phasescope.agent.records.events") == "agent/records"
     assert room_of_module("phasescope.agent.settings") == "agent"
     assert room_of_module("phasescope.cli.main") == "cli"
@@ -221,6 +226,7 @@ def test_no_import_circle_between_folders() -> None:
     # and the floor and the roof are where the layout puts them
     assert edges.get("agent/records", set()) == set()
     assert not any("cli" in targets for targets in edges.values())
+    assert not any("agent/__init__" in targets for targets in edges.values())
 
 
 def run_and_list_modules(imports: list[str]) -> list[str]:
