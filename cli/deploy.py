@@ -1,6 +1,6 @@
 """`phasescope run`, `phasescope health`, `phasescope retention`, and the agent's deploy options.
 
-    phasescope run [--agent ADDR] [--run-id ID] [--label K=V]... -- python serve.py ...
+    phasescope run [--address ADDR] [--run-id ID] [--label K=V]... -- python serve.py ...
         runs the program with the probe attached to the models it loads (zero code):
         sets PHASESCOPE_* and puts the `sitecustomize` bootstrap first on PYTHONPATH,
         then replaces itself with the program (exit code, signals and output are the program's).
@@ -25,6 +25,8 @@ from typing import Any
 
 from phasescope.agent import settings
 from phasescope.agent.records.address import ENV_ADDRESS
+
+from .options import add_address
 
 
 def bootstrap_dir() -> str:
@@ -62,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not argv:
         raise SystemExit("phasescope run: give the program to run after --, e.g. phasescope run -- python serve.py")
     try:
-        env = build_run_env(args.agent, args.run_id, args.label, args.no_cuda_timing, dict(os.environ))
+        env = build_run_env(args.address, args.run_id, args.label, args.no_cuda_timing, dict(os.environ))
     except ValueError as exc:
         raise SystemExit(f"phasescope run: {exc}")
     try:
@@ -139,8 +141,8 @@ def add_commands(sub: Any) -> None:
                                    "(generate, init_continuous_batching); vLLM's plugin reads the same "
                                    "variables. Without a running agent the program runs as it would "
                                    "alone (records are dropped, counted, nothing printed).")
-    r.add_argument("--agent", metavar="ADDR", help="where the agent listens (default: $PHASESCOPE_AGENT or the "
-                                                   "default socket)")
+    add_address(r, "where the sidecar listens, unix:/path/agent.sock or tcp:HOST:PORT (default: $PHASESCOPE_AGENT "
+                   "or the default socket)")
     r.add_argument("--run-id", help="run id for every process of the program (default: a new one)")
     r.add_argument("--label", action="append", metavar="K=V[,K=V]", help="run label; repeatable")
     r.add_argument("--no-cuda-timing", action="store_true", help="time forwards on the host only")

@@ -11,7 +11,10 @@ import socket
 import sys
 import threading
 
-from phasescope.agent.records.errors import CliError, UsageError
+from phasescope.agent.records.errors import PhasescopeError
+
+from .errors import CliError, UsageError
+from .options import add_api_url, reader_target
 from phasescope.agent.settings import DEFAULT_API_ADDR
 
 
@@ -55,7 +58,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         raise CliError("needs streamlit: pip install 'phasescope[dashboard]'")
     from phasescope.agent.read.exports import export_glob
 
-    target = args.agent or args.db
+    target = args.api or args.db
     if not target.startswith("http"):
         from phasescope.agent.read.reader import ExportReader, connect_readonly
 
@@ -274,26 +277,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reader_target(args: argparse.Namespace, command: str) -> str:
-    """The DuckDB file or the agent URL a reading command reads (exactly one of them)."""
-    if args.agent and args.db:
-        raise UsageError(f"give a DuckDB file or --agent URL, not both")
-    if args.agent:
-        if not args.agent.startswith(("http://", "https://")):
-            raise UsageError(f"--agent takes the agent's read API URL, e.g. http://127.0.0.1:7702, not {args.agent!r}")
-        return args.agent
-    if not args.db:
-        raise UsageError(f"give a DuckDB file, or --agent URL to read a running agent")
-    if args.db.startswith(("http://", "https://")):
-        return args.db  # a URL in place of the file: read through its API, never DuckDB's httpfs
-    return args.db
-
-
 def _cmd_summary(args: argparse.Namespace) -> int:
     from phasescope.agent.read.reader import open_reader, require_run
     from phasescope.agent.read.summary import print_summary
 
-    target = _reader_target(args, "summary")
+    target = reader_target(args)
     reader = open_reader(target)
     try:
         runs = reader.query("runs")
@@ -413,13 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
     db = sub.add_parser("dashboard", help="open the Streamlit diagnostics app on a DuckDB file, a live agent "
                                           "or a folder of Parquet exports (hosts compared on its Fleet page)",
                         description="Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. "
-                                    "Live: --agent http://127.0.0.1:7702 (the agent's read API). "
+                                    "Live: --api http://127.0.0.1:7702 (the agent's read API). "
                                     "Exports: a folder of retention's Parquet exports (host=/date=/table=), one host "
                                     "at a time (picked in the sidebar), read in place.")
     db.add_argument("db", nargs="?", default="phasescope.duckdb",
                     help="DuckDB file, or a folder / *.parquet glob / s3:// prefix of Parquet exports "
                          "(default: %(default)s)")
-    db.add_argument("--agent", metavar="URL", help="a running agent's read API, e.g. http://127.0.0.1:7702")
+    add_api_url(db, "a running agent's read API")
     db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
     db.add_argument("--port", type=int, default=8501, help="port (default: %(default)s)")
     db.set_defaults(func=_cmd_dashboard)
@@ -440,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summary", help="print a run's per-phase summary from a DuckDB file no agent holds",
                        description="Per-phase step times and request latencies of one run.")
     s.add_argument("db", nargs="?", help="DuckDB file no agent holds")
-    s.add_argument("--agent", metavar="URL", help="read a running agent instead, e.g. http://127.0.0.1:7702")
+    add_api_url(s, "read a running agent's read API instead")
     s.add_argument("--run", help="run id (default: the latest)")
     s.add_argument("--json", action="store_true", help="JSON output")
     s.set_defaults(func=_cmd_summary)
@@ -463,17 +451,18 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. The one error boundary: a CliError (or an unreadable file, a DuckDB error) is one
-    line on stderr and exit 1; a UsageError or an argparse error exit 2; anything else is a bug and a traceback."""
+    """Run one command. The one error boundary: a CliError or a library error (PhasescopeError: a missing
+    or held file, an unknown run; an unreadable file, a DuckDB error) is one line on stderr and exit 1; a
+    UsageError or an argparse error exit 2; anything else is a bug and a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     prog = f"phasescope {args.command}"
     try:
         return int(args.func(args) or 0)
-    except CliError as exc:
+    except (CliError, PhasescopeError) as exc:  # the library's own errors: exit 1
         print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
-        return exc.exit_code
+        return getattr(exc, "exit_code", 1)
     except OSError as exc:
         print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
         return 1
