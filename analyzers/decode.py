@@ -11,7 +11,7 @@ from .geometry import ModelGeometry
 from .gpus import GpuSpec
 from .kvplan import kv_bytes_per_token_per_rank
 from .memory import GPU_SQL
-from .queries import one, world_size
+from .sql import one, world_size
 from .roofline import attention_flops, mfu
 
 DECODE_SQL = """WITH st AS (

@@ -30,7 +30,7 @@ import math
 from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
-from .queries import one, rows
+from .sql import one, rows
 
 _SPAN = """span AS (SELECT min(t.ts_ns + s.wall_minus_mono_ns) AS lo, max(t.ts_ns + s.wall_minus_mono_ns) AS hi
                      FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = $run)"""

@@ -42,7 +42,7 @@ from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
 from .prefill import STALL_SQL, chunk_plan, chunk_suggestion, chunked_prefill
-from .queries import RUN_STEPS, one
+from .sql import RUN_STEPS, one
 
 # the prefill cost fit from the run's steps (intercept: the median pure decode step)
 FIT_SQL = f"""WITH st AS ({RUN_STEPS}),

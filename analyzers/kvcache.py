@@ -10,7 +10,7 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import DTYPE_BYTES, ModelGeometry
 from .kvplan import kv_bytes_per_token_per_rank
-from .queries import PREEMPTIONS, PREFIX_TOTALS, RUN_KV, one, rows
+from .sql import PREEMPTIONS, PREFIX_TOTALS, RUN_KV, one, rows
 
 USAGE_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
     SELECT count(*) AS snapshots, max(used_pages / total_pages) AS block_usage_max,

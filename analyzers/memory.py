@@ -11,7 +11,7 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import ModelGeometry
 from .gpus import GIB, GpuSpec
-from .queries import one, world_size
+from .sql import one, world_size
 from .runinfo import as_number
 
 RUN_GPU = """SELECT g.* FROM gpu_samples g JOIN sources s USING (source_id)

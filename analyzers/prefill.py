@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
-from .queries import RUN_STEPS, one, page_size
+from .sql import RUN_STEPS, one, page_size
 
 STALL_SQL = f"""WITH st AS ({RUN_STEPS})
     SELECT count(*) FILTER (WHERE phase = 'decode') AS pure_decode_steps,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
-from .queries import PREFIX_TOTALS, one, page_size, prefill_cost
+from .sql import PREFIX_TOTALS, one, page_size, prefill_cost
 from .runinfo import as_number
 
 WINDOWS_SQL = """WITH p AS (

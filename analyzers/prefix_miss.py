@@ -26,7 +26,7 @@ from phasescope.agent.read.queries import MISS_CAUSES, MISS_CAUSES_SQL, smaller_
 from phasescope.agent.read.queries import prefix_miss_causes as prefix_miss_causes_query
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
-from .queries import PREFIX_TOTALS, one
+from .sql import PREFIX_TOTALS, one
 
 CAUSES = MISS_CAUSES
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .findings import Finding, ref
-from .queries import RUN_STEPS, one
+from .sql import RUN_STEPS, one
 
 QUEUE_SQL = """SELECT count(*) AS requests,
            quantile_cont(ttft_s, 0.5) AS ttft_p50_s, quantile_cont(ttft_s, 0.95) AS ttft_p95_s,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .findings import Finding, ref
-from .queries import PREEMPTIONS, PREFIX_TOTALS, RUN_STEPS, one, prefill_cost
+from .sql import PREEMPTIONS, PREFIX_TOTALS, RUN_STEPS, one, prefill_cost
 
 PREEMPT_SQL = f"""WITH st AS ({RUN_STEPS})
     SELECT sum(prefill_tokens) AS prefill_tokens_total FROM st"""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
-from .queries import one
+from .sql import one
 
 _WALL = "(x.ts_ns + s.wall_minus_mono_ns) / 1e9"
 

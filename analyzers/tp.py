@@ -9,7 +9,7 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import ModelGeometry
 from .kvplan import kv_bytes_per_token, kv_bytes_per_token_per_rank, replication_factor
-from .queries import rows, world_size
+from .sql import rows, world_size
 
 KV_RANK_SQL = """SELECT k.rank, avg(kv_bytes) AS kv_bytes_mean, max(kv_bytes) AS kv_bytes_max,
            max(used_pages / total_pages) AS block_usage_max

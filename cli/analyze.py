@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-from phasescope.agent.records.errors import CliError, UsageError
+from .errors import CliError, UsageError
+from .options import add_api_url, reader_target
 
 
 def _value(text: str) -> Any:
@@ -57,11 +58,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         return 0
     known = {n: v for params in thresholds().values() for n, v in params.items()}
     overrides = _overrides(args.set or [], known)
-    target = args.agent or args.db
-    if args.agent and args.db:
-        raise UsageError("give a DuckDB file or --agent URL, not both")
-    if not target:
-        raise UsageError("give a DuckDB file, or --agent URL to read a running agent")
+    target = reader_target(args)
     if target.startswith(("http://", "https://")):
         if overrides or args.model_config or args.gpu:
             raise UsageError("--set, --model-config and --gpu apply to a file; a running agent diagnoses with "
@@ -182,9 +179,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from phasescope.analyzers.compare import compare, resolve
     from phasescope.analyzers.render import print_compare
 
-    if args.agent and args.db:
-        raise UsageError("give --db FILE or --agent URL, not both")
-    where = args.agent or args.db
+    if args.api and args.db:
+        raise UsageError("give --db FILE or --api URL, not both")
+    where = args.api or args.db
     try:
         result = compare(resolve(args.run_a, where), resolve(args.run_b, where))
     except ValueError as e:
@@ -202,7 +199,7 @@ def add_commands(sub: Any) -> None:
                        description="Run every analyzer over a run of a DuckDB file no agent holds. Model geometry "
                                    "and GPU come from the run's labels (run_info) unless given.")
     d.add_argument("db", nargs="?", help="DuckDB file no agent holds")
-    d.add_argument("--agent", metavar="URL", help="diagnose a running agent's store, e.g. http://127.0.0.1:7702")
+    add_api_url(d, "diagnose a running agent's store through its read API")
     d.add_argument("--run", help="run id (default: the latest)")
     d.add_argument("--json", action="store_true", help="JSON output")
     d.add_argument("--model-config", help="HF config.json of the served model (rooflines, planner rules)")
@@ -241,6 +238,6 @@ def add_commands(sub: Any) -> None:
     c.add_argument("run_a")
     c.add_argument("run_b")
     c.add_argument("--db", help="DuckDB file holding both run ids")
-    c.add_argument("--agent", metavar="URL", help="a running agent holding both run ids, e.g. http://127.0.0.1:7702")
+    add_api_url(c, "the read API of a running agent holding both run ids")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare)

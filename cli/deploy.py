@@ -1,6 +1,6 @@
 """`phasescope run`, `phasescope health`, `phasescope retention`, and the agent's deploy options.
 
-    phasescope run [--agent ADDR] [--run-id ID] [--label K=V]... -- python serve.py ...
+    phasescope run [--address ADDR] [--run-id ID] [--label K=V]... -- python serve.py ...
         runs the program with the probe attached to the models it loads (zero code):
         sets PHASESCOPE_* and puts the `sitecustomize` bootstrap first on PYTHONPATH,
         then replaces itself with the program (exit code, signals and output are the program's).
@@ -23,10 +23,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from phasescope.agent import settings as agentconfig
+from phasescope.agent import settings
+from phasescope.agent.records.address import ENV_ADDRESS
 
-GIB = 1 << 30
-DAY_S = 86_400.0
+from .options import add_address
 
 
 def bootstrap_dir() -> str:
@@ -39,11 +39,11 @@ def bootstrap_dir() -> str:
 def build_run_env(agent: str | None, run_id: str | None, labels: list[str] | None, no_cuda_timing: bool,
                   environ: dict[str, str]) -> dict[str, str]:
     """The environment `phasescope run` gives the program: `environ` plus PHASESCOPE_* and the bootstrap."""
-    from phasescope.agent.probe.autoattach import ENV_CUDA_TIMING, ENV_LABELS, ENV_RUN_ID, parse_labels
+    from phasescope.agent.settings import ENV_CUDA_TIMING, ENV_LABELS, ENV_RUN_ID, parse_labels
 
     env = dict(environ)
     if agent:
-        env["PHASESCOPE_AGENT"] = agent
+        env[ENV_ADDRESS] = agent
     env[ENV_RUN_ID] = run_id or env.get(ENV_RUN_ID) or uuid.uuid4().hex[:12]
     if labels:
         merged = parse_labels(env.get(ENV_LABELS, ""))
@@ -64,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not argv:
         raise SystemExit("phasescope run: give the program to run after --, e.g. phasescope run -- python serve.py")
     try:
-        env = build_run_env(args.agent, args.run_id, args.label, args.no_cuda_timing, dict(os.environ))
+        env = build_run_env(args.address, args.run_id, args.label, args.no_cuda_timing, dict(os.environ))
     except ValueError as exc:
         raise SystemExit(f"phasescope run: {exc}")
     try:
@@ -75,17 +75,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def api_address(args: argparse.Namespace, environ: Any = os.environ) -> str:
-    """The read API the local agent serves: --api, else $PHASESCOPE_API, else the config file's, else the default."""
-    from .main import DEFAULT_API_ADDR
-
-    if args.api:
-        return args.api
-    if environ.get("PHASESCOPE_API"):
-        return environ["PHASESCOPE_API"]
-    path = args.config or environ.get(agentconfig.ENV_CONFIG)
-    if path:
-        return agentconfig.load_file(path).get("api") or DEFAULT_API_ADDR
-    return DEFAULT_API_ADDR
+    """The read API the local agent serves, resolved as the agent resolves it (AgentSettings.api): --api, else
+    $PHASESCOPE_API, else the config file's, else the default."""
+    path = args.config or environ.get(settings.ENV_CONFIG) or None
+    flags = {"api": args.api} if args.api else {}
+    resolved, _ = settings.resolve_values(settings.AgentSettings, flags, environ, path, only=("api",))
+    return resolved.api or settings.DEFAULT_API_ADDR
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -104,7 +99,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def policy_from_args(args: argparse.Namespace) -> Any:
-    from phasescope.agent.sidecar.retention import RetentionPolicy
+    from phasescope.agent.sidecar.retention import DAY_S, GIB, RetentionPolicy
 
     return RetentionPolicy(max_age_s=args.retention_days * DAY_S, max_bytes=int(args.retention_max_gib * GIB),
                            rollup_max_age_s=args.rollup_days * DAY_S, export_dir=args.export_dir,
@@ -146,8 +141,8 @@ def add_commands(sub: Any) -> None:
                                    "(generate, init_continuous_batching); vLLM's plugin reads the same "
                                    "variables. Without a running agent the program runs as it would "
                                    "alone (records are dropped, counted, nothing printed).")
-    r.add_argument("--agent", metavar="ADDR", help="where the agent listens (default: $PHASESCOPE_AGENT or the "
-                                                   "default socket)")
+    add_address(r, "where the sidecar listens, unix:/path/agent.sock or tcp:HOST:PORT (default: $PHASESCOPE_AGENT "
+                   "or the default socket)")
     r.add_argument("--run-id", help="run id for every process of the program (default: a new one)")
     r.add_argument("--label", action="append", metavar="K=V[,K=V]", help="run label; repeatable")
     r.add_argument("--no-cuda-timing", action="store_true", help="time forwards on the host only")
@@ -171,9 +166,7 @@ def add_commands(sub: Any) -> None:
                                    "--retention-max-gib, are aggregated per minute into rollup_* tables, written "
                                    "as Parquet under --export-dir (host=/date=/table=) and deleted.")
     t.add_argument("db", help="DuckDB file")
-    t.add_argument("--export-dir", help="Parquet export folder (default: none, rows are only rolled up)")
-    t.add_argument("--host", help="host name in the export paths (default: the hostname)")
-    t.add_argument("--retention-days", type=float, default=7.0)
-    t.add_argument("--retention-max-gib", type=float, default=10.0)
-    t.add_argument("--rollup-days", type=float, default=90.0)
+    # the agent's own retention settings (AgentSettings), with their defaults; flags only
+    settings.add_arguments(t, only=("export_dir", "host", "retention_days", "retention_max_gib", "rollup_days"),
+                           defaults=True)
     t.set_defaults(func=cmd_retention)

@@ -11,9 +11,11 @@ import socket
 import sys
 import threading
 
-from phasescope.agent.records.errors import CliError, UsageError
+from phasescope.agent.records.errors import PhasescopeError
 
-DEFAULT_API_ADDR = "127.0.0.1:7702"
+from .errors import CliError, UsageError
+from .options import add_api_url, reader_target
+from phasescope.agent.settings import DEFAULT_API_ADDR
 
 
 def _host_port(addr: str, flag: str = "--api") -> tuple[str, int]:
@@ -56,7 +58,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         raise CliError("needs streamlit: pip install 'phasescope[dashboard]'")
     from phasescope.agent.read.exports import export_glob
 
-    target = args.agent or args.db
+    target = args.api or args.db
     if not target.startswith("http"):
         from phasescope.agent.read.reader import ExportReader, connect_readonly
 
@@ -118,7 +120,8 @@ def _run_child(cmd: list[str]) -> int:
 def _cmd_agent(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
-    from phasescope.agent.settings import resolve
+    from phasescope.agent.settings import print_config, resolve
+
     from .deploy import start_agent_extras
     from phasescope.agent.sidecar import Sidecar
     from phasescope.agent.sidecar.collectors import NvmlCollector
@@ -129,6 +132,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         resolve(args)  # flags > PHASESCOPE_* > --config file > defaults
     except (OSError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    if args.print_config:
+        sys.stdout.write(print_config(args.settings, args.origin))
+        return 0
     _check_agent_args(args)
     listen = args.listen or [None]
     registry = CollectorRegistry()  # this process's own, never the global one
@@ -172,7 +178,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
     if api is not None and _host_port(api)[0] not in ("127.0.0.1", "localhost", "::1"):
         log.warning("read API on non-loopback %s: anyone who reaches it can read every stored row", api)
-    token = args.token if args.token is not None else (os.environ.get("PHASESCOPE_AGENT_TOKEN") or None)
+    token = args.token  # --token > $PHASESCOPE_AGENT_TOKEN > the file's token
     if token is None and any(str(a).startswith("tcp:") for a in listen if a):
         log.warning("TCP listener without --token: any local process can send records (Unix sockets are 0600)")
     os.umask(0o077)  # the DuckDB file, its WAL and exports: private to this user
@@ -272,26 +278,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reader_target(args: argparse.Namespace, command: str) -> str:
-    """The DuckDB file or the agent URL a reading command reads (exactly one of them)."""
-    if args.agent and args.db:
-        raise UsageError(f"give a DuckDB file or --agent URL, not both")
-    if args.agent:
-        if not args.agent.startswith(("http://", "https://")):
-            raise UsageError(f"--agent takes the agent's read API URL, e.g. http://127.0.0.1:7702, not {args.agent!r}")
-        return args.agent
-    if not args.db:
-        raise UsageError(f"give a DuckDB file, or --agent URL to read a running agent")
-    if args.db.startswith(("http://", "https://")):
-        return args.db  # a URL in place of the file: read through its API, never DuckDB's httpfs
-    return args.db
-
-
 def _cmd_summary(args: argparse.Namespace) -> int:
     from phasescope.agent.read.reader import open_reader, require_run
     from phasescope.agent.read.summary import print_summary
 
-    target = _reader_target(args, "summary")
+    target = reader_target(args)
     reader = open_reader(target)
     try:
         runs = reader.query("runs")
@@ -388,46 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the sidecar agent. Probes connect over a 0600 Unix socket "
                                    "(default $XDG_RUNTIME_DIR/phasescope/agent.sock or /tmp/phasescope-UID/agent.sock) "
                                    "or tcp:127.0.0.1:PORT. SIGTERM/SIGINT write what was received and checkpoint.")
-    a.add_argument("--db", default="phasescope.duckdb", help="DuckDB file to write (default: %(default)s)")
-    a.add_argument("--listen", action="append", metavar="ADDR",
-                   help="unix:/path/agent.sock or tcp:127.0.0.1:PORT; repeatable (default: the default socket)")
-    a.add_argument("--checkpoint-s", type=float, default=10.0, help="checkpoint interval, s (default: %(default)s)")
-    a.add_argument("--api", metavar="HOST:PORT",
-                   help=f"serve named queries to live readers (dashboard, diagnose) on loopback "
-                        f"(default {DEFAULT_API_ADDR}; a taken default only warns)")
-    a.add_argument("--no-api", action="store_true", help="no read API")
-    a.add_argument("--token", default=None,
-                   help="shared secret every probe must present (default: $PHASESCOPE_AGENT_TOKEN); TCP listeners "
-                        "are otherwise unauthenticated, so set one whenever you --listen tcp:")
-    a.add_argument("--memory-budget-mib", type=float, default=32.0,
-                   help="received-but-unwritten records held at most; beyond it probes are slowed down and "
-                        "their rings drop and count (default: %(default)s)")
-    a.add_argument("--read-memory-mib", type=int, default=512,
-                   help="DuckDB memory while a read-API query or retention roll runs; exact percentiles over "
-                        "10M steps need ~250 MiB (the writer alone stays within 48 MB) (default: %(default)s)")
-    a.add_argument("--max-connections", type=int, default=256, help="probe connections at once (default: %(default)s)")
-    a.add_argument("--idle-timeout-s", type=float, default=120.0,
-                   help="close a probe connection silent this long, s (default: %(default)s)")
-    a.add_argument("--frame-timeout-s", type=float, default=10.0,
-                   help="a frame must arrive whole within this once it starts, s (default: %(default)s)")
-    a.add_argument("--metrics-addr", metavar="HOST:PORT", default=None,
-                   help="serve Prometheus /metrics here (default: 127.0.0.1:9464; skipped with a warning if taken)")
-    a.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
-    a.add_argument("--otlp", action="store_true",
-                   help="export OTLP/HTTP metrics and traces, configured by the standard OTEL_EXPORTER_OTLP_* and "
-                        "OTEL_SERVICE_NAME variables (default endpoint http://localhost:4318)")
-    a.add_argument("--otlp-interval-s", type=float, default=10.0,
-                   help="OTLP metric export interval, s (default: %(default)s)")
-    a.add_argument("--sample-s", type=float, default=1.0, help="GPU (NVML), host and server-process (psutil) sampling interval, s (default: %(default)s)")
-    from phasescope.agent.settings import add_arguments
+    from phasescope.agent.settings import ENV_CONFIG, add_arguments
 
-    add_arguments(a)  # --config, --socket-mode, retention; every option also from PHASESCOPE_* / the file
-    a.add_argument("--scrape", action="append", metavar="URL",
-                   help="scrape mode: poll an inference server's Prometheus /metrics (vLLM without the plugin, SGLang, "
-                        "TGI, TensorRT-LLM) every --sample-s and store what maps onto the tables; repeatable")
-    a.add_argument("--pid", action="append", type=int, metavar="PID",
-                   help="also sample this server process's CPU, threads, memory and files (psutil); the pids of "
-                        "attached probes are sampled without it; repeatable")
+    a.add_argument("--config", metavar="FILE", help=f"TOML config file (default: ${ENV_CONFIG} if set)")
+    a.add_argument("--print-config", action="store_true",
+                   help="print every setting and where it came from (flag, env, file, default), then exit")
+    add_arguments(a)  # every field of AgentSettings: also PHASESCOPE_<KEY> and a key of the --config file
     a.set_defaults(func=_cmd_agent)
 
     r = sub.add_parser("rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",
@@ -445,13 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
     db = sub.add_parser("dashboard", help="open the Streamlit diagnostics app on a DuckDB file, a live agent "
                                           "or a folder of Parquet exports (hosts compared on its Fleet page)",
                         description="Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. "
-                                    "Live: --agent http://127.0.0.1:7702 (the agent's read API). "
+                                    "Live: --api http://127.0.0.1:7702 (the agent's read API). "
                                     "Exports: a folder of retention's Parquet exports (host=/date=/table=), one host "
                                     "at a time (picked in the sidebar), read in place.")
     db.add_argument("db", nargs="?", default="phasescope.duckdb",
                     help="DuckDB file, or a folder / *.parquet glob / s3:// prefix of Parquet exports "
                          "(default: %(default)s)")
-    db.add_argument("--agent", metavar="URL", help="a running agent's read API, e.g. http://127.0.0.1:7702")
+    add_api_url(db, "a running agent's read API")
     db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
     db.add_argument("--port", type=int, default=8501, help="port (default: %(default)s)")
     db.set_defaults(func=_cmd_dashboard)
@@ -472,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summary", help="print a run's per-phase summary from a DuckDB file no agent holds",
                        description="Per-phase step times and request latencies of one run.")
     s.add_argument("db", nargs="?", help="DuckDB file no agent holds")
-    s.add_argument("--agent", metavar="URL", help="read a running agent instead, e.g. http://127.0.0.1:7702")
+    add_api_url(s, "read a running agent's read API instead")
     s.add_argument("--run", help="run id (default: the latest)")
     s.add_argument("--json", action="store_true", help="JSON output")
     s.set_defaults(func=_cmd_summary)
@@ -508,17 +465,18 @@ def _raise_fd_limit() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. The one error boundary: a CliError (or an unreadable file, a DuckDB error) is one
-    line on stderr and exit 1; a UsageError or an argparse error exit 2; anything else is a bug and a traceback."""
+    """Run one command. The one error boundary: a CliError or a library error (PhasescopeError: a missing
+    or held file, an unknown run; an unreadable file, a DuckDB error) is one line on stderr and exit 1; a
+    UsageError or an argparse error exit 2; anything else is a bug and a traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     prog = f"phasescope {args.command}"
     try:
         return int(args.func(args) or 0)
-    except CliError as exc:
+    except (CliError, PhasescopeError) as exc:  # the library's own errors: exit 1
         print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
-        return exc.exit_code
+        return getattr(exc, "exit_code", 1)
     except OSError as exc:
         print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
         return 1

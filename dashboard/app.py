@@ -1,7 +1,7 @@
 """phasescope diagnostics app (Streamlit), read-only over the store.
 
 Launch with `phasescope dashboard FILE` (offline: a DuckDB file no agent holds),
-`phasescope dashboard --agent http://127.0.0.1:7702` (live: a running sidecar's read
+`phasescope dashboard --api http://127.0.0.1:7702` (live: a running sidecar's read
 API) or `phasescope dashboard EXPORT_DIR` (the hive-partitioned Parquet exports of one or
 many sidecars: every page over the host picked in the sidebar, and a Fleet page comparing
 the hosts). Every figure comes from a named query aggregated in DuckDB
@@ -18,7 +18,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from phasescope.agent.records.errors import CliError
+from phasescope.agent.records.errors import ReadError
 from phasescope.agent.read.exports import export_glob, hosts
 from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.thresholds import T
@@ -516,7 +516,7 @@ def render(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
     """One page; a store that became unreadable (a writer took the file, the agent stopped) is one line."""
     try:
         RENDER[page](reader, run, win)
-    except CliError as exc:
+    except ReadError as exc:
         st.warning(f"{exc} (the page shows it again once the store can be read)")
 
 
@@ -536,7 +536,7 @@ def main() -> None:
         host = st.sidebar.selectbox("Host", names, key="host")
     try:
         reader = reader_for(target, host)
-    except CliError as exc:  # a missing, foreign, empty or held file; an agent that does not answer: one line
+    except ReadError as exc:  # a missing, foreign, empty or held file; an agent that does not answer: one line
         st.error(str(exc))
         return
     page = st.sidebar.radio("Page", PAGES + (("Fleet",) if pattern else ()), key="page")
@@ -546,7 +546,7 @@ def main() -> None:
         return
     try:
         runs = q(reader, "runs")
-    except CliError as exc:
+    except ReadError as exc:
         st.error(str(exc))
         return
     if not runs:

@@ -12,7 +12,7 @@ then wraps, once per class:
 `generate` calls that pass no streamer of their own report request lifecycles too.
 vLLM is not patched here: its phasescope plugin reads the same variables.
 
-Variables (all optional):
+Variables (all optional; every option of `ProbeSettings` has one, see docs/settings.md):
     PHASESCOPE_AGENT        where the sidecar listens (unix:/path or tcp:HOST:PORT)
     PHASESCOPE_RUN_ID       run id shared by every process of the run
     PHASESCOPE_LABELS       run labels, "key=value,key=value"
@@ -35,12 +35,13 @@ import sys
 import threading
 from typing import Any, Callable, Mapping
 
-log = logging.getLogger("phasescope.autoattach")
+from ..settings import ENV_CUDA_TIMING, ENV_DISABLE, ENV_LABELS, ENV_RUN_ID, ProbeSettings, from_env, parse_labels
+from ..settings import probe_options
 
-ENV_RUN_ID = "PHASESCOPE_RUN_ID"
-ENV_LABELS = "PHASESCOPE_LABELS"
-ENV_CUDA_TIMING = "PHASESCOPE_CUDA_TIMING"
-ENV_DISABLE = "PHASESCOPE_DISABLE"
+__all__ = ["ENV_CUDA_TIMING", "ENV_DISABLE", "ENV_LABELS", "ENV_RUN_ID", "install", "options_from_env", "parse_labels",
+           "probe_for"]
+
+log = logging.getLogger("phasescope.autoattach")
 
 _PATCHED = "__phasescope_autoattach__"
 _lock = threading.RLock()
@@ -49,32 +50,9 @@ _adapters: dict[int, Any] = {}
 _failed = False
 
 
-def parse_labels(text: str) -> dict[str, str]:
-    """"a=1,b=x" -> {"a": "1", "b": "x"}; raises ValueError on an item without "="."""
-    out: dict[str, str] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"bad label {item!r}; expected key=value")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def options_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """Probe options (`attach(model, **options)`) from PHASESCOPE_* variables. Raises ValueError."""
-    opts: dict[str, Any] = {}
-    if environ.get("PHASESCOPE_AGENT"):
-        opts["agent"] = environ["PHASESCOPE_AGENT"]
-    if environ.get(ENV_RUN_ID):
-        opts["run_id"] = environ[ENV_RUN_ID]
-    if environ.get(ENV_LABELS):
-        opts["labels"] = parse_labels(environ[ENV_LABELS])
-    timing = environ.get(ENV_CUDA_TIMING, "").strip().lower()
-    if timing:
-        if timing not in ("0", "1", "true", "false", "yes", "no"):
-            raise ValueError(f"{ENV_CUDA_TIMING} must be 0 or 1, not {timing!r}")
-        opts["cuda_timing"] = timing in ("1", "true", "yes")
-    return opts
+    """Probe options (`attach(model, **options)`) set by PHASESCOPE_* variables (`ProbeSettings`). Raises ValueError."""
+    return from_env(environ, ProbeSettings)
 
 
 def _fail(exc: BaseException) -> None:
@@ -92,7 +70,7 @@ def probe_for(model: Any, runtime: str) -> Any:
     with _lock:
         probe = attached(model)
         if probe is None:
-            probe = attach(model, runtime=runtime, **options_from_env())
+            probe = attach(model, **probe_options({"runtime": runtime}))  # argument > env
             _probes.append(probe)
             if hasattr(model, "init_continuous_batching"):
                 _adapters[id(model)] = HFContinuousBatching(probe).instrument_model(model)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 import duckdb
 
-from ..records.errors import CliError
+from ..records.errors import ReadError
 from .exports import export_glob, hosts, open_host
 from .jsonsafe import json_safe
 from .queries import run_named
@@ -26,23 +26,23 @@ from .queries import run_named
 Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings, e.g. analyzers.diagnose
 
 
-class StoreBusyError(CliError):
+class StoreBusyError(ReadError):
     """The file is held read-write by a running agent."""
 
 
 def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
     """A read-only connection to a phasescope DuckDB file no agent holds.
 
-    Raises CliError (one line: what is wrong, what to do) for a missing file, a file that is
+    Raises ReadError (one line: what is wrong, what to do) for a missing file, a file that is
     not DuckDB, a DuckDB file without phasescope tables, and StoreBusyError for a file a
     running agent holds.
     """
     import os
 
     if not os.path.exists(path):
-        raise CliError(f"no such file {path!r}; record a run first (phasescope demo, or phasescope agent --db FILE)")
+        raise ReadError(f"no such file {path!r}; record a run first (phasescope demo, or phasescope agent --db FILE)")
     if os.path.isdir(path):
-        raise CliError(f"{path!r} is a directory, not a DuckDB file")
+        raise ReadError(f"{path!r} is a directory, not a DuckDB file")
     try:
         con = duckdb.connect(path, read_only=True)
     except (duckdb.IOException, duckdb.ConnectionException) as exc:
@@ -51,28 +51,28 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
         if "lock" in text or "different configuration" in text:
             raise StoreBusyError(
                 f"{path} is held by a running agent; read it live through the agent's read API "
-                "(--agent http://127.0.0.1:7702, the agent's --api address) or stop the agent first") from None
+                "(--api http://127.0.0.1:7702, the address the agent serves it on) or stop the agent first") from None
         if "not a valid duckdb" in text:
-            raise CliError(f"{path} is not a DuckDB file; give the file phasescope agent or demo wrote") from None
-        raise CliError(f"cannot open {path}: {exc}") from None
+            raise ReadError(f"{path} is not a DuckDB file; give the file phasescope agent or demo wrote") from None
+        raise ReadError(f"cannot open {path}: {exc}") from None
     has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'sources'").fetchone()[0]
     if not has:
         con.close()
-        raise CliError(f"{path} holds no phasescope data (an empty or foreign DuckDB file); record a run into it "
+        raise ReadError(f"{path} holds no phasescope data (an empty or foreign DuckDB file); record a run into it "
                        "with phasescope agent --db FILE or phasescope demo --db FILE")
     return con
 
 
 def require_run(runs: list[dict[str, Any]], run_id: str | None, target: str) -> str:
-    """`run_id` if the store knows it, else its latest run; CliError for an unknown run or no runs."""
+    """`run_id` if the store knows it, else its latest run; ReadError for an unknown run or no runs."""
     known = [r["run_id"] for r in runs]
     if run_id is None:
         if not known:
-            raise CliError(f"{target}: no runs yet; the probe has not sent anything")
+            raise ReadError(f"{target}: no runs yet; the probe has not sent anything")
         return known[0]
     if run_id not in known:
         listed = ", ".join(known[:8]) + (" ..." if len(known) > 8 else "")
-        raise CliError(f"{target}: no run {run_id!r}; runs: {listed or 'none'}")
+        raise ReadError(f"{target}: no run {run_id!r}; runs: {listed or 'none'}")
     return run_id
 
 
@@ -93,7 +93,7 @@ class FileReader:
 
     def __init__(self, path: str, findings: Findings | None = None) -> None:
         """`findings`: computes findings over the connection (the caller injects the analyzers' diagnose).
-        Raises CliError / StoreBusyError now for a file that cannot be read."""
+        Raises ReadError / StoreBusyError now for a file that cannot be read."""
         self._findings = findings
         self.target = path
         connect_readonly(path).close()  # fail loudly at construction
@@ -131,10 +131,10 @@ class ExportReader(FileReader):
         self.pattern = pattern
         self.hosts = hosts(pattern)
         if not self.hosts:
-            raise CliError(f"no export files (host=/date=/table=/*.parquet) under {target!r}; give the folder "
+            raise ReadError(f"no export files (host=/date=/table=/*.parquet) under {target!r}; give the folder "
                            "phasescope agent --export-dir wrote")
         if host is not None and host not in self.hosts:
-            raise CliError(f"no exports of host {host!r} under {target!r}; hosts: {', '.join(self.hosts)}")
+            raise ReadError(f"no exports of host {host!r} under {target!r}; hosts: {', '.join(self.hosts)}")
         self.host = host or self.hosts[0]
         self.con = open_host(pattern, self.host)  # in memory: views over the files, which are read per query
         self.target = target
@@ -169,10 +169,10 @@ class AgentReader:
                 detail = json.load(exc).get("error", "")
             except (ValueError, AttributeError):
                 detail = ""
-            raise CliError(f"agent {self.target} answered {exc.code} to {path}: {detail or exc.reason}") from None
+            raise ReadError(f"agent {self.target} answered {exc.code} to {path}: {detail or exc.reason}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise CliError(f"cannot reach an agent's read API at {self.target} ({reason}); is phasescope agent "
+            raise ReadError(f"cannot reach an agent's read API at {self.target} ({reason}); is phasescope agent "
                            "running with --api on that address?") from None
 
     def query(self, name: str, **params: Any) -> Any:

@@ -1,20 +1,17 @@
-"""What the command line reports as one line instead of a traceback (stdlib only).
+"""The errors phasescope's library raises on purpose (stdlib only).
 
-`UsageError`: the invocation is wrong (a bad flag value, a missing argument) -> exit 2.
-`CliError`: the invocation is fine but cannot be served (no such file, a file an agent
-holds, an unknown run) -> exit 1. The message says what is wrong and what to do.
+Each message says, in one line, what is wrong and what to do. The library never
+exits and never prints: the command line (phasescope.cli) turns these into one
+line on stderr and an exit code; the dashboard shows them on the page.
 """
 
 from __future__ import annotations
 
 
-class CliError(RuntimeError):
-    """A command cannot do what was asked; the message says why and what to do (exit 1)."""
-
-    exit_code = 1
+class PhasescopeError(RuntimeError):
+    """Something asked of phasescope cannot be done; the message says why and what to do."""
 
 
-class UsageError(CliError, ValueError):
-    """A bad invocation (exit 2, like argparse's own usage errors)."""
-
-    exit_code = 2
+class ReadError(PhasescopeError):
+    """A store, a folder of exports or an agent's read API cannot be read as asked: no such file, a file
+    that is not a phasescope store, no such run or host, an agent that does not answer."""

@@ -1,7 +1,7 @@
 """The sidecar's read API: named queries over the live store, JSON over loopback HTTP.
 
 DuckDB lets one process hold a file read-write and then no other process can open
-it, so live readers (the dashboard, `diagnose --agent`) ask the sidecar, which runs
+it, so live readers (the dashboard, `diagnose --api`) ask the sidecar, which runs
 the query on a cursor of its own connection (DuckDB cursors are safe to use from
 other threads while the writer appends), under the store's read memory limit
 (`Store.reading`). A query that needs more than that answers 503 naming the flag. Only the named queries of

@@ -34,6 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..settings import AgentSettings
+
 log = logging.getLogger("phasescope.retention")
 
 NS = 1_000_000_000
@@ -113,9 +115,10 @@ def rollup_ddl() -> list[str]:
 class RetentionPolicy:
     """How much the store keeps. Ages in seconds, sizes in bytes."""
 
-    max_age_s: float = 7 * DAY_S
-    max_bytes: int = 10 * GIB
-    rollup_max_age_s: float = 90 * DAY_S
+    # the agent's declared defaults (retention_days, retention_max_gib, rollup_days), in seconds and bytes
+    max_age_s: float = AgentSettings.retention_days * DAY_S
+    max_bytes: int = int(AgentSettings.retention_max_gib * GIB)
+    rollup_max_age_s: float = AgentSettings.rollup_days * DAY_S
     low_water: float = 0.8  # a size-triggered roll brings the store down to this fraction of max_bytes
     export_dir: str | None = None  # None: rolled rows are aggregated and dropped, not exported
     host: str = field(default_factory=socket.gethostname)

@@ -83,7 +83,7 @@ def _snapshot(folder: str) -> dict[str, tuple[int, int]]:
 def test_open_reader_reads_an_export_folder_as_a_store(fleet_exports, tmp_path):
     """A folder of exports is a target like a DuckDB file: one host at a time, named queries and
     findings as on a store, the files never written."""
-    from phasescope.agent.records.errors import CliError
+    from phasescope.agent.records.errors import ReadError as CliError
     from phasescope.agent.read.exports import export_glob
     from phasescope.agent.read.reader import ExportReader, FileReader, open_reader
     from phasescope.analyzers.diagnose import diagnose

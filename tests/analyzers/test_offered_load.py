@@ -6,7 +6,7 @@ import pytest
 
 from phasescope.agent.records.events import REQUEST_EVENTS, Hello, RequestEvent
 from phasescope.agent.sidecar.store import Store
-from phasescope.analyzers.queries import one
+from phasescope.analyzers.sql import one
 from phasescope.analyzers.queueing import QUEUE_SQL
 
 

@@ -46,10 +46,10 @@ from ...records.events import (
 from ..pagetrack import PageLife, PrefixTable
 from ..probe import Probe
 from ..phases import StepShape
+from ...settings import ENV_RUN_ID
 
 log = logging.getLogger("phasescope.vllm")
 
-ENV_RUN_ID = "PHASESCOPE_RUN_ID"
 ENV_TOKENS_AT = "PHASESCOPE_VLLM_TOKENS_AT"  # "frontend": the frontend records token/finish events
 ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine steps (default 1)
 ENV_PREFIX_TABLE = "PHASESCOPE_PREFIX_TABLE_PAGES"  # cap of the table of earlier prompts' block hashes (0: off)

@@ -1,8 +1,9 @@
-"""Named queries the analyzers share (aggregated in DuckDB), on top of `agent.queries`.
+"""The SQL the analyzers share (aggregated in DuckDB) and the helpers that run it, on top of the read
+layer's named queries (`agent.read.queries`, the one `queries` module).
 
 Each returns plain numbers together with the SQL text that produced them, so a
 finding can cite its query. Step time is the CUDA-event time when the step was
-timed, else the host time (`agent.queries.STEP_MS`).
+timed, else the host time (`agent.read.queries.STEP_MS`).
 """
 
 from __future__ import annotations
