@@ -4,11 +4,10 @@ builders reproduce the committed records exactly."""
 
 from __future__ import annotations
 
-import os
-
 import duckdb
 import pytest
 
+from phasescope.agent.demo import DemoConfig
 from phasescope.analyzers.diagnose import diagnose
 from builders.scenarios import SCENARIOS, build_db
 
@@ -35,19 +34,31 @@ def test_synthetic_rebuild_is_exact(name, tmp_path, scenario_db):
             c2.close()
 
 
+# findings a loaded machine may add to a real rebuild, whatever the scenario: CPU taken from the engine
+# (host-bound), requests waiting longer for a slower engine (ttft-queueing), inter-token gaps longer than their
+# step's compute (itl-spikes-host)
+LOAD_DEPENDENT = {"host-bound", "ttft-queueing", "itl-spikes-host"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", REAL)
-def test_real_rebuild_fires(name, tmp_path):
-    # A real run on a shared 2-core machine is timing-noisy: one rebuild may be disturbed by
-    # other processes, so a second attempt is allowed. The rules' numbers are pinned
-    # deterministically on the committed fixtures (test_rules.py).
+def test_real_rebuild_fires(name, tmp_path, scenario):
+    """A rebuild fires the scenario's rules and nothing its committed fixture does not show (give or take
+    what load alone changes): an extra, wrong finding fails. The rules' numbers are pinned on the committed
+    fixtures (test_rules.py)."""
     expect = set(SCENARIOS[name].expect)
+    fixture_con, fixture_run = scenario(name)
+    allowed = {f.id for f in diagnose(fixture_con, fixture_run)} | LOAD_DEPENDENT
+    assert expect <= allowed
+    # A real run on a shared 2-core machine is timing-noisy: one rebuild may be disturbed by
+    # other processes, so a second attempt is allowed.
     for attempt in range(2):
         path = str(tmp_path / f"run{attempt}.duckdb")
         run_id, config = build_db(name, path)
         con = duckdb.connect(path, read_only=True)
         try:
             found = {f.id for f in diagnose(con, run_id)}
+            requests = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run_id]).fetchone()[0]
         finally:
             con.close()
         if "host-bound" not in expect:
@@ -55,12 +66,10 @@ def test_real_rebuild_fires(name, tmp_path):
             # busy shared CI machine it truly is), not on the scenario's configuration; the committed
             # fixtures pin it (test_host_rules.py)
             found.discard("host-bound")
-        ok = expect <= found if expect else found == set()
-        if ok:
+        if expect <= found <= allowed:
             break
-    if expect:
-        assert expect <= found, f"{name}: expected {sorted(expect)}, got {sorted(found)}"
-    else:
-        assert found == set(), f"healthy fired {sorted(found)}"
-    assert config["demo_config"]["device"] == "cpu"
-    assert os.path.getsize(path) > 0
+    assert expect <= found, f"{name}: expected {sorted(expect)}, got {sorted(found)}"
+    assert found <= allowed, f"{name}: {sorted(found - allowed)} fired, which the fixture does not show"
+    # the run served the stated workload (every request of it is in the store)
+    stated = SCENARIOS[name].demo.get("requests", DemoConfig().requests)
+    assert requests == stated, (requests, stated)
