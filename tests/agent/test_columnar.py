@@ -14,9 +14,9 @@ import duckdb
 import numpy as np
 import pytest
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 from phasescope.agent.sidecar import columnar
-from phasescope.agent.sidecar.schema import TABLE_OF_RECORD, TABLES
+from phasescope.agent.records.schema import TABLE_OF_RECORD, TABLES
 from phasescope.agent.sidecar.store import Part, Store
 
 SQL_MAX = {"SMALLINT": 2**15 - 1, "INTEGER": 2**31 - 1, "BIGINT": 2**63 - 1}

@@ -12,9 +12,9 @@ from fractions import Fraction
 import duckdb
 import pytest
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 from phasescope.agent.read.queries import prefix_summary
-from phasescope.agent.scenarios import DATA_DIR, load
+from builders.scenarios import DATA_DIR, load
 from phasescope.agent.sidecar.store import Store
 
 T0 = 1_000_000_000

@@ -1,15 +1,17 @@
 """The scenario scripts reproduce their fixtures: a fresh real run still fires the scenario's rules
-(timing-noisy, so only the rules and the stated configuration are checked), and the synthetic
+(timing-noisy: the scenario's rules, nothing its committed fixture does not show, the stated workload), and the synthetic
 builders reproduce the committed records exactly."""
 
 from __future__ import annotations
 
+import os
+
 import duckdb
 import pytest
 
-from phasescope.agent.demo import DemoConfig
+from phasescope.cli.demo import DemoConfig
 from phasescope.analyzers.diagnose import diagnose
-from builders.scenarios import SCENARIOS, build_db
+from builders.scenarios import DATA_DIR, SCENARIOS, build_db
 
 # vLLM runs are deterministic: test_prefix_miss.py rebuilds prefix-miss-vllm and checks its exact numbers
 REAL = [n for n, s in SCENARIOS.items() if s.kind not in ("synthetic", "vllm")]
@@ -38,6 +40,17 @@ def test_synthetic_rebuild_is_exact(name, tmp_path, scenario_db):
 # (host-bound), requests waiting longer for a slower engine (ttft-queueing), inter-token gaps longer than their
 # step's compute (itl-spikes-host)
 LOAD_DEPENDENT = {"host-bound", "ttft-queueing", "itl-spikes-host"}
+# findings that read a table some fixtures were recorded before (no such Parquet file in the folder): the
+# committed fixture cannot show them, a rebuild records the table and may
+NEEDS_TABLE = {"prefix-miss-": "prefix_lookups", "kv-evicted-before-reuse": "page_events",
+               "host-bound": "process_samples"}
+
+
+def _not_shown(name: str, found: set[str], allowed: set[str]) -> set[str]:
+    """Findings of a rebuild of `name` that are not allowed, less those whose input table its fixture lacks."""
+    unrecorded = [fid for fid, table in NEEDS_TABLE.items()
+                  if not os.path.exists(os.path.join(DATA_DIR, name, f"{table}.parquet"))]
+    return {f for f in found - allowed if not any(f.startswith(p) for p in unrecorded)}
 
 
 @pytest.mark.slow
@@ -66,10 +79,11 @@ def test_real_rebuild_fires(name, tmp_path, scenario):
             # busy shared CI machine it truly is), not on the scenario's configuration; the committed
             # fixtures pin it (test_host_rules.py)
             found.discard("host-bound")
-        if expect <= found <= allowed:
+        if expect <= found and not _not_shown(name, found, allowed):
             break
     assert expect <= found, f"{name}: expected {sorted(expect)}, got {sorted(found)}"
-    assert found <= allowed, f"{name}: {sorted(found - allowed)} fired, which the fixture does not show"
+    extra = _not_shown(name, found, allowed)
+    assert not extra, f"{name}: {sorted(extra)} fired, which the fixture does not show"
     # the run served the stated workload (every request of it is in the store)
     stated = SCENARIOS[name].demo.get("requests", DemoConfig().requests)
     assert requests == stated, (requests, stated)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import duckdb
 import pytest
 
-from phasescope.agent import events as ev
+from phasescope.agent.records import events as ev
 from phasescope.agent.sidecar.store import Store
 from phasescope.analyzers import diagnose as dg
 from phasescope.analyzers.geometry import geometry_from_labels
