@@ -1,7 +1,7 @@
 """Columnar validation (agent/sidecar/columnar.py): every range bound of every field, on both sides.
 
-The expected bounds are stated here from the wire format (events.LAYOUTS) and the store's column
-types (schema.TABLES), not read from the validator's own check list: a record at a bound is kept
+The expected bounds are stated here from the wire format (events.LAYOUTS), its domain bounds
+(events.LIMITS) and the store's column types (schema.TABLES), not read from the validator's own check list: a record at a bound is kept
 and stored, one step past it is rejected and counted under its reason.
 """
 
@@ -20,7 +20,9 @@ from phasescope.agent.records.schema import TABLE_OF_RECORD, TABLES
 from phasescope.agent.sidecar.store import Part, Store
 
 SQL_MAX = {"SMALLINT": 2**15 - 1, "INTEGER": 2**31 - 1, "BIGINT": 2**63 - 1}
-UNSIGNED_MAX = {"Q": 2**64 - 1, "I": 2**32 - 1, "H": 2**16 - 1, "B": 2**8 - 1}
+WIRE_RANGE = {"Q": (0, 2**64 - 1), "I": (0, 2**32 - 1), "H": (0, 2**16 - 1), "B": (0, 2**8 - 1),
+              "q": (-(2**63), 2**63 - 1)}
+CONTROL_TABLE = {"Hello": "sources"}  # a Hello becomes the connection's `sources` row
 ENUMS = {("Step", "phase"): len(ev.PHASES), ("RequestEvent", "event"): len(ev.REQUEST_EVENTS)}
 # floats where NaN means "not measured" (and is stored); every other float must be finite
 NAN_ALLOWED = {("Step", "gpu_ms"), ("GpuSample", "util_pct"), ("GpuSample", "power_w"), ("GpuSample", "temp_c"),
@@ -55,7 +57,7 @@ def _cases() -> list[tuple[int, str, object, str | None]]:
     """(type code, field, value, expected reason or None for kept) for every bound of every field."""
     cases = []
     for code, (cls, st) in ev.LAYOUTS.items():
-        table = TABLE_OF_RECORD.get(cls.__name__)
+        table = TABLE_OF_RECORD.get(cls.__name__) or CONTROL_TABLE.get(cls.__name__)
         sql = {n: t for n, t, _ in TABLES[table]} if table else {}
         for name, c in zip(cls._fields, _codes(st.format)):
             key = (cls.__name__, name)
@@ -70,23 +72,28 @@ def _cases() -> list[tuple[int, str, object, str | None]]:
                 add(b"\xff", "bad_utf8")
                 add(b"a\xc3", "bad_utf8")  # a sequence cut short
                 add(b"\x80", "bad_utf8")  # a lone continuation byte: the lowest non-ASCII byte
-            elif c in UNSIGNED_MAX:
-                limit = SQL_MAX.get(sql.get(name))
-                if limit is not None and UNSIGNED_MAX[c] > limit:
-                    add(limit, None)
-                    add(limit + 1, "out_of_range")
-                    add(UNSIGNED_MAX[c], "out_of_range")
-                else:  # the column holds every value of the wire type (or a control record: not stored)
-                    add(UNSIGNED_MAX[c], None)
-                add(0, None)
-            elif c == "q":
+            elif c in WIRE_RANGE:
+                lo, hi = WIRE_RANGE[c]
+                wire_lo, wire_hi = lo, hi
+                if sql.get(name) in SQL_MAX:  # what the store's column holds
+                    hi = min(hi, SQL_MAX[sql[name]])
+                    lo = max(lo, -SQL_MAX[sql[name]] - 1)
                 if name == "ts_ns":
-                    add(0, None)
-                    add(-1, "out_of_range")
-                    add(-(2**63), "out_of_range")
-                else:  # an offset (wall_minus_mono_ns) may be negative
-                    add(-(2**63), None)
-                add(2**63 - 1, None)
+                    lo = max(lo, 0)
+                dlo, dhi = ev.LIMITS.get(key, (lo, hi))  # the wire spec's domain bounds (tokens, pids, ranks)
+                lo, hi = max(lo, dlo), min(hi, dhi)
+                if hi < wire_hi:
+                    add(hi, None)
+                    add(hi + 1, "out_of_range")
+                    add(wire_hi, "out_of_range")
+                else:
+                    add(wire_hi, None)
+                if lo > wire_lo:
+                    add(lo, None)
+                    add(lo - 1, "out_of_range")
+                    add(wire_lo, "out_of_range")
+                else:
+                    add(wire_lo, None)
             elif c in "df":
                 big = float(np.finfo(np.float32).max) if c == "f" else 1.7976931348623157e308
                 if key in ANY_FLOAT:
