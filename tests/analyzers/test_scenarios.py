@@ -4,7 +4,9 @@ builders reproduce the committed records exactly."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import duckdb
 import pytest
@@ -14,7 +16,7 @@ from phasescope.analyzers.diagnose import diagnose
 from builders.scenarios import DATA_DIR, SCENARIOS, build_db
 
 # vLLM runs are deterministic: test_prefix_miss.py rebuilds prefix-miss-vllm and checks its exact numbers
-REAL = [n for n, s in SCENARIOS.items() if s.kind not in ("synthetic", "vllm")]
+REAL = [n for n, s in SCENARIOS.items() if s.kind not in ("synthetic", "vllm", "recorded")]
 SYNTHETIC = [n for n, s in SCENARIOS.items() if s.kind == "synthetic"]
 
 
@@ -87,3 +89,78 @@ def test_real_rebuild_fires(name, tmp_path, scenario):
     # the run served the stated workload (every request of it is in the store)
     stated = SCENARIOS[name].demo.get("requests", DemoConfig().requests)
     assert requests == stated, (requests, stated)
+
+
+def _config(name: str) -> dict:
+    with open(os.path.join(DATA_DIR, name, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_every_fixture_has_a_working_reproduce_entry():
+    """Each tests/data folder is a scenario of the table, and the command that rebuilds it works: the builder
+    accepts it and has a path for its kind; a GPU-recorded one names its hardware and commands that parse."""
+    import shlex
+
+    from builders import scenarios, synthetic, vllm_workload
+    from phasescope.cli.main import build_parser
+
+    folders = {d for d in os.listdir(DATA_DIR) if os.path.isdir(os.path.join(DATA_DIR, d))}
+    assert folders == set(SCENARIOS), f"no scenario entry: {sorted(folders - set(SCENARIOS))}"
+    for name in sorted(folders):
+        sc, config = SCENARIOS[name], _config(name)
+        assert (config["scenario"], config["kind"], config["expect"]) == (name, sc.kind, list(sc.expect)), name
+        if sc.kind != "recorded":
+            assert scenarios.parser().parse_args(["build", name]).names == [name]
+            if sc.kind == "synthetic":
+                assert name in synthetic.BUILDERS
+            elif sc.kind == "vllm":
+                assert callable(getattr(vllm_workload, {"prefix-miss": "prefix_miss_workload"}.get(
+                    sc.workload, f"{sc.workload}_workload")))
+            else:
+                assert sc.kind in ("demo", "prefix-last", "miss") and sc.demo is not None
+            continue
+        assert sc.needs and "GPU" in sc.needs and config["reproduce"] == sc.reproduce, name
+        for cmd in re.split(r"\s*(?:&&|;|&)\s*", sc.reproduce):
+            argv = shlex.split(cmd)
+            if argv[:1] == ["phasescope"]:
+                build_parser().parse_args(argv[1:])  # exits on a bad command line
+            elif argv[:4] == ["PYTHONPATH=tests", "python", "-m", "builders.scenarios"]:
+                assert scenarios.parser().parse_args(argv[4:]).name == name
+            elif argv[:1] == ["torchrun"]:
+                script = next(a for a in argv if a.endswith(".py"))
+                assert os.path.exists(os.path.join(os.path.dirname(DATA_DIR), "..", script)), script
+            else:
+                assert argv[:1] == ["kill"], cmd
+        with pytest.raises(RuntimeError, match=f"recorded on {re.escape(sc.needs)}"):
+            build_db(name, "/nonexistent/never-written.duckdb")
+
+
+@pytest.mark.parametrize("name", ["healthy", "prefill-interference", "kv-pressure", "internal-fragmentation",
+                                  "queueing", "prefix-miss", "service-mix", "host-bound", "telemetry-silent",
+                                  "prefix-miss-causes"])
+def test_cpu_demo_fixtures_state_their_library_versions(name):
+    v = _config(name)["versions"]
+    assert SCENARIOS[name].kind in ("demo", "prefix-last", "miss")
+    assert v["torch"].startswith("2.13.0") and v["transformers"] and v["duckdb"]
+
+
+def test_a_recorded_run_exports_as_its_fixture(tmp_path):
+    """The `record` step of a GPU fixture's reproduce command, on CPU: the committed h200-demo fixture loaded into
+    a DuckDB file and recorded again gives the same rows, the table's config and this machine's versions."""
+    from builders.scenarios import load, record
+
+    db = str(tmp_path / "run.duckdb")
+    run_id = load(os.path.join(DATA_DIR, "h200-demo"), db)
+    config = record("h200-demo", db, str(tmp_path / "out"))
+    assert config["run_id"] == run_id and config["expect"] == list(SCENARIOS["h200-demo"].expect)
+    assert config["versions"]["duckdb"] == duckdb.__version__
+    again = str(tmp_path / "again.duckdb")
+    assert load(str(tmp_path / "out"), again) == run_id
+    for table in ("steps", "request_events", "kv_snapshots", "gpu_samples"):
+        q = f"SELECT * FROM {table} ORDER BY ALL"
+        a, b = duckdb.connect(db, read_only=True), duckdb.connect(again, read_only=True)
+        try:
+            assert repr(a.execute(q).fetchall()) == repr(b.execute(q).fetchall()), table
+        finally:
+            a.close()
+            b.close()
