@@ -8,6 +8,9 @@ import tempfile
 
 import pytest
 
+from ci_guard import (pytest_make_collect_report, pytest_runtest_makereport,  # noqa: F401 (hooks: CI=true skips fail)
+                      pytest_sessionfinish, pytest_terminal_summary)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama():

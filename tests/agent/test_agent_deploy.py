@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +17,6 @@ import pytest
 
 from phasescope.agent import settings as agentconfig
 from phasescope.cli.main import build_parser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _agent_args(argv: list[str]):
@@ -77,17 +71,24 @@ def test_shipped_config_file_parses():
 def test_agent_health_readiness_and_socket_mode(short_tmp):
     """`phasescope agent` from env only: /readyz lists its checks, goes 503 when the socket file
     is removed from under it; `phasescope health` exits 0/1 accordingly; retention is running."""
-    api, metrics = _free_port(), _free_port()
     sock = os.path.join(short_tmp, "agent.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHASESCOPE_")}
     env.update({"PHASESCOPE_DB": os.path.join(short_tmp, "a.duckdb"), "PHASESCOPE_LISTEN": f"unix:{sock}",
-                "PHASESCOPE_API": f"127.0.0.1:{api}", "PHASESCOPE_METRICS_ADDR": f"127.0.0.1:{metrics}",
+                # port 0: the agent binds its own ports and prints them (never the defaults, no pick-then-bind race)
+                "PHASESCOPE_API": "127.0.0.1:0", "PHASESCOPE_METRICS_ADDR": "127.0.0.1:0",
                 "PHASESCOPE_SOCKET_MODE": "0660", "PHASESCOPE_EXPORT_DIR": os.path.join(short_tmp, "exp"),
                 "PHASESCOPE_RETENTION_INTERVAL_S": "0.2"})
     proc = subprocess.Popen([sys.executable, "-m", "phasescope.cli", "agent"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     health = [sys.executable, "-m", "phasescope.cli", "health", "--ready"]
     try:
+        lines = []
+        while not lines or "listening" not in lines[-1]:
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)  # the agent exited before it listened
+        api = int(re.search(r"read API on http://127\.0\.0\.1:(\d+)", lines[-1]).group(1))
+        metrics = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", lines[-1]).group(1))
+        env["PHASESCOPE_API"] = f"127.0.0.1:{api}"  # `phasescope health` finds the agent where it listens
         body = None
         for _ in range(100):
             try:

@@ -89,3 +89,22 @@ def test_numpy_and_python_largest_run_agree():
     for n in (0, 1, 5, 500):
         ids = rng.sample(range(2 * n + 1), n)
         assert k.largest_run(ids) == k._largest_run_py(ids)
+
+
+def test_rates_just_past_their_guards():
+    """The guards are "something happened", not "more than one": windows under a second, one queried
+    token, a mean KV under one byte all give real values; a negative window is no window."""
+    assert k.rate(5, 0.5) == 10.0 and k.rate(10, -1.0) == 0.0
+    assert k.hit_rate(1, 1) == 1.0 and k.hit_rate(0, 1) == 0.0
+    assert k.kv_imbalance([0, 1]) == 1.0  # mean 0.5: max / mean - 1
+
+
+def test_largest_run_without_numpy(monkeypatch):
+    """The sidecar does not need numpy: without it the pure-Python run length answers."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` raises ImportError
+    calls = []
+    real = k._largest_run_py
+    monkeypatch.setattr(k, "_largest_run_py", lambda ids: calls.append(1) or real(ids))
+    assert k.largest_run([3, 1, 2, 9, 10]) == 3 and calls == [1]

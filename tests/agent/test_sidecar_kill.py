@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def _start_agent(db, sock):
     proc = subprocess.Popen(
         [sys.executable, "-m", "phasescope.cli", "agent", "--db", db, "--listen", f"unix:{sock}",
-         "--checkpoint-s", "0.5"],
+         "--checkpoint-s", "0.5", "--metrics-addr", "127.0.0.1:0", "--api", "127.0.0.1:0"],  # never the defaults
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     line = proc.stdout.readline()
@@ -63,7 +63,8 @@ def test_sigkill_mid_generation(tiny_llama, short_tmp):
         assert killed.n > 40
         assert torch.equal(out, reference)  # same tokens as without the probe
         assert probe.errors == 0
-        assert probe.flush(2) or True
+        # nobody listens: nothing queued can be handed over, so the ring cannot drain; it drops instead
+        assert probe.flush(2) is False
         dropped_while_down = probe.dropped
         assert dropped_while_down > 0  # counted, not silently lost
 

@@ -148,10 +148,18 @@ def check_itl_run(con, run_id: str, vllm: dict) -> dict:
                                                 "unattributed")) == e["tail_samples"]
     assert e["tail_max_prefill_tokens"] == tail["prefill_tokens"].max()
     found = {f.id: f for f in diagnose(con, run_id)}
-    f = found["itl-spikes-prefill"]
-    assert f.evidence["cause"] == "prefill" and f.evidence["itl_spike_ratio"] == pytest.approx(p99 / p50)
-    assert p99 / p50 >= T["itl_spike_ratio"] and excess.get("prefill", 0.0) / excess.sum() >= T["min_cause_share"]
-    assert not {"itl-spikes-preemption", "itl-spikes-queueing", "itl-spikes-host"} & set(found)
+    # What the machine's load adds, measured in this run: gaps far over their own step's compute ('host': the
+    # engine thread was off the CPU). The workload's claim is about the rest of the tail: the prefill chunks
+    # hold at least min_cause_share of it. On a quiet machine (and on the committed fixture) 'host' is empty
+    # and the finding names prefill; under load it may name the host stalls instead, and says so.
+    host = excess.get("host", 0.0)
+    assert p99 / p50 >= T["itl_spike_ratio"]
+    assert excess.get("prefill", 0.0) / (excess.sum() - host) >= T["min_cause_share"]
+    named = "host" if host > excess.get("prefill", 0.0) else "prefill"
+    f = found[f"itl-spikes-{named}"]
+    assert f.evidence["cause"] == named and f.evidence["itl_spike_ratio"] == pytest.approx(p99 / p50)
+    assert not {"itl-spikes-preemption", "itl-spikes-queueing"} & set(found)
+    assert not ({"itl-spikes-prefill", "itl-spikes-host"} - {f"itl-spikes-{named}"}) & set(found)
     return {"p50": p50, "p99": p99, "tail": tail, "found": found}
 
 
@@ -159,14 +167,17 @@ def test_itl_fixture_tail_is_the_chunked_prefills(scenario):
     con, run_id = scenario("itl-spikes-vllm")
     r = check_itl_run(con, run_id, config("itl-spikes-vllm")["vllm"])
     tail = r["tail"]
-    # hand-checked on the committed run: p50 20.67 ms, p99 341.6 ms (16.5x); the 9 samples at or over it are the
-    # 3 decodes of each of the 3 slowest steps prefilling a 253-token chunk (340-378 ms steps): the whole tail
-    assert (round(r["p50"], 2), round(r["p99"], 1), len(tail)) == (20.67, 341.6, 9)
-    assert tail["prefill_tokens"].value_counts().to_dict() == {253: 9}
-    assert tail.groupby("step")["request_id"].nunique().tolist() == [vw.ITL_DECODERS] * 3
+    # from the workload: a long prompt's first chunk is the step budget less the decodes beside it; the tail
+    # (samples at or over the p99, recomputed from the raw rows) is the decodes of whole steps prefilling such
+    # a chunk: every decoder of each of those steps, nothing else
+    chunk = vw.ITL_BUDGET - vw.ITL_DECODERS
+    steps = tail.groupby("step")["request_id"].nunique().tolist()
+    assert steps and steps == [vw.ITL_DECODERS] * len(steps) and len(tail) == vw.ITL_DECODERS * len(steps)
+    assert tail["prefill_tokens"].value_counts().to_dict() == {chunk: len(tail)}
     assert set(tail["cause"]) == {"prefill"}
     ev = r["found"]["itl-spikes-prefill"].evidence
-    assert (ev["tail_prefill_samples"], ev["tail_prefill_share"], ev["tail_max_prefill_tokens"]) == (9, 1.0, 253)
+    assert (ev["tail_prefill_samples"], ev["tail_prefill_share"], ev["tail_max_prefill_tokens"]) == (
+        len(tail), 1.0, chunk)
     assert "prefill-stalls-decode" in r["found"]
 
 
@@ -301,11 +312,11 @@ def check_silent_run(con, run_id: str, vllm: dict) -> dict:
 def test_silent_fixture_fires_with_its_numbers(scenario):
     con, run_id = scenario("telemetry-silent-vllm")
     r = check_silent_run(con, run_id, config("telemetry-silent-vllm")["vllm"])
-    # hand-checked on the committed run: silent 12.01 s (KV snapshots and prefix counters) over 24 paced requests
-    assert (round(r["silent_s"], 2), round(r["stuck_s"], 2)) == (12.01, 12.01)
+    # one silence: the snapshots and the counters stopped together, within one pace of each other
+    assert abs(r["silent_s"] - r["stuck_s"]) < vw.SILENT_PACE_S
     f = {x.id: x for x in telemetry_degraded(con, run_id)}
     kv_effect = f["telemetry-kv-snapshots-stopped"].expected_effect
-    assert "192 steps over 12.0 s ran after the last of 48 KV snapshots" in kv_effect
+    assert f"192 steps over {r['silent_s']:.1f} s ran after the last of 48 KV snapshots" in kv_effect
     assert "576 prompt tokens in 24 prefill steps" in f["telemetry-prefix-counters-stuck"].expected_effect
 
 

@@ -45,7 +45,7 @@ TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    kind: str  # "demo" | "prefix-last" | "miss" (miss_workload) | "vllm" (vllm_workload) | "synthetic"
+    kind: str  # "demo" | "prefix-last" | "miss" (miss_workload) | "vllm" (vllm_workload) | "synthetic" | "recorded"
     notes: str
     expect: tuple[str, ...]  # finding ids that must fire (none for healthy)
     demo: dict[str, Any] = field(default_factory=dict)  # DemoConfig overrides
@@ -54,6 +54,8 @@ class Scenario:
     nice: int = 0  # run the serving process at this nice value (< 0: ahead of the machine's other work)
     torch_threads: int = 0  # torch intra-op threads of the serving process (0: torch's default)
     workload: str = "prefix-miss"  # kind "vllm": the `vllm_workload` workload it serves
+    needs: str = ""  # kind "recorded": the hardware it was recorded on (a CPU machine cannot rebuild it)
+    reproduce: str = ""  # kind "recorded": the commands that record it again there
 
 
 # --- real runs of the demo runtime ---
@@ -393,7 +395,52 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "not 6 of ~3.5 s. In call 2, req_1 is soft-reset and re-admitted with 48 tokens from the prefix "
              "cache: 1 preemption, 16 tokens recomputed, its own cached tokens 0.",
              expect=("preemption-recompute",)),
+    Scenario("h200-demo", "recorded", "A real run recorded on an NVIDIA H200 (driver 580.159, torch 2.11+cu130, transformers 5.24): `phasescope demo --device cuda` (the demo's default workload on HF continuous batching, bf16, CUDA-event step timing, NVML samples every 0.5 s). A 4.9M-parameter model is far below the H200's bandwidth roofline and host-bound: the GPU is busy ~1% of the time.",
+             expect=('decode-below-roofline', 'decode-launch-bound'), needs="1 NVIDIA GPU (recorded on an H200)",
+             reproduce="phasescope demo --device cuda --db run.duckdb && "
+                       "PYTHONPATH=tests python -m builders.scenarios record h200-demo --db run.duckdb"),
+    Scenario("tp2-h200", "recorded", "A real tensor-parallel run recorded on 2 NVIDIA H200 GPUs (NCCL, HF tp_plan='auto', transformers 5.24): a 1.1B random-weight Llama in bf16, batch 8 x 384-token prompts, 3 generates of 64 tokens, one probe per rank sending to one sidecar. The ranks are balanced (median step skew under 1%): no TP finding may fire; decode is launch-bound (HF eager decode at batch 8).",
+             expect=('decode-launch-bound',), needs="2 NVIDIA GPUs over NCCL (recorded on 2 H200s)",
+             reproduce="phasescope agent --db run.duckdb --listen unix:/tmp/ps-tp.sock --no-metrics --no-api & "
+                       "torchrun --nproc_per_node 2 benchmarks/tp_probe_run.py --agent unix:/tmp/ps-tp.sock; "
+                       "kill %1; PYTHONPATH=tests python -m builders.scenarios record tp2-h200 --db run.duckdb"),
 )}
+
+
+def versions() -> dict[str, Any]:
+    """What a recording ran on: library versions, Python, CPUs and the machine's load when it started."""
+    import importlib.metadata
+    import platform
+
+    out: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                           "load_avg_1m": round(os.getloadavg()[0], 2)}
+    for dist in ("torch", "transformers", "duckdb", "numpy", "phasescope"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def record(name: str, db_path: str, out_dir: str) -> dict[str, Any]:
+    """Export a DuckDB file recorded elsewhere (a `recorded` scenario, on its hardware) to `out_dir`, with
+    the scenario's stated config; the run is the file's latest one. Returns the config."""
+    from phasescope.agent.read.queries import latest_run
+    from phasescope.analyzers.runinfo import read_run_info
+
+    sc = SCENARIOS[name]
+    con = duckdb.connect(db_path, read_only=True)
+    try:
+        run_id = latest_run(con)
+        labels = read_run_info(con, run_id) if run_id else {}
+    finally:
+        con.close()
+    if run_id is None:
+        raise RuntimeError(f"{db_path} holds no run")
+    config = {"scenario": name, "kind": sc.kind, "notes": sc.notes, "expect": list(sc.expect),
+              "reproduce": sc.reproduce, "run_id": run_id, "labels": labels, "versions": versions()}
+    export(db_path, out_dir, config)
+    return config
 
 
 def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
@@ -401,7 +448,10 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
     sc = SCENARIOS[name]
     if os.path.exists(db_path):
         os.remove(db_path)
-    config: dict[str, Any] = {"scenario": name, "kind": sc.kind, "notes": sc.notes, "expect": list(sc.expect)}
+    if sc.kind == "recorded":
+        raise RuntimeError(f"{name} is recorded on {sc.needs}; there: {sc.reproduce}")
+    config: dict[str, Any] = {"scenario": name, "kind": sc.kind, "notes": sc.notes, "expect": list(sc.expect),
+                              "versions": versions()}
     if sc.kind in ("demo", "prefix-last", "miss"):
         cfg = _demo_config(sc.demo)
         with contended(**sc.contention) if sc.contention else contextlib.nullcontext({}) as how, \
@@ -498,17 +548,32 @@ def load(scenario_dir: str, db_path: str) -> str:
         return json.load(f)["run_id"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="PYTHONPATH=tests python -m builders.scenarios")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build scenario fixtures")
     b.add_argument("names", nargs="*", help=f"scenarios (default: all of {', '.join(SCENARIOS)})")
     b.add_argument("--out", default=DATA_DIR, help="parent folder (default: tests/data)")
     b.add_argument("--db", help="also keep the DuckDB file of a single scenario here")
-    args = p.parse_args(argv)
-    names = args.names or [n for n, s in SCENARIOS.items() if s.kind != "vllm" or vllm_python()]
+    r = sub.add_parser("record", help="export a run recorded elsewhere (a GPU scenario) as its fixture")
+    r.add_argument("name", choices=[n for n, s in SCENARIOS.items() if s.kind == "recorded"])
+    r.add_argument("--db", required=True, help="the DuckDB file the recording wrote")
+    r.add_argument("--out", default=DATA_DIR, help="parent folder (default: tests/data)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.cmd == "record":
+        config = record(args.name, args.db, os.path.join(args.out, args.name))
+        print(f"{args.name}: run {config['run_id']} -> {os.path.join(args.out, args.name)}", flush=True)
+        return 0
+    names = args.names or [n for n, s in SCENARIOS.items()
+                           if s.kind != "recorded" and (s.kind != "vllm" or vllm_python())]
     for name in sorted(set(SCENARIOS) - set(names)) if not args.names else ():
-        print(f"{name}: skipped (no vLLM venv: run .ci/run, or set PHASESCOPE_VLLM_PYTHON)", flush=True)
+        why = (f"recorded on {SCENARIOS[name].needs}: {SCENARIOS[name].reproduce}" if SCENARIOS[name].kind == "recorded"
+               else "no vLLM venv: run .ci/run, or set PHASESCOPE_VLLM_PYTHON")
+        print(f"{name}: skipped ({why})", flush=True)
     for name in names:
         if args.db:
             _, config = build_db(name, args.db)

@@ -176,9 +176,9 @@ def test_every_page_on_a_live_agent_settles(tiny_llama, short_tmp):
     from phasescope.agent.sidecar import Sidecar
     from phasescope.analyzers.diagnose import diagnose
 
-    api_port, app_port = _free_port(), _free_port()
+    app_port = _free_port()  # Streamlit's (it cannot report a port 0 it bound); the read API binds its own
     sc = Sidecar(os.path.join(short_tmp, "live.duckdb"), listen=[f"unix:{short_tmp}/a.sock"],
-                 batch_interval_s=0.05, read_api=f"127.0.0.1:{api_port}", findings=diagnose).start()
+                 batch_interval_s=0.05, read_api="127.0.0.1:0", findings=diagnose).start()
     probe = attach(tiny_llama, agent=f"unix:{short_tmp}/a.sock", runtime="hf-generate", flush_interval_s=0.02)
     stop = threading.Event()
 
@@ -197,7 +197,7 @@ def test_every_page_on_a_live_agent_settles(tiny_llama, short_tmp):
 
     writer = threading.Thread(target=serve, daemon=True)
     writer.start()
-    app = _dashboard(["--agent", f"http://127.0.0.1:{api_port}"], app_port)
+    app = _dashboard(["--agent", sc.read_api.url], app_port)
     try:
         _wait_http(f"http://127.0.0.1:{app_port}/_stcore/health", 90)
         rows_before = sc.stats.rows_written_total

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -37,12 +37,6 @@ def _require() -> None:
         if IN_CI:
             pytest.fail(f"CI must provide buildah and debootstrap as root: {reason}")
         pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -90,7 +84,7 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
     for d in (sock_dir, data_dir):
         d.mkdir(parents=True)
         os.chown(d, 10001, 10001)
-    mport, aport = _free_port(), _free_port()
+    mport = aport = 0  # the agent binds port 0 for both and prints the ports it got (read below)
     ctr = subprocess.check_output(B + ["from", image], text=True).strip()
     # `buildah run` (1.28) mounts a fresh copy of each image VOLUME (in the working container's own
     # folder, deleted by `buildah rm`) AND every -v; when both target /var/lib/phasescope, which one
@@ -101,7 +95,7 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
     log = open(tmp_path / "agent.log", "w+")
     proc = subprocess.Popen(
         B + ["run", "--isolation", "chroot", "-v", f"{data_dir}:/var/lib/phasescope", "-v", f"{sock_dir}:/run/phasescope",
-             "--env", f"PHASESCOPE_METRICS_ADDR=127.0.0.1:{mport}", "--env", f"PHASESCOPE_API=127.0.0.1:{aport}",
+             "--env", "PHASESCOPE_METRICS_ADDR=127.0.0.1:0", "--env", "PHASESCOPE_API=127.0.0.1:0",
              "--env", "PHASESCOPE_HOST=img-test", ctr, "--", "phasescope", "agent"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -109,6 +103,13 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
         status, body = 0, b""
         while time.monotonic() - t0 < 60:
             assert proc.poll() is None, (tmp_path / "agent.log").read_text()
+            if not aport:
+                m = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics; read API on http://127\.0\.0\.1:(\d+)",
+                              (tmp_path / "agent.log").read_text())
+                if m is None:
+                    time.sleep(0.3)
+                    continue
+                mport, aport = int(m.group(1)), int(m.group(2))
             try:
                 status, body = _get(f"http://127.0.0.1:{aport}/readyz")
             except OSError:

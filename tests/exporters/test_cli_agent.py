@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,12 +19,11 @@ from phasescope.exporters.rules import dashboard_text, rules_text
 CLI = [sys.executable, "-m", "phasescope.cli"]
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+def _metrics_url(line: str) -> str:
+    """The /metrics URL `phasescope agent` prints once it listens (it bound port 0: the port is its own)."""
+    m = re.search(r"metrics on (http://\S+/metrics)", line)
+    assert m, line
+    return m.group(1)
 
 
 def test_rules_prints_the_shipped_rule_file_and_dashboard():
@@ -35,23 +35,25 @@ def test_rules_prints_the_shipped_rule_file_and_dashboard():
 
 @pytest.mark.slow
 def test_agent_serves_metrics_and_exports_otlp(short_tmp, otlp_receiver):
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint, OTEL_SERVICE_NAME="agent-under-test")
     sock = os.path.join(short_tmp, "a.sock")
     proc = subprocess.Popen(CLI + ["agent", "--db", os.path.join(short_tmp, "a.duckdb"), "--listen", f"unix:{sock}",
-                                   "--metrics-addr", f"127.0.0.1:{port}", "--otlp", "--otlp-interval-s", "0.5"],
+                                   "--metrics-addr", "127.0.0.1:0", "--api", "127.0.0.1:0", "--otlp",
+                                   "--otlp-interval-s", "0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         line = proc.stdout.readline()
-        assert "listening" in line and f"metrics on http://127.0.0.1:{port}/metrics" in line, line
+        assert "listening" in line, line
+        metrics = _metrics_url(line)
+        assert metrics.startswith("http://127.0.0.1:") and "read API on http://127.0.0.1:" in line, line
         send_workload(sock)
         want = f'gen_ai_server_time_to_first_token_seconds_count{{model="{MODEL}"}} 4.0'
         text = ""
         deadline = time.monotonic() + 20
         while want not in text and time.monotonic() < deadline:
             time.sleep(0.2)
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(metrics, timeout=5) as resp:
                 text = resp.read().decode()
         assert want in text
         assert 'phasescope_otlp_exports_total{signal="metrics"}' in text
@@ -75,7 +77,7 @@ def test_agent_refuses_an_explicit_metrics_address_in_use(short_tmp):
     taken.listen(1)
     try:
         out = subprocess.run(CLI + ["agent", "--db", os.path.join(short_tmp, "b.duckdb"), "--listen",
-                                    f"unix:{short_tmp}/b.sock", "--metrics-addr",
+                                    f"unix:{short_tmp}/b.sock", "--no-api", "--metrics-addr",
                                     f"127.0.0.1:{taken.getsockname()[1]}"],
                              capture_output=True, text=True, timeout=60)
     finally:
@@ -87,22 +89,21 @@ def test_agent_refuses_an_explicit_metrics_address_in_use(short_tmp):
 @pytest.mark.slow
 def test_agent_samples_a_pid_and_the_host(short_tmp):
     """`phasescope agent --pid P`: P's CPU, memory and files and the host's appear on /metrics and in the store."""
-    port = _free_port()
     sock = os.path.join(short_tmp, "h.sock")
     db = os.path.join(short_tmp, "h.duckdb")
     server = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: sum(range(10**5)); time.sleep(0.01)"])
     proc = subprocess.Popen(CLI + ["agent", "--db", db, "--listen", f"unix:{sock}", "--metrics-addr",
-                                   f"127.0.0.1:{port}", "--no-api", "--no-retention", "--sample-s", "0.2",
+                                   "127.0.0.1:0", "--no-api", "--no-retention", "--sample-s", "0.2",
                                    "--pid", str(server.pid)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        assert "listening" in proc.stdout.readline()
+        metrics = _metrics_url(proc.stdout.readline())
         want = f'phasescope_process_resident_memory_bytes{{pid="{server.pid}",run_id=""}}'
         text = ""
         deadline = time.monotonic() + 30
         while want not in text and time.monotonic() < deadline:
             time.sleep(0.3)
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            with urllib.request.urlopen(metrics, timeout=5) as resp:
                 text = resp.read().decode()
         assert want in text
         assert f'phasescope_process_cpu_seconds_total{{mode="user",pid="{server.pid}",run_id=""}}' in text

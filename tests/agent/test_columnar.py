@@ -1,0 +1,200 @@
+"""Columnar validation (agent/sidecar/columnar.py): every range bound of every field, on both sides.
+
+The expected bounds are stated here from the wire format (events.LAYOUTS), its domain bounds
+(events.LIMITS) and the store's column types (schema.TABLES), not read from the validator's own check list: a record at a bound is kept
+and stored, one step past it is rejected and counted under its reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import duckdb
+import numpy as np
+import pytest
+
+from phasescope.agent.records import events as ev
+from phasescope.agent.sidecar import columnar
+from phasescope.agent.records.schema import TABLE_OF_RECORD, TABLES
+from phasescope.agent.sidecar.store import Part, Store
+
+SQL_MAX = {"SMALLINT": 2**15 - 1, "INTEGER": 2**31 - 1, "BIGINT": 2**63 - 1}
+WIRE_RANGE = {"Q": (0, 2**64 - 1), "I": (0, 2**32 - 1), "H": (0, 2**16 - 1), "B": (0, 2**8 - 1),
+              "q": (-(2**63), 2**63 - 1)}
+CONTROL_TABLE = {"Hello": "sources"}  # a Hello becomes the connection's `sources` row
+ENUMS = {("Step", "phase"): len(ev.PHASES), ("RequestEvent", "event"): len(ev.REQUEST_EVENTS)}
+# floats where NaN means "not measured" (and is stored); every other float must be finite
+NAN_ALLOWED = {("Step", "gpu_ms"), ("GpuSample", "util_pct"), ("GpuSample", "power_w"), ("GpuSample", "temp_c"),
+               ("GpuSample", "sm_clock_mhz"), ("ServerMetric", "value"), ("PrefixLookup", "evict_gap_ms"),
+               ("PageEvent", "idle_ms")}
+ANY_FLOAT = {("ServerMetric", "value")}  # a Prometheus sample: NaN, +-Inf and negatives are all real values
+# the smallest negative number of each float width (a subnormal: one ulp below zero)
+TINY_NEG = {"d": -5e-324, "f": -float(np.finfo(np.float32).smallest_subnormal)}
+
+
+def _codes(fmt: str) -> list[str]:
+    """One struct code per field ("32s" -> "s")."""
+    return [ch for ch in fmt.lstrip("<") if not ch.isdigit()]
+
+
+def _baseline(cls: type, codes: list[str]) -> list:
+    """A record every check accepts: 1 for integers, 1.0 for floats, b"a" for text, index 0 for enums."""
+    out = []
+    for name, c in zip(cls._fields, codes):
+        if (cls.__name__, name) in ENUMS:
+            out.append(0)
+        elif c == "s":
+            out.append(b"a")
+        elif c in "df":
+            out.append(1.0)
+        else:
+            out.append(1)
+    return out
+
+
+def _cases() -> list[tuple[int, str, object, str | None]]:
+    """(type code, field, value, expected reason or None for kept) for every bound of every field."""
+    cases = []
+    for code, (cls, st) in ev.LAYOUTS.items():
+        table = TABLE_OF_RECORD.get(cls.__name__) or CONTROL_TABLE.get(cls.__name__)
+        sql = {n: t for n, t, _ in TABLES[table]} if table else {}
+        for name, c in zip(cls._fields, _codes(st.format)):
+            key = (cls.__name__, name)
+            add = lambda v, why: cases.append((code, name, v, why))  # noqa: E731
+            if key in ENUMS:
+                n = ENUMS[key]
+                add(n - 1, None)
+                add(n, "bad_enum")
+                add(255, "bad_enum")
+            elif c == "s":
+                add("é".encode(), None)  # UTF-8 beyond ASCII is text
+                add(b"\xff", "bad_utf8")
+                add(b"a\xc3", "bad_utf8")  # a sequence cut short
+                add(b"\x80", "bad_utf8")  # a lone continuation byte: the lowest non-ASCII byte
+            elif c in WIRE_RANGE:
+                lo, hi = WIRE_RANGE[c]
+                wire_lo, wire_hi = lo, hi
+                if sql.get(name) in SQL_MAX:  # what the store's column holds
+                    hi = min(hi, SQL_MAX[sql[name]])
+                    lo = max(lo, -SQL_MAX[sql[name]] - 1)
+                if name == "ts_ns":
+                    lo = max(lo, 0)
+                dlo, dhi = ev.LIMITS.get(key, (lo, hi))  # the wire spec's domain bounds (tokens, pids, ranks)
+                lo, hi = max(lo, dlo), min(hi, dhi)
+                if hi < wire_hi:
+                    add(hi, None)
+                    add(hi + 1, "out_of_range")
+                    add(wire_hi, "out_of_range")
+                else:
+                    add(wire_hi, None)
+                if lo > wire_lo:
+                    add(lo, None)
+                    add(lo - 1, "out_of_range")
+                    add(wire_lo, "out_of_range")
+                else:
+                    add(wire_lo, None)
+            elif c in "df":
+                big = float(np.finfo(np.float32).max) if c == "f" else 1.7976931348623157e308
+                if key in ANY_FLOAT:
+                    for v in (math.nan, math.inf, -math.inf, -1.0, TINY_NEG[c], big):
+                        add(v, None)
+                    continue
+                add(0.0, None)
+                add(-0.0, None)  # not below zero
+                add(big, None)
+                add(TINY_NEG[c], "negative")
+                add(-1.0, "negative")
+                add(math.inf, "not_finite")
+                add(-math.inf, "not_finite")  # the first failing check names it
+                add(math.nan, None if key in NAN_ALLOWED else "not_finite")
+            else:
+                raise AssertionError(f"no bound stated for {key} ({c})")
+    return cases
+
+
+CASES = _cases()
+
+
+def _payload(code: int, field: str, value: object) -> bytes:
+    cls, st = ev.LAYOUTS[code]
+    vals = _baseline(cls, _codes(st.format))
+    vals[cls._fields.index(field)] = value
+    return bytes((code,)) + st.pack(*vals)
+
+
+@pytest.mark.parametrize("code,field,value,reason", CASES,
+                         ids=[f"{ev.LAYOUTS[c][0].__name__}.{f}={v!r}" for c, f, v, _ in CASES])
+def test_every_bound_of_every_field(code, field, value, reason):
+    d = columnar.decode(_payload(code, field, value), 1)
+    assert d.records == 1
+    if reason is None:
+        assert d.rejected == collections.Counter() and d.kept() == 1
+        cls = ev.LAYOUTS[code][0]
+        if cls.__name__ in TABLE_OF_RECORD:
+            (arr,) = d.arrays[code]
+            got = arr[field][0]
+            if isinstance(value, bytes):
+                assert bytes(got) == value
+            elif isinstance(value, float) and math.isnan(value):
+                assert math.isnan(got)
+            else:
+                assert got == value  # kept exactly, not clamped
+        else:
+            assert len(d.control) == 1 and type(d.control[0]) is cls
+    else:
+        assert d.rejected == collections.Counter({reason: 1}) and d.kept() == 0
+        assert not d.arrays and not d.control
+
+
+def test_the_bounds_cover_every_field_of_every_record():
+    fields = {(ev.LAYOUTS[c][0].__name__, f) for c, f, _, _ in CASES}
+    assert fields == {(cls.__name__, f) for cls, _ in ev.LAYOUTS.values() for f in cls._fields}
+    assert {r for *_, r in CASES} == set(columnar.REASONS) | {None}
+
+
+def test_records_at_the_bounds_fit_their_columns(tmp_path):
+    """Every kept boundary value of a stored record type is written to DuckDB and read back unchanged."""
+    kept = [(c, f, v) for c, f, v, r in CASES if r is None and ev.LAYOUTS[c][0].__name__ in TABLE_OF_RECORD]
+    payload = b"".join(_payload(c, f, v) for c, f, v in kept)
+    d = columnar.decode(payload, len(kept))
+    assert d.kept() == len(kept) and not d.rejected
+    path = str(tmp_path / "b.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(1, 0, 1, 0, 1, "bounds", "m", "module"))
+        assert store.write([Part(sid, dict(d.arrays))]) == len(kept)
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        per_table = collections.Counter(TABLE_OF_RECORD[ev.LAYOUTS[c][0].__name__] for c, _, _ in kept)
+        for table, n in per_table.items():
+            assert con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == n, table
+        for c, f, v in kept:  # the largest integer each column accepts is stored as itself
+            table = TABLE_OF_RECORD[ev.LAYOUTS[c][0].__name__]
+            if isinstance(v, int) and v in SQL_MAX.values():
+                assert con.execute(f"SELECT max({f}) FROM {table}").fetchone()[0] == v, (table, f)
+    finally:
+        con.close()
+
+
+def test_a_record_failing_two_checks_is_counted_once_by_its_first_field():
+    cls, st = ev.LAYOUTS[2]
+    assert cls is ev.Step
+    bad_both = ev.Step(1, 1, 0, len(ev.PHASES), 1, 0, 1, 0, math.inf, math.nan)  # bad phase, infinite host_ms
+    bad_host = ev.Step(2, 2, 0, 0, 1, 0, 1, 0, -1.0, math.nan)
+    good = ev.Step(3, 3, 0, len(ev.PHASES) - 1, 1, 0, 1, 0, 0.0, math.nan)
+    payload, n = ev.encode_records([bad_both, good, bad_host, good])
+    d = columnar.decode(payload, n)
+    assert d.rejected == collections.Counter({"bad_enum": 1, "negative": 1})
+    assert d.kept() == 2 and [int(x) for x in d.arrays[2][0]["ts_ns"]] == [3, 3]
+
+
+def test_a_control_record_with_a_bad_value_is_dropped_not_applied():
+    hello_bad = ev.Hello(-1, 0, 1, 0, 1, "r", "m", "module")
+    label_bad = bytes((8,)) + ev.LAYOUTS[8][1].pack(1, b"k\xff", b"v")
+    payload, n = ev.encode_records([hello_bad, ev.RunLabel(1, "k", "v")])
+    d = columnar.decode(payload + label_bad, n + 1)
+    assert d.rejected == collections.Counter({"out_of_range": 1, "bad_utf8": 1})
+    assert d.control == [ev.RunLabel(1, "k", "v")]

@@ -1,0 +1,82 @@
+"""Tests own their ports: none binds the agent's default ports (a user's agent may hold them), and every
+`phasescope agent` a test starts names its /metrics and read-API addresses (port 0, or off).
+
+Port 0 in the child, then the port it prints: never "pick a free port, release it, let the child bind it"
+for our own agent (another process can take it in between).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PORTS = ("7702", "9464")
+# lines that name a default port without binding it: (file, text the line contains)
+NOT_A_BIND = {
+    ("deploy/test_manifests.py", 'containerPort"] == 9464'),  # reads the pod spec
+    ("exporters/test_prometheus.py", 'parse_host_port("9464")'),  # the parser's error
+    ("exporters/test_prometheus.py", 'parse_host_port("[::1]:9464")'),  # the parser
+    ("test_cli_errors.py", '"--agent", "127.0.0.1:7702"'),  # refused as a URL before any connection
+}
+LAUNCH = re.compile(r'"phasescope\.cli",(?:\s*"-v",)?\s*"agent"|CLI \+ \["agent"')
+METRICS = ("--metrics-addr", "--no-metrics", "PHASESCOPE_METRICS_ADDR")
+API = ("--api", "--no-api", "PHASESCOPE_API")
+
+
+def _sources() -> dict[str, str]:
+    out = {}
+    for root, dirs, files in os.walk(TESTS):
+        dirs[:] = [d for d in dirs if d not in ("data", "__pycache__")]
+        for f in files:
+            if f.endswith(".py") and f != "test_ports.py":
+                path = os.path.join(root, f)
+                with open(path, encoding="utf-8") as fh:
+                    out[os.path.relpath(path, TESTS)] = fh.read()
+    return out
+
+
+def _statement(text: str, start: int) -> str:
+    """From `start` to the end of the call that holds it (parentheses balanced from the line's start)."""
+    begin = text.rfind("\n", 0, start) + 1
+    depth, i = 0, begin
+    while i < len(text):
+        ch = text[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth <= 0 and i > start:
+                return text[begin:i + 1]
+        i += 1
+    return text[begin:]
+
+
+def test_no_test_binds_a_default_port():
+    bad = []
+    for rel, text in _sources().items():
+        for n, line in enumerate(text.splitlines(), 1):
+            if any(p in line for p in DEFAULT_PORTS) and not any(rel == f and s in line for f, s in NOT_A_BIND):
+                bad.append(f"{rel}:{n}: {line.strip()}")
+    assert not bad, "default ports in tests:\n" + "\n".join(bad)
+
+
+def test_every_agent_a_test_starts_names_its_ports():
+    launches, bad = 0, []
+    for rel, text in _sources().items():
+        for m in LAUNCH.finditer(text):
+            launches += 1
+            stmt = _statement(text, m.start())
+            if "*extra" in stmt:  # inside a helper: every call of the helper passes the addresses
+                name = re.findall(r"def (\w+)\(", text[:m.start()])[-1]
+                stmts = [_statement(text, c.start()) for c in re.finditer(rf"\b{name}\(", text)
+                         if not text[max(0, c.start() - 4):c.start()].endswith("def ")]
+                assert stmts, f"{rel}: {name} is never called"
+            else:
+                # env-configured launches set the addresses in the env dict built just before
+                stmts = [stmt + text[max(0, m.start() - 1500):m.start()] if "env=env" in stmt else stmt]
+            for s in stmts:
+                if not (any(k in s for k in METRICS) and any(k in s for k in API)):
+                    bad.append(f"{rel}: {s.strip()[:160]}")
+    assert launches >= 6  # the scan finds the launches (kill, hardening, zero-loss, cli-agent x3, deploy)
+    assert not bad, "agents started on default ports:\n" + "\n".join(bad)
