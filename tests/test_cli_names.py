@@ -18,7 +18,7 @@ READERS = [["dashboard"], ["summary"], ["diagnose"], ["compare", "a", "b"]]
 
 @pytest.mark.parametrize("cmd", READERS, ids=lambda c: c[0])
 def test_read_api_url_is_api_and_agent_is_a_deprecated_alias(cmd, capsys):
-    url = "http://127.0.0.1:7702"
+    url = "http://127.0.0.1:5799"
     assert build_parser().parse_args([*cmd, "--api", url]).api == url
     assert capsys.readouterr().err == ""
     with pytest.warns(DeprecationWarning, match="--agent is deprecated"):
@@ -43,7 +43,7 @@ def test_the_deprecation_shows_when_warnings_are_on(tmp_path):
     import sys
 
     out = subprocess.run([sys.executable, "-W", "default::DeprecationWarning", "-m", "phasescope.cli", "summary",
-                          "--agent", "127.0.0.1:7702"], capture_output=True, text=True, timeout=60)
+                          "--agent", "127.0.0.1:5799"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "phasescope summary: --agent is deprecated and goes in the next release; use --api" in out.stderr
 
@@ -51,10 +51,10 @@ def test_the_deprecation_shows_when_warnings_are_on(tmp_path):
 def test_the_alias_and_the_new_name_read_the_same(tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        assert main(["summary", "--agent", "127.0.0.1:7702"]) == 2
+        assert main(["summary", "--agent", "127.0.0.1:5799"]) == 2
     assert "--api takes the agent's read API URL" in capsys.readouterr().err
-    assert main(["summary", "--api", "127.0.0.1:7702"]) == 2
-    assert main(["diagnose", "--api", "127.0.0.1:7702"]) == 2  # diagnose checks the URL as summary does
+    assert main(["summary", "--api", "127.0.0.1:5799"]) == 2
+    assert main(["diagnose", "--api", "127.0.0.1:5799"]) == 2  # diagnose checks the URL as summary does
     assert "--api takes the agent's read API URL" in capsys.readouterr().err
 
 
