@@ -351,7 +351,7 @@ class ProbeSettings:
     the zero-code paths (`phasescope run`'s bootstrap, the vLLM plugin) through `probe_options`. Callables
     and objects (`sink`, `device`, `clock_ns`, `perf_ns`) are arguments only."""
 
-    agent: str | None = setting(None, "where the sidecar listens: unix:/path/agent.sock or tcp:HOST:PORT",
+    address: str | None = setting(None, "where the sidecar listens: unix:/path/agent.sock or tcp:HOST:PORT",
                                 env=ENV_ADDRESS, shown="$XDG_RUNTIME_DIR/phasescope/agent.sock")
     rank: int | None = setting(None, "this process's rank", env=None, shown="$RANK, else $LOCAL_RANK, else 0")
     world_size: int | None = setting(None, "ranks in the run", env=None, shown="$WORLD_SIZE, else 1")

@@ -44,7 +44,7 @@ def main() -> None:
     ids = torch.randint(2, 32000, (8, 384), generator=g).to(device)
     with torch.inference_mode():
         model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)  # warm-up
-        probe = attach(model, agent=args.agent, rank=rank, world_size=world, run_id=args.run_id, runtime="hf-tp")
+        probe = attach(model, address=args.agent, rank=rank, world_size=world, run_id=args.run_id, runtime="hf-tp")
         for _ in range(3):
             model.generate(input_ids=ids, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
                            eos_token_id=None)

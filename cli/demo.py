@@ -237,7 +237,7 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
     probe = None
     try:
         runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"
-        probe = attach(model, agent=addr, runtime=runtime, flush_interval_s=0.05,
+        probe = attach(model, address=addr, runtime=runtime, flush_interval_s=0.05,
                        labels={**demo_labels(cfg), **(labels or {})})
         adapter = HFContinuousBatching(probe).instrument_model(model) if cfg.runtime == "cb" else None
         if adapter is not None and cfg.adapter_silent_after_s > 0:

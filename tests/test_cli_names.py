@@ -83,3 +83,19 @@ def test_one_queries_module():
     found = sorted(str(p.relative_to(ROOT)) for folder in ("agent", "analyzers", "exporters", "dashboard", "cli")
                    for p in (ROOT / folder).rglob("queries.py"))
     assert found == ["agent/read/queries.py"]
+
+
+def test_attach_takes_address_and_agent_is_a_deprecated_alias():
+    torch = pytest.importorskip("torch")
+    from phasescope.agent.probe.probe import Probe
+
+    model = torch.nn.Linear(2, 2)
+    p = Probe(model, address="tcp:127.0.0.1:5799", connect=False, cuda_timing=False)
+    assert str(p.addr) == "tcp:127.0.0.1:5799"
+    p.close(0.1)
+    with pytest.warns(DeprecationWarning, match="use attach\\(address=...\\)"):
+        p = Probe(model, agent="tcp:127.0.0.1:5799", connect=False, cuda_timing=False)
+    assert str(p.addr) == "tcp:127.0.0.1:5799"
+    p.close(0.1)
+    with pytest.raises(TypeError, match="both address= and"):
+        Probe(model, address="tcp:127.0.0.1:5799", agent="tcp:127.0.0.1:5799", connect=False)

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from typing import Any, Callable
 
 from ..records.events import (
@@ -99,6 +100,7 @@ class Probe:
         self,
         model: Any,
         *,
+        address: str | Address | None = None,
         agent: str | Address | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -133,7 +135,13 @@ class Probe:
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if rank < 0 or world_size < 1 or rank >= world_size:
             raise ValueError(f"bad rank {rank} for world_size {world_size}")
-        self.addr = agent if isinstance(agent, Address) else parse_address(agent)
+        if agent is not None:  # the old spelling of `address`: kept for one release
+            warnings.warn("attach(agent=...) is deprecated and goes in the next release; use attach(address=...)",
+                          DeprecationWarning, stacklevel=3)
+            if address is not None:
+                raise TypeError("attach() got both address= and its deprecated alias agent=")
+            address = agent
+        self.addr = address if isinstance(address, Address) else parse_address(address)
         self.rank = rank
         self.world_size = world_size
         self.run_id = (run_id or uuid.uuid4().hex[:16])[:16]
