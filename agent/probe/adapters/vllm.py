@@ -1,4 +1,4 @@
-"""vLLM V1 adapter: records from vLLM's scheduler, block pool and workers (vllm 0.32).
+"""vLLM V1 adapter: records from vLLM's scheduler, block pool and workers (vllm 0.32; 0.24 on GPU).
 
 Where each figure comes from (see docs: vLLM section of the README):
 
@@ -59,6 +59,7 @@ ENV_PAGE_SAMPLE = "PHASESCOPE_PAGE_SAMPLE_EVERY"  # follow one KV page id in N (
 # (O(cached pages): ~1 ms at 20k pages, which per step cost a host-bound H200 decode a third of its throughput)
 CACHED_RECOUNT_EVERY = 512
 RUNTIME = "vllm"
+WARMUP_PREFIX = "_warmup_"  # request ids of vLLM's kernel warm-up batches (0.24: v1/worker/gpu/warmup.py)
 NAN = float("nan")
 
 _STATE_LOCK = threading.Lock()
@@ -462,9 +463,12 @@ class EngineHooks:
         if getattr(request, "num_preemptions", 0) > 0:
             self.resumed_queried += q
             self.resumed_hits += h
-            # recomputed: positions whose KV the preemption dropped and the cache did not give back
-            lost = self.lost.pop(request.request_id, q)
-            self.recomputed += max(0, min(q, lost) - h)
+            # recomputed: positions whose KV the preemption dropped and the cache did not give back, counted
+            # at the first lookup after the preemption (vLLM 0.24 looks a waiting request up again every step
+            # until its pages fit; each of those lookups is still one for vLLM's counters and for ours)
+            lost = self.lost.pop(request.request_id, None)
+            if lost is not None:
+                self.recomputed += max(0, min(q, lost) - h)
         else:
             self.queried += q
             self.hits += h
@@ -725,6 +729,8 @@ class WorkerHooks:
         self._close_open(None)  # a step whose sample_tokens never came
         if getattr(so, "total_num_scheduled_tokens", 0) <= 0:
             return None
+        if str(next(iter(so.num_scheduled_tokens), "")).startswith(WARMUP_PREFIX):
+            return None  # vLLM's own kernel warm-up at start (model runner V2), not an engine step
         self.probe.begin_step(*self.shape(so))
         self._open = True
         return None
