@@ -122,3 +122,141 @@ def test_config_labels_from_a_config_shaped_object():
     assert (labels["max_num_batched_tokens"], labels["max_num_seqs"], labels["block_size"], labels["tp"]) == (
         "512", "8", "16", "2")
     assert labels["model_dtype"] == "float16" and "num_gpu_blocks" not in labels
+
+
+# --- the block-pool wrappers on a pool shaped like vLLM's (no vLLM needed) -------------------------
+
+class _Block:
+    def __init__(self, i: int) -> None:
+        self.block_id, self.ref_cnt, self.block_hash, self.is_null = i, 0, None, i == 0
+
+
+class _Pool:
+    """vLLM's BlockPool semantics: free queue, hash map, eviction when a cached free block is reused."""
+
+    def __init__(self, n: int) -> None:
+        from types import SimpleNamespace
+
+        self.blocks = [_Block(i) for i in range(n)]
+        self.free = self.blocks[1:]
+        self.num_gpu_blocks = n
+        self.free_block_queue = SimpleNamespace(num_free_blocks=n - 1)
+        self.cached_block_hash_to_block = SimpleNamespace(_cache={})
+
+    def _sync(self) -> None:
+        self.free_block_queue.num_free_blocks = len(self.free)
+
+    def _maybe_evict_cached_block(self, b: _Block) -> bool:
+        if b.block_hash is None:
+            return False
+        del self.cached_block_hash_to_block._cache[b.block_hash]
+        b.block_hash = None
+        return True
+
+    def get_new_blocks(self, k: int) -> list:
+        out = [self.free.pop(0) for _ in range(k)]
+        for b in out:
+            self._maybe_evict_cached_block(b)  # through the instance: the adapter's wrapper sees it
+            b.ref_cnt += 1
+        self._sync()
+        return out
+
+    def touch(self, blocks: list) -> None:
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free.remove(b)
+            b.ref_cnt += 1
+        self._sync()
+
+    def free_blocks(self, blocks) -> None:
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free.append(b)
+        self._sync()
+
+    def cache(self, b: _Block, h: bytes) -> None:
+        b.block_hash = h
+        self.cached_block_hash_to_block._cache[h] = b
+
+
+def _engine(monkeypatch, tmp_path, pool: _Pool):
+    """EngineHooks on a scheduler shaped like vLLM 0.24's (no record_prefix_cache_stats)."""
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")  # nothing listens: records are dropped
+    monkeypatch.setenv("PHASESCOPE_PREFIX_TABLE_PAGES", "0")
+    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    kvm = NS(block_pool=pool, enable_caching=True, get_computed_blocks=lambda req: ([], req.hits),
+             coordinator=NS(single_type_managers=[NS(block_size=16, req_to_blocks={})]))
+    sched = NS(vllm_config=NS(), kv_cache_manager=kvm, requests={},
+               kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=NS(page_size_bytes=1024, dtype="bf16"),
+                                                      layer_names=["l0"])]),
+               add_request=lambda r: None, schedule=lambda: None, update_from_output=lambda o, so: {},
+               _preempt_request=lambda r, t: None, finish_requests=lambda ids, st: [])
+    return adapter.EngineHooks(sched), sched, kvm
+
+
+def test_cached_pages_kept_by_the_wrappers_equal_a_recount(monkeypatch, tmp_path):
+    pool = _Pool(12)
+    hooks, _, _ = _engine(monkeypatch, tmp_path, pool)
+    try:
+        a = pool.get_new_blocks(4)
+        for i, b in enumerate(a[:3]):
+            pool.cache(b, bytes([i + 1]) * 8)
+        pool.free_blocks(iter(a))  # 3 hashed pages stay cached, 1 is simply free
+        assert hooks.cached == hooks._cached_pages() == 3
+        pool.touch(a[:2])  # a prefix hit takes two back
+        assert hooks.cached == hooks._cached_pages() == 1
+        b = pool.get_new_blocks(8)  # reuses every free page: the cached one is evicted
+        assert hooks.evicted == 1 and hooks.cached == hooks._cached_pages() == 0
+        pool.free_blocks(a[:2] + b)
+        assert hooks.cached == hooks._cached_pages() == 2
+    finally:
+        adapter.close_channels(0.1)
+
+
+def test_vllm_024_lookup_through_get_computed_blocks(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    hooks, _, kvm = _engine(monkeypatch, tmp_path, _Pool(4))
+    try:
+        kvm.get_computed_blocks(NS(request_id="a", num_tokens=100, hits=64, num_preemptions=0,
+                                   skip_reading_prefix_cache=False))
+        kvm.get_computed_blocks(NS(request_id="b", num_tokens=50, hits=0, num_preemptions=0,
+                                   skip_reading_prefix_cache=True))  # vLLM skips it: no lookup
+        assert (hooks.queried, hooks.hits) == (100, 64)
+        # a resumed request that waits is looked up again each step: one recomputation, every lookup counted
+        hooks.lost["c"] = 80
+        for _ in range(3):
+            kvm.get_computed_blocks(NS(request_id="c", num_tokens=90, hits=32, num_preemptions=1,
+                                       skip_reading_prefix_cache=False))
+        assert (hooks.resumed_queried, hooks.resumed_hits, hooks.recomputed) == (270, 96, 48)
+    finally:
+        adapter.close_channels(0.1)
+
+
+def test_vllm_kernel_warmup_is_not_an_engine_step(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
+    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    worker = NS(vllm_config=NS(), rank=0, device=None, execute_model=lambda so: None, sample_tokens=lambda g: "out",
+                model_runner=NS(get_model=lambda: NS(parameters=lambda: iter(()))))
+    hooks = adapter.WorkerHooks(worker)
+
+    def step(req_ids: list) -> None:
+        so = NS(total_num_scheduled_tokens=16 * len(req_ids), num_scheduled_tokens={r: 16 for r in req_ids},
+                finished_req_ids=set(), scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=[1] * 16,
+                                                               num_computed_tokens=0) for r in req_ids],
+                scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[], num_output_tokens=[]))
+        worker.execute_model(so)
+        worker.sample_tokens(None)
+
+    try:
+        step([f"_warmup_{i}_" for i in range(4)])  # vLLM 0.24's warmup_kernels calls the worker's execute_model
+        assert hooks.step_id == 0
+        step(["req-1"])
+        assert hooks.step_id == 1
+    finally:
+        adapter.close_channels(0.1)

@@ -1,10 +1,11 @@
-"""vLLM V1 adapter: records from vLLM's scheduler, block pool and workers (vllm 0.32).
+"""vLLM V1 adapter: records from vLLM's scheduler, block pool and workers (vllm 0.32; 0.24 on GPU).
 
 Where each figure comes from (see docs: vLLM section of the README):
 
 - EngineCore process (`Scheduler` instance): request lifecycle (`add_request`,
   `schedule`, `update_from_output`, `_preempt_request`, `finish_requests`), prefix
-  lookups (`kv_cache_manager.record_prefix_cache_stats`: resumed-after-preemption
+  lookups (`kv_cache_manager.record_prefix_cache_stats`; on vLLM 0.24, which has no
+  such method, `get_computed_blocks`: resumed-after-preemption
   lookups kept apart, exactly as vLLM's `/metrics` counts), KV snapshots from the
   block pool after every step (cost O(used pages): gaps between used ids, never a
   free-list walk), page churn (`get_new_blocks`, `touch`, `free_blocks`) and
@@ -54,7 +55,11 @@ ENV_TOKENS_AT = "PHASESCOPE_VLLM_TOKENS_AT"  # "frontend": the frontend records 
 ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine steps (default 1)
 ENV_PREFIX_TABLE = "PHASESCOPE_PREFIX_TABLE_PAGES"  # cap of the table of earlier prompts' block hashes (0: off)
 ENV_PAGE_SAMPLE = "PHASESCOPE_PAGE_SAMPLE_EVERY"  # follow one KV page id in N (0: no PageEvents; default ~1024 pages)
+# the cached-page count is kept by the block-pool wrappers; every N snapshots it is recounted from the hash map
+# (O(cached pages): ~1 ms at 20k pages, which per step cost a host-bound H200 decode a third of its throughput)
+CACHED_RECOUNT_EVERY = 512
 RUNTIME = "vllm"
+WARMUP_PREFIX = "_warmup_"  # request ids of vLLM's kernel warm-up batches (0.24: v1/worker/gpu/warmup.py)
 NAN = float("nan")
 
 _STATE_LOCK = threading.Lock()
@@ -321,6 +326,9 @@ class EngineHooks:
         self.recomputed = self.evicted = 0
         self.lost: dict[str, int] = {}  # request id -> KV tokens its last preemption dropped
         self.allocated = self.freed = 0
+        self.cached = 0  # hashed pages no request references, kept by the pool wrappers (see snapshot)
+        self.cached_recounts_off = 0  # recounts that found the kept count off (then the recount wins)
+        self._evicting_idle = False
         self.snapshot_ns_total = 0
         self.snapshots = 0
         # issue 13: per-lookup miss facts against a bounded table of earlier prompts' block hashes (vLLM's own,
@@ -343,7 +351,10 @@ class EngineHooks:
         if kvm is None:
             _fail("kv_cache_manager", AttributeError("kv_cache_manager"))
             return
-        wrap(kvm, "record_prefix_cache_stats", self._after_prefix, ref)
+        if hasattr(kvm, "record_prefix_cache_stats"):  # vLLM 0.32: one call per lookup
+            wrap(kvm, "record_prefix_cache_stats", self._after_prefix, ref)
+        else:  # vLLM 0.24: get_computed_blocks does the lookup, records vLLM's stats, returns the hit tokens
+            wrap(kvm, "get_computed_blocks", self._after_computed_blocks, ref)
         try:
             self.pool = kvm.block_pool
             self.page_size = int(kvm.coordinator.single_type_managers[0].block_size)
@@ -367,8 +378,8 @@ class EngineHooks:
         wrap(self.pool, "get_new_blocks", self._after_new_blocks, ref)
         wrap(self.pool, "touch", lambda r, *a, **k: None, ref, before=self._before_touch)
         wrap(self.pool, "free_blocks", self._after_free, ref, before=self._before_free)
-        wrap(self.pool, "_maybe_evict_cached_block", self._after_evict, ref,
-             before=self._before_evict if self.table is not None or self.life is not None else None)
+        wrap(self.pool, "_maybe_evict_cached_block", self._after_evict, ref, before=self._before_evict)
+        self.cached = self._cached_pages()
 
     # lifecycle
     def _mono_of_wall(self, wall_s: float) -> int:
@@ -452,12 +463,21 @@ class EngineHooks:
         if getattr(request, "num_preemptions", 0) > 0:
             self.resumed_queried += q
             self.resumed_hits += h
-            # recomputed: positions whose KV the preemption dropped and the cache did not give back
-            lost = self.lost.pop(request.request_id, q)
-            self.recomputed += max(0, min(q, lost) - h)
+            # recomputed: positions whose KV the preemption dropped and the cache did not give back, counted
+            # at the first lookup after the preemption (vLLM 0.24 looks a waiting request up again every step
+            # until its pages fit; each of those lookups is still one for vLLM's counters and for ours)
+            lost = self.lost.pop(request.request_id, None)
+            if lost is not None:
+                self.recomputed += max(0, min(q, lost) - h)
         else:
             self.queried += q
             self.hits += h
+
+    def _after_computed_blocks(self, result: Any, request: Any, *a: Any, **k: Any) -> None:
+        # vLLM 0.24 counts a lookup here unless caching is off or the request skips reading the cache
+        if not self.sched.kv_cache_manager.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return
+        self._after_prefix(None, request, int(result[1]))
 
     def _lookup(self, request: Any, n: int, hit: int) -> None:
         """One PrefixLookup: vLLM's block hashes of the request against the table of earlier prompts'."""
@@ -493,6 +513,7 @@ class EngineHooks:
     def _before_touch(self, blocks: Any, *a: Any, **k: Any) -> None:
         idle = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]  # cached blocks a prefix hit takes back
         self.allocated += len(idle)
+        self.cached -= sum(1 for b in idle if b.block_hash is not None)
         if self.life is not None and idle:
             self.life.reused([b.block_id for b in idle], time.monotonic_ns())
 
@@ -505,6 +526,7 @@ class EngineHooks:
         blocks, self._freeing = getattr(self, "_freeing", ()), ()
         idle = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
         self.freed += len(idle)
+        self.cached += sum(1 for b in idle if b.block_hash is not None)  # a hashed page stays cached when freed
         if self.life is not None and idle:
             now = time.monotonic_ns()
             # a hashed block stays cached (evictable) until reused or evicted; an unhashed one is simply free
@@ -513,7 +535,8 @@ class EngineHooks:
 
     def _before_evict(self, block: Any, *a: Any, **k: Any) -> None:
         key = block.block_hash  # BlockHashWithGroupId: the block hash and a 4-byte group id; None if not cached
-        if key is not None:
+        self._evicting_idle = key is not None and block.ref_cnt == 0
+        if key is not None and (self.table is not None or self.life is not None):
             now = time.monotonic_ns()
             if self.table is not None:
                 self.table.mark_evicted((bytes(key[:-4]),), now)
@@ -523,10 +546,14 @@ class EngineHooks:
     def _after_evict(self, evicted: Any, *a: Any, **k: Any) -> None:
         if evicted:
             self.evicted += 1
+            if self._evicting_idle:
+                self.cached -= 1
+        self._evicting_idle = False
 
     # KV snapshot
     def snapshot(self, now: int) -> None:
-        """One KVSnapshot per TP rank from the block pool, in O(used pages)."""
+        """One KVSnapshot per TP rank from the block pool, in O(used pages) (and O(cached) every
+        CACHED_RECOUNT_EVERY snapshots)."""
         t0 = time.perf_counter_ns()
         pool, P = self.pool, self.page_size
         total = pool.num_gpu_blocks - 1  # block 0 is the null block
@@ -553,7 +580,13 @@ class EngineHooks:
             live += min(ncomp, n_real * P)
         live -= sum((refs - 1) * P for refs in shared.values())
         used = total - free
-        cached = self._cached_pages()
+        if self.snapshots % CACHED_RECOUNT_EVERY == 0:
+            exact = self._cached_pages()
+            if exact != self.cached:  # e.g. after reset_prefix_cache, which no wrapper sees
+                self.cached_recounts_off += 1
+                self.probe.label(kv_cached_recounts_off=self.cached_recounts_off)
+                self.cached = exact
+        cached = self.cached
         ids = sorted(used_ids)
         run, prev = 0, 0  # block 0 (null) bounds the first gap
         for i in ids:
@@ -571,7 +604,7 @@ class EngineHooks:
             self.probe.label(kv_snapshot_mean_us=round(self.snapshot_ns_total / self.snapshots / 1e3, 1))
 
     def _cached_pages(self) -> int:
-        """Hashed pages no request references (evictable prefix-cache pages)."""
+        """Hashed pages no request references (evictable prefix-cache pages), counted from the hash map."""
         cache = getattr(self.pool.cached_block_hash_to_block, "_cache", None)
         if cache is None:
             return 0
@@ -696,6 +729,8 @@ class WorkerHooks:
         self._close_open(None)  # a step whose sample_tokens never came
         if getattr(so, "total_num_scheduled_tokens", 0) <= 0:
             return None
+        if str(next(iter(so.num_scheduled_tokens), "")).startswith(WARMUP_PREFIX):
+            return None  # vLLM's own kernel warm-up at start (model runner V2), not an engine step
         self.probe.begin_step(*self.shape(so))
         self._open = True
         return None

@@ -1,0 +1,356 @@
+"""vLLM on a GPU with phasescope's plugin and a real sidecar: timing truth, cost and fidelity.
+
+Each phase starts a `phasescope agent` process (DuckDB store, Unix socket) and runs vLLM's offline
+`LLM` in a child process with the plugin armed (PHASESCOPE_AGENT), random weights of a real
+geometry (`load_format="dummy"`, config.json only, token-id prompts), and vLLM's defaults otherwise:
+torch.compile, CUDA graphs (FULL_AND_PIECEWISE), prefix caching, chunked prefill, async scheduling.
+
+- truth: vLLM's own reference (vllm_ref.py) records CUDA events of its own around the same
+  `execute_model` + `sample_tokens` for every step, the scheduler's token counts, the graph mode of
+  each step, and vLLM's SchedulerStats; compared with the probe's steps and KV snapshots, and the
+  plugin's counters with `LLM.get_metrics()` (fidelity, ample KV).
+- pressure: the same fidelity checks on a KV cache small enough to preempt (and a fixture).
+- cost: two engines in one process, one armed and one not, serving identical blocks alternately
+  (ABBA), decode throughput and median step period at batch 1, 8 and 64.
+- interference: decoders with long prompts arriving (chunked prefill), a fixture for diagnose.
+
+    python vllm_h200.py --out DIR [--phases truth,cost,pressure,interference] [--deadline-s 540]
+
+Writes DIR/results.json (updated after every phase), DIR/<phase>.duckdb and the child logs to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+MODELS = HERE / "models"
+RESULT_TAG = "H200_RESULT "
+_LLMS: list = []  # the child's engines, shut down after the result is written
+
+# phase -> (seconds it may take at most, seconds it needs at least to be worth starting)
+PHASE_TIME = {"truth": (240, 120), "cost": (300, 150), "pressure": (150, 80), "interference": (150, 80)}
+
+
+# --- child side: runs vLLM ------------------------------------------------------------------------
+
+def _engine_args(model: str, cpu: bool, **extra: Any) -> dict:
+    """vLLM's defaults, random weights; on the CPU build (a local check of this script) small and eager."""
+    args = dict(model=model, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=True,
+                disable_log_stats=False, max_model_len=4096, seed=0)
+    if cpu:
+        args.update(dtype="float32", enforce_eager=True, block_size=32, max_model_len=1024,
+                    max_num_batched_tokens=1024, max_num_seqs=64)
+    else:
+        args.update(dtype="bfloat16", gpu_memory_utilization=0.40)
+    args.update(extra)
+    return args
+
+
+def _metrics(llm: Any) -> dict:
+    """vLLM's own metrics (`LLM.get_metrics()`): counters/gauges by name, histograms as _count/_sum."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            out[m.name] = out.get(m.name, 0) + value
+        elif isinstance(getattr(m, "count", None), int):
+            out[m.name + "_count"] = out.get(m.name + "_count", 0) + m.count
+            out[m.name + "_sum"] = out.get(m.name + "_sum", 0.0) + float(getattr(m, "sum", 0.0))
+    return out
+
+
+_VOCAB = [32000]  # token ids are drawn below this (the model's vocabulary, read by child_main)
+
+
+def _prompts(rng: random.Random, n: int, length: int, shared: list[int] | None = None) -> list[list[int]]:
+    lo, hi = min(1000, _VOCAB[0] // 4), min(30000, _VOCAB[0] - 1)
+    return [(shared or []) + [rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _rpc(llm: Any, fn: Any, *args: Any) -> Any:
+    try:
+        return llm.collective_rpc(fn, args=args)[0]
+    except Exception as exc:  # noqa: BLE001 - the reference is optional; the run goes on
+        return {"error": repr(exc)[:400]}
+
+
+def child_fidelity(model: str, cpu: bool, pressure: bool) -> dict:
+    """truth / pressure: one armed engine, vLLM's reference installed, a mixed workload."""
+    import vllm_ref
+    from vllm import LLM
+
+    extra = {}
+    if pressure:
+        # a pool the workload outgrows while decoding: vLLM preempts (recomputes) requests
+        extra = dict(num_gpu_blocks_override=(40 if cpu else 700) + 1)
+    t0 = time.monotonic()
+    llm = LLM(**_engine_args(model, cpu, **extra))
+    res: dict = {"engine_start_s": round(time.monotonic() - t0, 1)}
+    res["ref_worker"] = _rpc(llm, vllm_ref.install_worker)
+    res["ref_sched"] = _rpc(llm, vllm_ref.install_scheduler)
+    rng = random.Random(1 if pressure else 0)
+    t0 = time.monotonic()
+    served = 0
+    if pressure:
+        shared = _prompts(rng, 1, 256 if cpu else 512)[0]
+        n, own, out = (12, 64, 48) if cpu else (96, 128, 384)
+        prompts = _prompts(rng, n * 3 // 4, own, shared) + _prompts(rng, n - n * 3 // 4, own + len(shared))
+        served += _generate(llm, prompts, out)
+    else:
+        shared = _prompts(rng, 1, 256 if cpu else 1024)[0]
+        n = 16 if cpu else 64
+        # a wave of n (3 in 4 behind a shared prefix): prefill, mixed and decode steps at batch n
+        served += _generate(llm, _prompts(rng, n * 3 // 4, 64, shared) + _prompts(rng, n // 4, 512), 32 if cpu else 96)
+        served += _generate(llm, _prompts(rng, 1, 128), 32 if cpu else 256)  # batch 1
+        served += _generate(llm, _prompts(rng, 8, 128), 32 if cpu else 256)  # batch 8
+    res["workload_s"] = round(time.monotonic() - t0, 2)
+    res["client_output_tokens"] = served
+    res["metrics"] = _metrics(llm)
+    res["ref_steps"] = _rpc(llm, vllm_ref.collect_worker)
+    res["ref_stats"] = _rpc(llm, vllm_ref.collect_scheduler)
+    _LLMS.append(llm)
+    return res
+
+
+def _timed_block(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Serve one block; wall time, output tokens, and the frontend's engine-step periods."""
+    engine = llm.llm_engine
+    original = engine.step
+    stamps: list[float] = []
+
+    def step(*a: Any, **k: Any) -> Any:
+        r = original(*a, **k)
+        stamps.append(time.perf_counter())
+        return r
+
+    engine.step = step
+    try:
+        t0 = time.perf_counter()
+        tokens = _generate(llm, prompts, max_tokens)
+        wall = time.perf_counter() - t0
+    finally:
+        del engine.step
+    periods = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # decode steps: after the prefill
+    return {"wall_s": wall, "tokens": tokens, "steps": len(stamps),
+            "p50_step_ms": statistics.median(periods) * 1e3 if periods else float("nan")}
+
+
+def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_tokens: int) -> dict:
+    """Two engines, armed (A) and not (B), identical blocks alternately, ABBA by round."""
+    import vllm_ref
+    from vllm import LLM
+
+    util = {} if cpu else dict(gpu_memory_utilization=0.30)
+    t0 = time.monotonic()
+    llm_a = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))  # PHASESCOPE_AGENT is set
+    del os.environ["PHASESCOPE_AGENT"]  # B's EngineCore (spawned) starts with the plugin off
+    llm_b = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))
+    res: dict = {"engine_start_s": round(time.monotonic() - t0, 1),
+                 "armed": {"A": _rpc(llm_a, vllm_ref.armed), "B": _rpc(llm_b, vllm_ref.armed)}}
+    rng = random.Random(2)
+    for bs in batches:  # warm-up: one block of each size on both
+        p = _prompts(rng, bs, 32)
+        _timed_block(llm_a, p, 16)
+        _timed_block(llm_b, p, 16)
+    rows = []
+    t_end = time.monotonic() + budget_s
+    r = 0
+    while time.monotonic() < t_end or r < 4:
+        for bs in batches:
+            p = _prompts(rng, bs, 32)
+            order = ("A", "B") if r % 2 == 0 else ("B", "A")
+            for cond in order:
+                row = _timed_block(llm_a if cond == "A" else llm_b, p, max_tokens)
+                rows.append(dict(row, round=r, bs=bs, cond=cond))
+        r += 1
+        if r >= 60:
+            break
+    res["rows"] = rows
+    res["rounds"] = r
+    _LLMS.extend((llm_a, llm_b))
+    return res
+
+
+def child_interference(model: str, cpu: bool) -> dict:
+    """Decoders running while long prompts arrive, prefilled in chunks next to their decodes."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    budget = 256 if cpu else 2048
+    llm = LLM(**_engine_args(model, cpu, max_num_batched_tokens=budget, enable_chunked_prefill=True))
+    rng = random.Random(3)
+    n_dec, dec_out = (3, 96) if cpu else (16, 768)
+    n_long, long_len, every = (3, 600, 24) if cpu else (6, 3000, 96)
+    work = [(f"dec{i}", _prompts(rng, 1, 32)[0], dec_out, 0) for i in range(n_dec)]
+    work += [(f"long{k}", _prompts(rng, 1, long_len)[0], 4, 16 + every * k) for k in range(n_long)]
+    engine = llm.llm_engine
+    step = outputs = 0
+    t0 = time.monotonic()
+    while work or engine.has_unfinished_requests():
+        while work and work[0][3] <= step:
+            name, prompt, mt, _ = work.pop(0)
+            engine.add_request(name, TokensPrompt(prompt_token_ids=prompt),
+                               SamplingParams(max_tokens=mt, ignore_eos=True, temperature=0))
+        for out in engine.step():
+            if out.finished:
+                outputs += len(out.outputs[0].token_ids)
+        step += 1
+    _LLMS.append(llm)
+    return {"engine_steps": step, "client_output_tokens": outputs, "workload_s": round(time.monotonic() - t0, 2),
+            "budget_tokens": budget, "decoders": n_dec, "decode_tokens": dec_out, "long_prompts": n_long,
+            "long_tokens": long_len, "every_steps": every, "metrics": _metrics(llm)}
+
+
+def child_main(a: argparse.Namespace) -> None:
+    sys.path.insert(0, str(HERE))
+    _VOCAB[0] = int(json.loads((pathlib.Path(a.model) / "config.json").read_text()).get("vocab_size", 32000))
+    if a.child in ("truth", "pressure"):
+        res = child_fidelity(a.model, a.cpu, a.child == "pressure")
+    elif a.child == "cost":
+        res = child_cost(a.model, a.cpu, a.cost_budget_s, [int(b) for b in a.batches.split(",")], a.max_tokens)
+    else:
+        res = child_interference(a.model, a.cpu)
+    pathlib.Path(a.result).write_text(json.dumps(res))
+    print(RESULT_TAG + "written", flush=True)
+    for llm in _LLMS:  # end the EngineCore processes now (their probes flush at exit), free the GPU
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # noqa: BLE001
+            print("engine shutdown:", repr(exc), flush=True)
+
+
+# --- parent side: sidecar, child, comparison ------------------------------------------------------
+
+def _agent(db: str, sock: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", "import sys; from phasescope.agent.cli import main; sys.exit(main())",
+           "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api", "--no-metrics", "--sample-s", "1.0"]
+    proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
+    t0 = time.monotonic()
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() - t0 > 60:
+            raise RuntimeError("phasescope agent did not start")
+        time.sleep(0.1)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_phase(phase: str, a: argparse.Namespace, timeout_s: float, out: pathlib.Path) -> dict:
+    tmp = tempfile.mkdtemp(prefix=f"ps-{phase}-", dir="/tmp")
+    sock, db, result = f"{tmp}/agent.sock", f"{tmp}/{phase}.duckdb", f"{tmp}/result.json"
+    agent = _agent(db, sock)
+    env = dict(os.environ, PHASESCOPE_AGENT=f"unix:{sock}", PYTHONPATH=os.pathsep.join(
+        [str(HERE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("PHASESCOPE_RUN_ID", None)
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # engine B of `cost` must not inherit A's hooks
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the reference's functions (cloudpickle)
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", phase, "--model", a.model,
+           "--result", result, "--cost-budget-s", str(min(a.cost_budget_s, max(30.0, timeout_s - 170))), "--batches", a.batches,
+           "--max-tokens", str(a.max_tokens)] + (["--cpu"] if a.cpu else [])
+    t0 = time.monotonic()
+    status = "ok"
+    try:
+        child = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr, start_new_session=True)
+        try:
+            rc = child.wait(timeout_s)
+            if rc != 0:
+                status = f"child exit {rc}"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {timeout_s:.0f} s"
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        time.sleep(1.0)  # the probes' last flush
+    finally:
+        _stop(agent)
+    res: dict = {"status": status, "phase_s": round(time.monotonic() - t0, 1)}
+    if os.path.exists(result):
+        res["child"] = json.loads(pathlib.Path(result).read_text())
+    if os.path.exists(db):
+        try:
+            import compare
+
+            res["compare"] = compare.analyze(phase, db, res.get("child", {}))
+        except Exception as exc:  # noqa: BLE001 - the raw data comes back; analysis can be redone
+            res["compare_error"] = repr(exc)[:600]
+        res["db_bytes"] = os.path.getsize(db)
+        if res["db_bytes"] < 15 * 2**20:  # what comes back from a lent machine: files under 16 MiB
+            shutil.copy(db, out / f"{phase}.duckdb")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--phases", default="truth,cost,pressure,interference")
+    ap.add_argument("--model", default=str(MODELS / "llama-3.2-1b"))
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting phases after this, s")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--max-tokens", type=int, default=256, help="output tokens per request of a cost block")
+    ap.add_argument("--cpu", action="store_true", help="vLLM's CPU build: a small, eager local check")
+    ap.add_argument("--child")
+    ap.add_argument("--result")
+    ap.add_argument("--cost-budget-s", type=float, default=90.0)
+    a = ap.parse_args()
+    if a.child:
+        child_main(a)
+        return
+    sys.path.insert(0, str(HERE))
+    t_start = time.monotonic()
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"started_unix_s": time.time(), "model": a.model, "phases": {}}
+    try:
+        import torch
+        import vllm
+
+        results["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__,
+                               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    except Exception as exc:  # noqa: BLE001
+        results["versions"] = {"error": repr(exc)[:400]}
+    print("versions", results["versions"], flush=True)
+    for phase in a.phases.split(","):
+        left = a.deadline_s - (time.monotonic() - t_start)
+        most, least = (x * (3 if a.cpu else 1) for x in PHASE_TIME[phase])  # the CPU build starts slowly
+        if left < least:
+            results["phases"][phase] = {"status": f"skipped: {left:.0f} s left"}
+        else:
+            print(f"=== phase {phase} ({min(most, left):.0f} s at most)", flush=True)
+            results["phases"][phase] = run_phase(phase, a, min(most, left), out)
+            summary = {k: v for k, v in results["phases"][phase].items() if k != "child"}
+            print(f"=== {phase}: " + json.dumps(summary, default=str)[:3000], flush=True)
+        (out / "results.json").write_text(json.dumps(results, default=str))
+    print("done in %.0f s" % (time.monotonic() - t_start), flush=True)
+
+
+if __name__ == "__main__":
+    main()
