@@ -31,6 +31,16 @@ class PageStats(NamedTuple):
     largest_free_run: int
 
 
+def largest_gap(used: Iterable[int], low: int, end: int) -> int:
+    """Length of the longest run of ids in (low, end) that are not in `used`: the largest free run of a
+    pool whose ids `low` (e.g. a null block that is never free) and `end` (one past the last id) bound it."""
+    run, prev = 0, low
+    for i in sorted(set(used)):
+        run = max(run, i - prev - 1)
+        prev = i
+    return max(run, end - prev - 1)
+
+
 def largest_run(ids: Iterable[int]) -> int:
     """Length of the longest run of consecutive integers in `ids` (duplicates ignored).
 

@@ -2,10 +2,15 @@
 
 An adapter turns a runtime's own objects into records through the probe:
 request lifecycle events (`probe.request_event`), paged-KV snapshots
-(`emit_kv`) and monotonic prefix-cache counters (`emit_prefix`). It instruments
-by wrapping methods of *instances* (never classes), so `detach()` restores the
-runtime exactly and other instances are untouched. Wrappers never raise into
-the runtime: adapter failures are counted as probe errors.
+(`kv_record` / `emit_kv`) and monotonic prefix-cache counters (`emit_prefix`). It
+instruments by wrapping methods of *instances* (never classes), so `detach()` restores
+the runtime exactly and other instances are untouched. Wrappers never raise into
+the runtime (`guard`, `observe`): adapter failures are counted as probe errors.
+
+The three adapters use these: `RuntimeAdapter` (patch / around / guarded / emit) is the
+base of the HF continuous-batching adapter and of `GenerateRequests`; the vLLM hooks,
+which live in processes vLLM starts and are never detached, wrap with `observe` and
+build their snapshots with `kv_record`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,50 @@ class PrefixLedger:
         self.hit_tokens = 0
         self.recomputed_tokens = 0  # prompt tokens recomputed after a preemption: never a hit
         self.evicted_blocks = 0
+
+
+def guard(fn: Callable[..., Any], on_error: Callable[[BaseException], None]) -> Callable[..., None]:
+    """`fn` with its exceptions handed to `on_error` instead of raised (the runtime never sees ours)."""
+
+    def run(*a: Any, **k: Any) -> None:
+        try:
+            fn(*a, **k)
+        except Exception as exc:  # noqa: BLE001 - the runtime must never see our errors
+            on_error(exc)
+
+    return run
+
+
+def observe(original: Callable[..., Any], after: Callable[..., Any], on_error: Callable[[BaseException], None],
+            before: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """`original` wrapped: `before(*args, **kw)` may return replacement args (a tuple) or None, then
+    `original` runs, then `after(result, *args, **kw)` observes. Neither hook can raise into the runtime."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        if before is not None:
+            try:
+                new = before(*args, **kw)
+                if new is not None:
+                    args = new
+            except Exception as exc:  # noqa: BLE001 - never into the runtime
+                on_error(exc)
+        result = original(*args, **kw)
+        try:
+            after(result, *args, **kw)
+        except Exception as exc:  # noqa: BLE001
+            on_error(exc)
+        return result
+
+    return wrapper
+
+
+def kv_record(ts_ns: int, rank: int, stats: PageStats, allocated: int, freed: int, bytes_per_page: int,
+              dtype: str) -> KVSnapshot:
+    """One rank's KV snapshot from its page accounting and the pages allocated / freed so far."""
+    return KVSnapshot(ts_ns, rank, stats.page_size, stats.total_pages, stats.used_pages, stats.free_pages,
+                      stats.cached_pages, stats.shared_pages, stats.shared_refs, stats.num_seqs, stats.live_tokens,
+                      stats.largest_free_run, allocated, freed, stats.used_pages * bytes_per_page, dtype[:12])
 
 
 class RuntimeAdapter:
@@ -66,28 +115,19 @@ class RuntimeAdapter:
                 except AttributeError:
                     pass
 
+    def around(self, obj: Any, name: str, hook: Callable[..., Any]) -> None:
+        """Replace `obj.name` by a call of `hook(original, *args, **kwargs)` (a method of a hooks class)."""
+        self.patch(obj, name, lambda original: lambda *a, **k: hook(original, *a, **k))
+
     def guarded(self, fn: Callable[..., None]) -> Callable[..., None]:
         """`fn` with exceptions counted as probe errors instead of raised."""
-
-        def run(*a: Any, **k: Any) -> None:
-            try:
-                fn(*a, **k)
-            except Exception as exc:  # noqa: BLE001 - the runtime must never see our errors
-                self.probe._error(exc)
-
-        return run
+        return guard(fn, self.probe._error)
 
     # --- emission helpers ---
 
     def emit_kv(self, ts_ns: int, stats: PageStats, bytes_per_page: int, dtype: str) -> None:
-        self.probe.emit(
-            KVSnapshot(
-                ts_ns, self.probe.rank, stats.page_size, stats.total_pages, stats.used_pages, stats.free_pages,
-                stats.cached_pages, stats.shared_pages, stats.shared_refs, stats.num_seqs, stats.live_tokens,
-                stats.largest_free_run, self.pages_allocated, self.pages_freed, stats.used_pages * bytes_per_page,
-                dtype[:12],
-            )
-        )
+        self.probe.emit(kv_record(ts_ns, self.probe.rank, stats, self.pages_allocated, self.pages_freed,
+                                  bytes_per_page, dtype))
 
     def emit_prefix(self, ts_ns: int) -> None:
         p = self.prefix

@@ -183,16 +183,7 @@ class HFContinuousBatching(RuntimeAdapter):
 
     def instrument_model(self, model: Any) -> "HFContinuousBatching":
         """Instrument every manager `model.init_continuous_batching` returns (generate_batch uses it)."""
-
-        def make(orig: Callable) -> Callable:
-            def init_continuous_batching(*a: Any, **k: Any) -> Any:
-                manager = orig(*a, **k)
-                self.instrument_manager(manager)
-                return manager
-
-            return init_continuous_batching
-
-        self.patch(model, "init_continuous_batching", make)
+        self.around(model, "init_continuous_batching", self._init_continuous_batching)
         return self
 
     def instrument_manager(self, manager: Any) -> "HFContinuousBatching":
@@ -200,33 +191,28 @@ class HFContinuousBatching(RuntimeAdapter):
         if id(manager) in self._managers:
             return self
         self._managers.add(id(manager))
-        emit = self.probe.request_event
-        clock = self._clock_ns
-
-        def make_add(orig: Callable) -> Callable:
-            def add_request(input_ids: Any, *a: Any, **k: Any) -> Any:
-                ts = clock()
-                rid = orig(input_ids, *a, **k)
-                if rid is not None:
-                    self._arrival(rid, ts, len(input_ids))
-                return rid
-
-            return add_request
-
-        self.patch(manager, "add_request", make_add)
-
-        def make_create(orig: Callable) -> Callable:
-            def _create_batch_processor() -> Any:
-                bp = orig()
-                self.guarded(self.instrument_processor)(bp)
-                return bp
-
-            return _create_batch_processor
-
-        self.patch(manager, "_create_batch_processor", make_create)
+        self.around(manager, "add_request", self._add_request)
+        self.around(manager, "_create_batch_processor", self._create_batch_processor)
         if getattr(manager, "batch_processor", None) is not None:
             self.instrument_processor(manager.batch_processor)
         return self
+
+    def _init_continuous_batching(self, orig: Callable, *a: Any, **k: Any) -> Any:
+        manager = orig(*a, **k)
+        self.instrument_manager(manager)
+        return manager
+
+    def _add_request(self, orig: Callable, input_ids: Any, *a: Any, **k: Any) -> Any:
+        ts = self._clock_ns()
+        rid = orig(input_ids, *a, **k)
+        if rid is not None:
+            self._arrival(rid, ts, len(input_ids))
+        return rid
+
+    def _create_batch_processor(self, orig: Callable) -> Any:
+        bp = orig()
+        self.guarded(self.instrument_processor)(bp)
+        return bp
 
     def instrument_processor(self, bp: Any) -> None:
         """Instrument a ContinuousBatchProcessor (called on the generation thread)."""
@@ -247,270 +233,266 @@ class HFContinuousBatching(RuntimeAdapter):
             # a run label, so the store and diagnose say these figures are absent, not zero
             self.probe.label(adapter_missing=",".join(missing)[:96])
             return
+        ProcessorHooks(self, bp).install()
+
+
+class ProcessorHooks:
+    """The hooks on one ContinuousBatchProcessor: its cache (prefix lookups, evictions, frees), cache pool
+    (page allocation), step (shape, scheduling, KV snapshot), batch update (tokens, ends), scheduler
+    (cancellations) and offloading manager (preemptions). Per-request state lives on the adapter, which
+    outlives processors; each `_hook(original, ...)` replaces one method of the runtime's instance."""
+
+    def __init__(self, adapter: HFContinuousBatching, bp: Any) -> None:
         from transformers.generation.continuous_batching.requests import RequestStatus
 
-        FINISHED, FAILED = RequestStatus.FINISHED, RequestStatus.FAILED
-        cache, sched = bp.cache, bp.scheduler
-        alloc = _main_allocator(cache)
-        index = alloc.index
-        bytes_per_page = alloc.bytes_per_block
-        dtype = str(getattr(cache, "dtype", "")).replace("torch.", "")
-        emit = self.probe.request_event
-        clock = self._clock_ns
-        prefix = self.prefix
-        guarded = self.guarded
-        page = alloc.tokens_per_page
-        ledger = alloc.ledger
-        rank = self.probe.rank
-        table = life = None
-        if self.prefix_table_pages:
+        self.a = adapter
+        self.bp, self.cache, self.sched = bp, bp.cache, bp.scheduler
+        self.finished, self.failed = RequestStatus.FINISHED, RequestStatus.FAILED
+        self.alloc = alloc = _main_allocator(self.cache)
+        self.index = alloc.index
+        self.bytes_per_page = alloc.bytes_per_block
+        self.dtype = str(getattr(self.cache, "dtype", "")).replace("torch.", "")
+        self.page = alloc.tokens_per_page
+        self.ledger = alloc.ledger
+        self.rank = adapter.probe.rank
+        self.emit = adapter.probe.request_event
+        self.clock = adapter._clock_ns
+        self.table = self.life = None
+        if adapter.prefix_table_pages:
             from transformers.generation.continuous_batching.cache_allocators.cache_allocator import (
                 compute_block_hash)
 
-            table = self.prefix_table = PrefixTable(page, compute_block_hash, self.prefix_table_pages)
-        every = self.page_sample_every
+            self.table = adapter.prefix_table = PrefixTable(self.page, compute_block_hash, adapter.prefix_table_pages)
+        every = adapter.page_sample_every
         if every is None:
             every = max(1, -(-alloc.num_blocks // 1024))
         if every:
-            life = self.page_life = PageLife(self.probe.emit, rank, every, self.page_events_per_s)
+            self.life = adapter.page_life = PageLife(adapter.probe.emit, self.rank, every, adapter.page_events_per_s)
 
-        def note_lookup(rid: str, prompt_ids: list[int], hit: int, ts: int) -> None:
-            readmit = rid in self._lost
-            n = len(prompt_ids)
-            known = self._chains.get(rid)
-            if known is None or known[0] != n:
-                chain = table.chain(prompt_ids)
-                shared = table.shared(prompt_ids, chain)
-                if not readmit:
-                    table.register(prompt_ids, chain)
-                self._chains[rid] = known = (n, chain, shared)
-            _, chain, shared = known
-            cacheable = (n - 1) // page * page if n else 0
-            stop = max(min(max(shared, hit) // page * page, cacheable), hit) // page
-            evicted, gap = table.evicted_run(chain, hit // page, stop, ts)
-            self._plookup[rid] = (ts, "readmit" if readmit else "first", page, n, cacheable, hit, shared,
-                                  evicted, gap, len(table.pages), table.dropped)
-
-        def after_search(rid: str, prompt_ids: list[int], hit: int) -> None:
-            ts = clock()
-            if life is not None and hit:
-                life.reused(alloc.block_table.get(rid, ())[:hit // page], ts)
-            if table is not None:
-                note_lookup(rid, prompt_ids, hit, ts)
-
-        # prefix lookups: remembered per request, counted once it is actually scheduled
-        def make_search(orig: Callable) -> Callable:
-            def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
-                hit = orig(request_id, prompt_ids)
-                self._lookup[request_id] = (len(prompt_ids), hit)
-                if table is not None or life is not None:
-                    guarded(after_search)(request_id, prompt_ids, hit)
-                return hit
-
-            return search_prefix_match
-
-        self.patch(cache, "search_prefix_match", make_search)
-
-        def make_evict(orig: Callable) -> Callable:
-            def evict_cached_blocks() -> bool:
-                before = len(alloc.ledger.cached_blocks)
-                if before and (table is not None or life is not None):
-                    guarded(before_evict)()
-                out = orig()
-                prefix.evicted_blocks += before - len(alloc.ledger.cached_blocks)
-                return out
-
-            return evict_cached_blocks
-
-        self.patch(cache, "evict_cached_blocks", make_evict)
-
-        def before_evict() -> None:
-            ts = clock()
-            cached = list(ledger.cached_blocks)
-            if table is not None:
-                table.mark_evicted([ledger.block_to_hash[b] for b in cached if b in ledger.block_to_hash], ts)
-            if life is not None:
-                life.evicted(cached, ts)
-
-        def after_free(blocks: list[int], hashes: list[int | None], no_cache: bool) -> None:
-            ts = clock()
-            if life is not None:
-                life.cached([b for b in blocks if b in ledger.cached_blocks], ts)
-            if table is not None and no_cache:
-                # a soft reset frees its pages uncached: hashes no other request holds are gone
-                table.mark_evicted([h for h in hashes if h is not None and h not in ledger.hash_to_block], ts)
-
-        def make_cache_free(orig: Callable) -> Callable:
-            def free_blocks(request_id: str, no_cache: bool = False) -> None:
-                blocks = list(alloc.block_table.get(request_id, ()))
-                hashes = [ledger.block_to_hash.get(b) for b in blocks] if no_cache else []
-                orig(request_id, no_cache)
-                if blocks:
-                    guarded(after_free)(blocks, hashes, no_cache)
-
-            return free_blocks
-
-        if table is not None or life is not None:
-            self.patch(cache, "free_blocks", make_cache_free)
-
-        pool = cache.pool
-
-        def make_get(orig: Callable) -> Callable:
-            def get_free_blocks(idx: int, num_blocks: int) -> list[int]:
-                out = orig(idx, num_blocks)
-                if idx == index:
-                    self.pages_allocated += len(out)
-                    if life is not None:
-                        guarded(life.allocated)(out, clock())
-                return out
-
-            return get_free_blocks
-
-        def make_free(orig: Callable) -> Callable:
-            def free_blocks(idx: int, block_ids: list[int]) -> None:
-                orig(idx, block_ids)
-                if idx == index:
-                    self.pages_freed += len(block_ids)
-                    if life is not None:
-                        guarded(life.freed)(block_ids, clock())
-
-            return free_blocks
-
-        self.patch(pool, "get_free_blocks", make_get)
-        self.patch(pool, "free_blocks", make_free)
-
-        def before_forward() -> None:
-            ts = clock()
-            io = bp.inputs_and_outputs
-            computed = self._computed
-            n_pre = n_dec = t_pre = t_dec = context = 0
-            for fs in getattr(io, "requests_in_batch", ()):
-                state = fs.state
-                rid = state.request_id
-                end = state.position_offset  # already counts the tokens this forward computes
-                start = end - fs.query_length
-                # exact phase of this sequence's tokens: prompt (or re-prefill) tokens vs generated ones
-                prompt = min(end, len(state.initial_tokens)) - start
-                if prompt > 0:
-                    n_pre += 1
-                    t_pre += prompt
-                    t_dec += fs.query_length - prompt
-                else:
-                    n_dec += 1
-                    t_dec += fs.query_length
-                context += start
-                if rid.startswith("__warmup_"):
-                    continue
-                if rid not in self._scheduled:
-                    self._scheduled.add(rid)
-                    queried, hit = self._lookup.pop(rid, (0, 0))
-                    # a re-prefill after a soft reset is not a prefix-cache query (nor its hits)
-                    if rid not in self._lost and cache.use_prefix_sharing:
-                        prefix.queried_tokens += queried
-                        prefix.hit_tokens += hit
-                    emit(rid, "scheduled", ts, cached_tokens=hit)
-                    looked = self._plookup.pop(rid, None)
-                    if looked is not None:
-                        self.probe.emit(PrefixLookup(looked[0], rank, short_id(rid), *looked[1:]))
-                    elif table is not None and not cache.use_prefix_sharing and rid not in self._lost:
-                        n = len(state.initial_tokens)
-                        self.probe.emit(PrefixLookup(ts, rank, short_id(rid), "disabled", page, n, 0, 0, 0, 0,
-                                                     math.nan, 0, 0))
-                lost = self._lost.get(rid)
-                if lost is not None:
-                    # recomputation as executed: the part of this chunk whose KV existed before the reset
-                    prefix.recomputed_tokens += max(0, min(end, lost) - start)
-                    if end >= lost:
-                        del self._lost[rid]
-                if end > computed.get(rid, 0):
-                    computed[rid] = end
-            if n_pre or n_dec:
-                phase = PHASE_MIXED if n_pre and n_dec else (PHASE_PREFILL if n_pre else PHASE_DECODE)
-                self.probe.next_shape = StepShape(phase, n_pre + n_dec, t_pre, t_dec, context)
-            self._steps += 1
-            if (self._steps - 1) % self.kv_every_steps == 0:
-                every = self.free_run_every or (1 if alloc.num_blocks <= 4096 else 16)
-                last = self.last_stats
-                rescan = last is None or self._snapshots % every == 0
-                self._snapshots += 1
-                stats = hf_page_stats(cache, sched.active_requests, None if rescan else last.largest_free_run)
-                self.last_stats = stats
-                self.emit_kv(ts, stats, bytes_per_page, dtype)
-                self.emit_prefix(ts)
-
-        def make_step(orig: Callable) -> Callable:
-            def _generation_step(model: Any) -> Any:
-                guarded(before_forward)()
-                return orig(model)
-
-            return _generation_step
-
-        self.patch(bp, "_generation_step", make_step)
-
-        def after_update(before: list[tuple[Any, int]]) -> None:
-            ts = clock()
-            for state, n0 in before:
-                rid = state.request_id
-                n1 = len(state.generated_tokens)
-                if n1 > n0:
-                    emit(rid, "token", ts, tokens=n1 - n0)
-                    self._emitted[rid] = self._emitted.get(rid, 0) + (n1 - n0)
-                status = state.status
-                if status == FINISHED and rid not in sched.active_requests:
-                    emit(rid, "finished", ts, tokens=self._emitted.pop(rid, 0))
-                    self._forget(rid)
-                elif status == FAILED:
-                    emit(rid, "aborted", ts, tokens=self._emitted.pop(rid, 0))
-                    self._forget(rid)
-
-        def make_update(orig: Callable) -> Callable:
-            def update_batch() -> Any:
-                before = [(s, len(s.generated_tokens)) for s in list(sched.active_requests.values())]
-                out = orig()
-                guarded(after_update)(before)
-                return out
-
-            return update_batch
-
-        self.patch(bp, "update_batch", make_update)
-
-        def make_cancel(orig: Callable) -> Callable:
-            def clear_cancelled_requests() -> list:
-                states = orig()
-                ts = clock()
-                for state in states:
-                    rid = state.request_id
-                    emit(rid, "aborted", ts, tokens=self._emitted.pop(rid, 0))
-                    self._forget(rid)
-                return states
-
-            return clear_cancelled_requests
-
-        self.patch(sched, "clear_cancelled_requests", make_cancel)
-
-        offm = getattr(bp, "offloading_manager", None)
+    def install(self) -> None:
+        a, cache, pool = self.a, self.cache, self.cache.pool
+        a.around(cache, "search_prefix_match", self._search_prefix_match)
+        a.around(cache, "evict_cached_blocks", self._evict_cached_blocks)
+        if self.table is not None or self.life is not None:
+            a.around(cache, "free_blocks", self._cache_free_blocks)
+        a.around(pool, "get_free_blocks", self._get_free_blocks)
+        a.around(pool, "free_blocks", self._pool_free_blocks)
+        a.around(self.bp, "_generation_step", self._generation_step)
+        a.around(self.bp, "update_batch", self._update_batch)
+        a.around(self.sched, "clear_cancelled_requests", self._clear_cancelled_requests)
+        offm = getattr(self.bp, "offloading_manager", None)
         if offm is not None:
+            a.around(offm, "offload_requests", self._offload_requests)
 
-            def after_offload(before: set[str]) -> None:
-                ts = clock()
-                for rid in before - set(sched.active_requests):
-                    state = sched.waiting_requests.get(rid)
-                    if state is None:
-                        continue
-                    emit(rid, "preempted", ts)
-                    self._scheduled.discard(rid)
-                    computed = self._computed.get(rid, 0)
-                    if not getattr(state, "is_cpu_offloaded", False) and computed > 0:
-                        # soft reset: computed KV is gone and will be recomputed
-                        self._lost[rid] = max(computed, self._lost.get(rid, 0))
+    # --- prefix lookups: remembered per request, counted once it is actually scheduled ---
 
-            def make_offload(orig: Callable) -> Callable:
-                def offload_requests() -> bool:
-                    before = set(sched.active_requests)
-                    out = orig()
-                    guarded(after_offload)(before)
-                    return out
+    def _search_prefix_match(self, orig: Callable, request_id: str, prompt_ids: list[int]) -> int:
+        hit = orig(request_id, prompt_ids)
+        self.a._lookup[request_id] = (len(prompt_ids), hit)
+        if self.table is not None or self.life is not None:
+            self.a.guarded(self.after_search)(request_id, prompt_ids, hit)
+        return hit
 
-                return offload_requests
+    def after_search(self, rid: str, prompt_ids: list[int], hit: int) -> None:
+        ts = self.clock()
+        if self.life is not None and hit:
+            self.life.reused(self.alloc.block_table.get(rid, ())[:hit // self.page], ts)
+        if self.table is not None:
+            self.note_lookup(rid, prompt_ids, hit, ts)
 
-            self.patch(offm, "offload_requests", make_offload)
+    def note_lookup(self, rid: str, prompt_ids: list[int], hit: int, ts: int) -> None:
+        a, table, page = self.a, self.table, self.page
+        readmit = rid in a._lost
+        n = len(prompt_ids)
+        known = a._chains.get(rid)
+        if known is None or known[0] != n:
+            chain = table.chain(prompt_ids)
+            shared = table.shared(prompt_ids, chain)
+            if not readmit:
+                table.register(prompt_ids, chain)
+            a._chains[rid] = known = (n, chain, shared)
+        _, chain, shared = known
+        cacheable = (n - 1) // page * page if n else 0
+        stop = max(min(max(shared, hit) // page * page, cacheable), hit) // page
+        evicted, gap = table.evicted_run(chain, hit // page, stop, ts)
+        a._plookup[rid] = (ts, "readmit" if readmit else "first", page, n, cacheable, hit, shared,
+                           evicted, gap, len(table.pages), table.dropped)
+
+    # --- evictions and frees of the cache ---
+
+    def _evict_cached_blocks(self, orig: Callable) -> bool:
+        cached = self.ledger.cached_blocks
+        before = len(cached)
+        if before and (self.table is not None or self.life is not None):
+            self.a.guarded(self.before_evict)()
+        out = orig()
+        self.a.prefix.evicted_blocks += before - len(self.ledger.cached_blocks)
+        return out
+
+    def before_evict(self) -> None:
+        ts = self.clock()
+        ledger = self.ledger
+        cached = list(ledger.cached_blocks)
+        if self.table is not None:
+            self.table.mark_evicted([ledger.block_to_hash[b] for b in cached if b in ledger.block_to_hash], ts)
+        if self.life is not None:
+            self.life.evicted(cached, ts)
+
+    def _cache_free_blocks(self, orig: Callable, request_id: str, no_cache: bool = False) -> None:
+        blocks = list(self.alloc.block_table.get(request_id, ()))
+        hashes = [self.ledger.block_to_hash.get(b) for b in blocks] if no_cache else []
+        orig(request_id, no_cache)
+        if blocks:
+            self.a.guarded(self.after_free)(blocks, hashes, no_cache)
+
+    def after_free(self, blocks: list[int], hashes: list[int | None], no_cache: bool) -> None:
+        ts = self.clock()
+        ledger = self.ledger
+        if self.life is not None:
+            self.life.cached([b for b in blocks if b in ledger.cached_blocks], ts)
+        if self.table is not None and no_cache:
+            # a soft reset frees its pages uncached: hashes no other request holds are gone
+            self.table.mark_evicted([h for h in hashes if h is not None and h not in ledger.hash_to_block], ts)
+
+    # --- the cache pool: pages allocated and freed ---
+
+    def _get_free_blocks(self, orig: Callable, idx: int, num_blocks: int) -> list[int]:
+        out = orig(idx, num_blocks)
+        if idx == self.index:
+            self.a.pages_allocated += len(out)
+            if self.life is not None:
+                self.a.guarded(self.life.allocated)(out, self.clock())
+        return out
+
+    def _pool_free_blocks(self, orig: Callable, idx: int, block_ids: list[int]) -> None:
+        orig(idx, block_ids)
+        if idx == self.index:
+            self.a.pages_freed += len(block_ids)
+            if self.life is not None:
+                self.a.guarded(self.life.freed)(block_ids, self.clock())
+
+    # --- each step: its shape, first schedulings, recomputation, the KV snapshot ---
+
+    def _generation_step(self, orig: Callable, model: Any) -> Any:
+        self.a.guarded(self.before_forward)()
+        return orig(model)
+
+    def before_forward(self) -> None:
+        a, probe, cache = self.a, self.a.probe, self.cache
+        ts = self.clock()
+        computed = a._computed
+        n_pre = n_dec = t_pre = t_dec = context = 0
+        for fs in getattr(self.bp.inputs_and_outputs, "requests_in_batch", ()):
+            state = fs.state
+            rid = state.request_id
+            end = state.position_offset  # already counts the tokens this forward computes
+            start = end - fs.query_length
+            # exact phase of this sequence's tokens: prompt (or re-prefill) tokens vs generated ones
+            prompt = min(end, len(state.initial_tokens)) - start
+            if prompt > 0:
+                n_pre += 1
+                t_pre += prompt
+                t_dec += fs.query_length - prompt
+            else:
+                n_dec += 1
+                t_dec += fs.query_length
+            context += start
+            if rid.startswith("__warmup_"):
+                continue
+            if rid not in a._scheduled:
+                self.first_scheduled(rid, state, ts)
+            lost = a._lost.get(rid)
+            if lost is not None:
+                # recomputation as executed: the part of this chunk whose KV existed before the reset
+                a.prefix.recomputed_tokens += max(0, min(end, lost) - start)
+                if end >= lost:
+                    del a._lost[rid]
+            if end > computed.get(rid, 0):
+                computed[rid] = end
+        if n_pre or n_dec:
+            phase = PHASE_MIXED if n_pre and n_dec else (PHASE_PREFILL if n_pre else PHASE_DECODE)
+            probe.next_shape = StepShape(phase, n_pre + n_dec, t_pre, t_dec, context)
+        a._steps += 1
+        if (a._steps - 1) % a.kv_every_steps == 0:
+            every = a.free_run_every or (1 if self.alloc.num_blocks <= 4096 else 16)
+            last = a.last_stats
+            rescan = last is None or a._snapshots % every == 0
+            a._snapshots += 1
+            stats = hf_page_stats(cache, self.sched.active_requests, None if rescan else last.largest_free_run)
+            a.last_stats = stats
+            a.emit_kv(ts, stats, self.bytes_per_page, self.dtype)
+            a.emit_prefix(ts)
+
+    def first_scheduled(self, rid: str, state: Any, ts: int) -> None:
+        """`rid` is in a forward for the first time since its (re)admission: its lookup counts now."""
+        a, cache = self.a, self.cache
+        a._scheduled.add(rid)
+        queried, hit = a._lookup.pop(rid, (0, 0))
+        # a re-prefill after a soft reset is not a prefix-cache query (nor its hits)
+        if rid not in a._lost and cache.use_prefix_sharing:
+            a.prefix.queried_tokens += queried
+            a.prefix.hit_tokens += hit
+        self.emit(rid, "scheduled", ts, cached_tokens=hit)
+        looked = a._plookup.pop(rid, None)
+        if looked is not None:
+            a.probe.emit(PrefixLookup(looked[0], self.rank, short_id(rid), *looked[1:]))
+        elif self.table is not None and not cache.use_prefix_sharing and rid not in a._lost:
+            n = len(state.initial_tokens)
+            a.probe.emit(PrefixLookup(ts, self.rank, short_id(rid), "disabled", self.page, n, 0, 0, 0, 0,
+                                      math.nan, 0, 0))
+
+    # --- outputs handed to the caller: tokens and ends ---
+
+    def _update_batch(self, orig: Callable) -> Any:
+        before = [(s, len(s.generated_tokens)) for s in list(self.sched.active_requests.values())]
+        out = orig()
+        self.a.guarded(self.after_update)(before)
+        return out
+
+    def after_update(self, before: list[tuple[Any, int]]) -> None:
+        a, emit = self.a, self.emit
+        ts = self.clock()
+        for state, n0 in before:
+            rid = state.request_id
+            n1 = len(state.generated_tokens)
+            if n1 > n0:
+                emit(rid, "token", ts, tokens=n1 - n0)
+                a._emitted[rid] = a._emitted.get(rid, 0) + (n1 - n0)
+            status = state.status
+            if status == self.finished and rid not in self.sched.active_requests:
+                emit(rid, "finished", ts, tokens=a._emitted.pop(rid, 0))
+                a._forget(rid)
+            elif status == self.failed:
+                emit(rid, "aborted", ts, tokens=a._emitted.pop(rid, 0))
+                a._forget(rid)
+
+    def _clear_cancelled_requests(self, orig: Callable) -> list:
+        states = orig()
+        ts = self.clock()
+        for state in states:
+            rid = state.request_id
+            self.emit(rid, "aborted", ts, tokens=self.a._emitted.pop(rid, 0))
+            self.a._forget(rid)
+        return states
+
+    # --- preemptions: CPU offload or soft reset ---
+
+    def _offload_requests(self, orig: Callable) -> bool:
+        before = set(self.sched.active_requests)
+        out = orig()
+        self.a.guarded(self.after_offload)(before)
+        return out
+
+    def after_offload(self, before: set[str]) -> None:
+        a, sched = self.a, self.sched
+        ts = self.clock()
+        for rid in before - set(sched.active_requests):
+            state = sched.waiting_requests.get(rid)
+            if state is None:
+                continue
+            self.emit(rid, "preempted", ts)
+            a._scheduled.discard(rid)
+            computed = a._computed.get(rid, 0)
+            if not getattr(state, "is_cpu_offloaded", False) and computed > 0:
+                # soft reset: computed KV is gone and will be recomputed
+                a._lost[rid] = max(computed, a._lost.get(rid, 0))

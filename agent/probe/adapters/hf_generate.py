@@ -14,10 +14,14 @@ import time
 from typing import Callable, Sequence
 
 from ..probe import Probe
+from .base import RuntimeAdapter
 
 
-class GenerateRequests:
-    """Lifecycle timestamps of one `generate` call, row i = request_ids[i]."""
+class GenerateRequests(RuntimeAdapter):
+    """Lifecycle timestamps of one `generate` call, row i = request_ids[i]. An adapter that patches nothing:
+    `generate` calls it as its streamer."""
+
+    runtime = "hf-generate"
 
     def __init__(
         self,
@@ -31,7 +35,7 @@ class GenerateRequests:
             raise ValueError("request_ids and prompt_tokens differ in length")
         if arrival_ns is not None and len(arrival_ns) != len(request_ids):
             raise ValueError("arrival_ns and request_ids differ in length")
-        self.probe = probe
+        super().__init__(probe)
         self.request_ids = list(request_ids)
         self.prompt_tokens = list(prompt_tokens)
         self._clock_ns = clock_ns

@@ -40,14 +40,15 @@ import uuid
 from typing import Any, Callable
 
 from ...records.events import (
-    PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, KVSnapshot, PrefixCounters, PrefixLookup, RequestEvent,
-    Step,
+    PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, PrefixCounters, PrefixLookup, RequestEvent, Step,
     REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
 )
-from ..pagetrack import PageLife, PrefixTable
-from ..probe import Probe
-from ..phases import StepShape
+from ...records.kvmath import PageStats, largest_gap
 from ...settings import ENV_RUN_ID
+from ..pagetrack import PageLife, PrefixTable
+from ..phases import StepShape
+from ..probe import Probe
+from .base import kv_record, observe
 
 log = logging.getLogger("phasescope.vllm")
 
@@ -154,7 +155,7 @@ def _fail(what: str, exc: BaseException) -> None:
 
 def wrap(obj: Any, name: str, after: Callable[..., Any], probe_ref: Callable[[], Probe | None],
          before: Callable[..., Any] | None = None) -> bool:
-    """Replace the bound method `obj.name` by a guarded wrapper on the instance.
+    """Replace the bound method `obj.name` by a guarded wrapper on the instance (`base.observe`).
 
     `before(*args, **kw)` may return replacement args (a tuple) or None;
     `after(result, *args, **kw)` observes. Neither can raise into vLLM.
@@ -164,24 +165,7 @@ def wrap(obj: Any, name: str, after: Callable[..., Any], probe_ref: Callable[[],
     except AttributeError as exc:
         _fail(name, exc)
         return False
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kw: Any) -> Any:
-        if before is not None:
-            try:
-                new = before(*args, **kw)
-                if new is not None:
-                    args = new
-            except Exception as exc:  # noqa: BLE001 - never into vLLM
-                _err(probe_ref, exc)
-        result = original(*args, **kw)
-        try:
-            after(result, *args, **kw)
-        except Exception as exc:  # noqa: BLE001
-            _err(probe_ref, exc)
-        return result
-
-    setattr(obj, name, wrapper)
+    setattr(obj, name, observe(original, after, lambda exc: _err(probe_ref, exc), before))
     return True
 
 
@@ -587,17 +571,11 @@ class EngineHooks:
                 self.probe.label(kv_cached_recounts_off=self.cached_recounts_off)
                 self.cached = exact
         cached = self.cached
-        ids = sorted(used_ids)
-        run, prev = 0, 0  # block 0 (null) bounds the first gap
-        for i in ids:
-            run = max(run, i - prev - 1)
-            prev = i
-        run = max(run, pool.num_gpu_blocks - prev - 1)
+        run = largest_gap(used_ids, 0, pool.num_gpu_blocks) if free else 0  # block 0 (null) is never free
+        stats = PageStats(P, total, used, free, cached, len(shared), sum(shared.values()), seqs, max(live, 0), run)
         for r in range(self.tp):
-            self.probe.emit(KVSnapshot(
-                now, self.rank0 + r, P, total, used, free, cached, len(shared), sum(shared.values()), seqs,
-                max(live, 0), run if free else 0, self.allocated, self.freed, used * self.page_bytes,
-                self.kv_dtype[:12]))
+            self.probe.emit(kv_record(now, self.rank0 + r, stats, self.allocated, self.freed, self.page_bytes,
+                                      self.kv_dtype))
         self.snapshot_ns_total += time.perf_counter_ns() - t0
         self.snapshots += 1
         if self.snapshots in (10, 100) or self.snapshots % 1000 == 0:  # what the snapshots cost, now and then
