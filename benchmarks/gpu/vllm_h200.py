@@ -244,7 +244,7 @@ def child_main(a: argparse.Namespace) -> None:
 # --- parent side: sidecar, child, comparison ------------------------------------------------------
 
 def _agent(db: str, sock: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from phasescope.agent.cli import main; sys.exit(main())",
+    cmd = [sys.executable, "-c", "import sys; from phasescope.cli.main import main; sys.exit(main())",
            "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api", "--no-metrics", "--sample-s", "1.0"]
     proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
     t0 = time.monotonic()

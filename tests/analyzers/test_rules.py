@@ -69,6 +69,14 @@ EXACT: dict[str, dict[str, str]] = {
     "telemetry-silent-vllm": {"telemetry-kv-snapshots-stopped": "warning", "telemetry-prefix-counters-stuck": "warning"},
     "tp-imbalance": {"tp-kv-head-replication": "info", "tp-kv-imbalance": "warning", "tp-straggler": "warning"},
     "tp2-h200": {"decode-below-roofline": "warning", "decode-launch-bound": "warning"},
+    "kv-pressure-vllm-h200": {"kv-near-cap": "critical", "preemption-recompute": "critical",
+                              "decode-below-roofline": "warning", "decode-launch-bound": "warning",
+                              "itl-spikes-queueing": "warning", "prefill-stalls-decode": "warning",
+                              "prefix-miss-readmission": "warning", "ttft-queueing": "warning",
+                              "kv-external-fragmentation": "info", "prefix-miss-in-flight": "info"},
+    "prefill-interference-vllm-h200": {"decode-below-roofline": "warning", "decode-launch-bound": "warning",
+                                       "itl-spikes-prefill": "warning", "prefill-stalls-decode": "warning",
+                                       "prefix-miss-no-shared-prefix": "info"},
 }
 
 

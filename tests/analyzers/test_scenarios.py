@@ -126,6 +126,8 @@ def test_every_fixture_has_a_working_reproduce_entry():
                 build_parser().parse_args(argv[1:])  # exits on a bad command line
             elif argv[:4] == ["PYTHONPATH=tests", "python", "-m", "builders.scenarios"]:
                 assert scenarios.parser().parse_args(argv[4:]).name == name
+            elif argv[:1] == ["python"] and argv[1].startswith("benchmarks/"):
+                assert os.path.exists(os.path.join(os.path.dirname(DATA_DIR), "..", argv[1])), argv[1]
             elif argv[:1] == ["torchrun"]:
                 script = next(a for a in argv if a.endswith(".py"))
                 assert os.path.exists(os.path.join(os.path.dirname(DATA_DIR), "..", script)), script

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from phasescope.agent.scenarios import DATA_DIR
+from builders.scenarios import DATA_DIR
 from phasescope.analyzers.diagnose import diagnose
 
 FIXTURES = ["kv-pressure-vllm-h200", "prefill-interference-vllm-h200"]

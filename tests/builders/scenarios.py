@@ -403,7 +403,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              expect=('decode-launch-bound',), needs="2 NVIDIA GPUs over NCCL (recorded on 2 H200s)",
              reproduce="phasescope agent --db run.duckdb --listen unix:/tmp/ps-tp.sock --no-metrics --no-api & "
                        "torchrun --nproc_per_node 2 benchmarks/tp_probe_run.py --agent unix:/tmp/ps-tp.sock; "
-                       "kill %1; PYTHONPATH=tests python -m builders.scenarios record tp2-h200 --db run.duckdb"),
+                       "kill %1; PYTHONPATH=tests python -m builders.scenarios record tp2-h200 --db run.duckdb"),    Scenario('kv-pressure-vllm-h200', "recorded", "A real vLLM 0.24.0 run on one NVIDIA H200 (torch 2.11.0+cu130, CUDA graphs FULL_AND_PIECEWISE, torch.compile, async scheduling, prefix caching, model runner V2) with phasescope's plugin and a `phasescope agent` sidecar: random-weight Llama-3.2-1B geometry in bf16, a KV pool of 700 pages of 16 tokens (num_gpu_blocks_override=701), 96 requests at once (72 behind a shared 512-token prefix + 128 of their own, 24 of 640 fresh tokens), 384 output tokens each: vLLM preempts 89 times.",
+             expect=('kv-near-cap', 'preemption-recompute', 'prefix-miss-readmission'), needs="1 NVIDIA GPU with vLLM 0.24.0 (recorded on an H200; benchmarks/gpu/)",
+             reproduce='python benchmarks/gpu/vllm_h200.py --phases pressure --out h200 && PYTHONPATH=tests python -m builders.scenarios record kv-pressure-vllm-h200 --db h200/pressure.duckdb'),
+    Scenario('prefill-interference-vllm-h200', "recorded", "A real vLLM 0.24.0 run on one NVIDIA H200 (torch 2.11.0+cu130, CUDA graphs, torch.compile, async scheduling, prefix caching, model runner V2) with phasescope's plugin and a `phasescope agent` sidecar: random-weight Llama-3.2-1B geometry in bf16, driven step by step: 16 decoders (32-token prompts, 768 output tokens) added at step 0, and 6 prompts of 3000 tokens (4 output tokens) added every 96 steps from step 16, chunked prefill with max_num_batched_tokens=2048: every long prompt is prefilled over two steps next to the decodes, which then take ~13 ms instead of ~2 ms.",
+             expect=('itl-spikes-prefill', 'prefill-stalls-decode'), needs="1 NVIDIA GPU with vLLM 0.24.0 (recorded on an H200; benchmarks/gpu/)",
+             reproduce='python benchmarks/gpu/vllm_h200.py --phases interference --out h200 && PYTHONPATH=tests python -m builders.scenarios record prefill-interference-vllm-h200 --db h200/interference.duckdb'),
 )}
 
 
