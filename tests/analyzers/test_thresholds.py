@@ -23,7 +23,7 @@ from phasescope.agent.sidecar.store import Store
 from phasescope.analyzers import diagnose as dg
 from phasescope.analyzers.geometry import geometry_from_labels
 from phasescope.analyzers.gpus import lookup
-from phasescope.analyzers.prefill import prefill_stalls_decode, suggest_chunk
+from phasescope.analyzers.prefill import chunk_suggestion, chunked_prefill, prefill_stalls_decode, suggest_chunk
 from phasescope.analyzers.runinfo import read_run_info
 
 # every analyzer's thresholds and their defaults, as the docs and `diagnose --list-thresholds` state them
@@ -209,12 +209,17 @@ def test_threshold_just_below_and_just_above(scenario, fixture, analyzer, fid, n
     holds, fails = edges(x, op, integer)
     at_holds = _run(con, run_id, analyzer, **{**extra, name: holds})
     at_fails = _run(con, run_id, analyzer, **{**extra, name: fails})
+    # and well inside the firing side (a rule written `==` for `>=` holds at the boundary only)
+    deep = (x - 1 if integer else x / 2) if op in (">=", ">") else (x + 1 if integer else x * 2 if x > 0 else 1.0)
+    at_deep = _run(con, run_id, analyzer, **{**extra, name: deep})
     if severity is None:
         assert fid in at_holds, f"{name}={holds!r}: {fid} should fire ({x!r} {op} threshold)"
         assert fid not in at_fails, f"{name}={fails!r}: {fid} should not fire"
+        assert fid in at_deep, f"{name}={deep!r}: {fid} should fire"
         assert at_holds[fid].thresholds[name] == holds  # the finding reports the threshold it was judged by
     else:
         assert at_holds[fid].severity == severity, f"{name}={holds!r}"
+        assert at_deep[fid].severity == severity, f"{name}={deep!r}"
         assert fid in at_fails and at_fails[fid].severity != severity, f"{name}={fails!r}"
 
 
@@ -350,3 +355,36 @@ def test_prefill_stall_critical_at_its_default(tmp_path):
         assert prefill_stalls_decode(con, run_id)[0].severity == "critical"  # 10.0x: critical_ratio 10 holds
     finally:
         con.close()
+
+
+def test_chunked_prefill_from_labels():
+    assert chunked_prefill(None) == (None, None) and chunked_prefill({}) == (None, None)
+    assert chunked_prefill({"enable_chunked_prefill": "True", "max_num_batched_tokens": "2048"}) == (True, 2048)
+    assert chunked_prefill({"enable_chunked_prefill": "false", "max_num_batched_tokens": "512.0"}) == (False, 512)
+    assert chunked_prefill({"enable_chunked_prefill": "on"}) == (True, None)
+    assert chunked_prefill({"runtime": "hf-cb"}) == (True, None)  # HF continuous batching always splits prompts
+    assert chunked_prefill({"runtime": "cb", "max_batch_tokens": "256"}) == (True, 256)
+    assert chunked_prefill({"max_batch_tokens": "96"}) == (True, 96)
+    assert chunked_prefill({"runtime": "vllm", "max_num_batched_tokens": "lots"}) == (None, None)  # not a number
+
+
+def test_chunk_suggestion_branches_at_the_budget():
+    at = chunk_suggestion(256, True, 256)  # budget at the chunk: chunking is not the lever
+    assert at.startswith("Chunked prefill is already on with a per-step budget of 256 tokens") and "disaggregation" in at
+    assert chunk_suggestion(256, True, 128).startswith("Chunked prefill is already on with a per-step budget of 128")
+    above = chunk_suggestion(256, True, 257)
+    assert above.startswith("Chunked prefill is on") and "lower it to ~256 tokens" in above and "(now 257)" in above
+    unknown = chunk_suggestion(256, True, None)
+    assert "lower it to ~256 tokens" in unknown and "(now" not in unknown
+    off = chunk_suggestion(256, False, 128)  # off: enable it, whatever the budget label says
+    assert off.startswith("Enable chunked prefill with a chunk of ~256 tokens")
+    assert chunk_suggestion(256, None, None).startswith("Enable chunked prefill")
+
+
+def test_prefill_stall_effect_states_the_predicted_step(scenario):
+    con, run_id = scenario("prefill-interference")
+    f = _run(con, run_id, "prefill_stalls_decode")["prefill-stalls-decode"]
+    e = f.evidence
+    expected_ms = e["pure_decode_p50_ms"] + e["ms_per_prefill_token"] * e["suggested_chunk_tokens"]
+    assert f"keeps them near {expected_ms:.1f} ms (~{expected_ms / e['pure_decode_p50_ms']:.1f}x)" in f.expected_effect
+    assert f"(p95 now {e['tpot_p95_s'] * 1e3:.1f} ms)" in f.expected_effect
