@@ -272,8 +272,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
                        long_prompt=[1024, 1536], long_prompt_share=0.5, short_output=[32, 64],
                        long_output=[96, 160], long_output_share=0.5, page_size=32, num_pages=1024,
                        max_batch_tokens=4096),
-             labels=dict(shared_prefix_tokens=33, prefix_position="first"),
-             nice=-20),  # rebuilds run ahead of the machine's other work (the committed run predates this)
+             labels=dict(shared_prefix_tokens=33, prefix_position="first")),
     Scenario("kv-pressure", "demo",
              "A KV cache of 24 pages x 32 tokens (768 tokens) under long prompts and outputs: the cache "
              "fills and requests are preempted and recomputed.",
@@ -315,8 +314,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "near full (queueing too when the machine is busy: timing-dependent, not expected).",
              expect=("prefill-stalls-decode", "kv-external-fragmentation", "kv-headroom-low"),
              demo={},
-             labels=dict(shared_prefix_tokens=97, prefix_position="first"),
-             nice=-20),  # rebuilds run ahead of the machine's other work (the committed run predates this)
+             labels=dict(shared_prefix_tokens=97, prefix_position="first")),
     Scenario("host-bound", "demo",
              "The healthy workload with the engine made host-bound on purpose: every thread of the serving "
              "process (engine, torch on one thread, the in-process sidecar) pinned to one CPU that two "
