@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import statistics
 from typing import Any, Callable
 
 import duckdb
@@ -272,6 +273,7 @@ def test_suggest_chunk_values():
     assert suggest_chunk(10.0, None, 2.0, 16, 2000) == 512  # no slope: half the largest prefill, at most 512
     assert suggest_chunk(10.0, 0.0, 2.0, 16, 600) == 288  # 600 // 2 // 16 * 16
     assert suggest_chunk(10.0, -1.0, 2.0, 64, 100) == 64  # at least a page
+    assert suggest_chunk(10.0, -0.5, 2.0, 16, 2000) == 512  # any slope <= 0 means no fit: the fallback
 
 
 def test_long_prefill_tokens_filters_the_steps(scenario):
@@ -388,3 +390,10 @@ def test_prefill_stall_effect_states_the_predicted_step(scenario):
     expected_ms = e["pure_decode_p50_ms"] + e["ms_per_prefill_token"] * e["suggested_chunk_tokens"]
     assert f"keeps them near {expected_ms:.1f} ms (~{expected_ms / e['pure_decode_p50_ms']:.1f}x)" in f.expected_effect
     assert f"(p95 now {e['tpot_p95_s'] * 1e3:.1f} ms)" in f.expected_effect
+    # the figures behind it, from the raw steps: the co-scheduled share and the median extra ms per prefill token
+    rows = con.execute("""SELECT CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END, prefill_tokens, decode_tokens
+                          FROM steps JOIN sources USING (source_id) WHERE run_id = ?""", [run_id]).fetchall()
+    co = [(ms, p) for ms, p, d in rows if d > 0 and p >= 128]
+    assert e["cosched_share"] == len(co) / sum(1 for _, _, d in rows if d > 0)
+    median = statistics.median((ms - e["pure_decode_p50_ms"]) / p for ms, p in co)  # = quantile_cont(., 0.5)
+    assert e["ms_per_prefill_token"] == pytest.approx(max(median, 0.0), rel=1e-9) and 0 < median < 1
