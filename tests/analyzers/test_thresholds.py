@@ -274,6 +274,8 @@ def test_suggest_chunk_values():
     assert suggest_chunk(10.0, 0.0, 2.0, 16, 600) == 288  # 600 // 2 // 16 * 16
     assert suggest_chunk(10.0, -1.0, 2.0, 64, 100) == 64  # at least a page
     assert suggest_chunk(10.0, -0.5, 2.0, 16, 2000) == 512  # any slope <= 0 means no fit: the fallback
+    assert suggest_chunk(10.0, 1.0, 2.0, 1, 4096) == 64  # min_chunk's default, at pages of one token
+    assert type(suggest_chunk(10.0, None, 2.0, 16, 601)) is int and suggest_chunk(10.0, None, 2.0, 16, 601) == 288
 
 
 def test_long_prefill_tokens_filters_the_steps(scenario):
@@ -317,15 +319,15 @@ def test_prefix_hit_ratio_boundary(scenario):
 
 # --- the prefill-stall ratio at its default, on a stated store ---
 
-def _stall_store(path: str, cosched_ms: float) -> str:
-    """20 pure decode steps of 10 ms, then 8 decode steps each next to a 256-token prefill taking `cosched_ms`."""
+def _stall_store(path: str, cosched_ms: float, pure: int = 20, cosched: int = 8) -> str:
+    """`pure` decode steps of 10 ms, then `cosched` decode steps each next to a 256-token prefill taking `cosched_ms`."""
     store = Store(path)
     try:
         sid = store.register_source(ev.Hello(1_000_000_000, 0, 1, 0, 1, "stall", "m", "module"))
         steps = [ev.Step(1_000_000_000 + i * 20_000_000, i, 0, ev.PHASE_DECODE, 4, 0, 4, 512, 10.0, math.nan)
-                 for i in range(20)]
-        steps += [ev.Step(2_000_000_000 + i * 50_000_000, 20 + i, 0, ev.PHASE_MIXED, 5, 256, 4, 512, cosched_ms,
-                          math.nan) for i in range(8)]
+                 for i in range(pure)]
+        steps += [ev.Step(2_000_000_000 + i * 50_000_000, pure + i, 0, ev.PHASE_MIXED, 5, 256, 4, 512, cosched_ms,
+                          math.nan) for i in range(cosched)]
         store.append([(sid, steps)])
     finally:
         store.close()
@@ -397,3 +399,20 @@ def test_prefill_stall_effect_states_the_predicted_step(scenario):
     assert e["cosched_share"] == len(co) / sum(1 for _, _, d in rows if d > 0)
     median = statistics.median((ms - e["pure_decode_p50_ms"]) / p for ms, p in co)  # = quantile_cont(., 0.5)
     assert e["ms_per_prefill_token"] == pytest.approx(max(median, 0.0), rel=1e-9) and 0 < median < 1
+
+
+def test_prefill_stall_needs_min_steps_of_each_kind(tmp_path):
+    """Both counts gate: 5 pure decode steps against 8 co-scheduled ones, and none co-scheduled at all."""
+    few_pure = _stall_store(str(tmp_path / "p.duckdb"), 40.0, pure=5, cosched=8)
+    con = duckdb.connect(str(tmp_path / "p.duckdb"), read_only=True)
+    try:
+        assert prefill_stalls_decode(con, few_pure, min_steps=6) == []
+        assert len(prefill_stalls_decode(con, few_pure, min_steps=5)) == 1
+    finally:
+        con.close()
+    none = _stall_store(str(tmp_path / "n.duckdb"), 40.0, pure=20, cosched=0)
+    con = duckdb.connect(str(tmp_path / "n.duckdb"), read_only=True)
+    try:
+        assert prefill_stalls_decode(con, none, min_steps=1) == []
+    finally:
+        con.close()
