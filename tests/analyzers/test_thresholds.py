@@ -346,6 +346,7 @@ def test_prefill_stall_ratio_at_its_default(tmp_path, cosched_ms, fires):
             (f,) = found
             assert f.evidence["stall_ratio"] == pytest.approx(cosched_ms / 10.0, rel=1e-12)
             assert (f.evidence["pure_decode_steps"], f.evidence["cosched_steps"]) == (20, 8)
+            assert f.evidence["page_size"] == 16  # no KV snapshots in this store: pages of 16 are assumed
             assert f.severity == ("critical" if cosched_ms >= 100.0 else "warning")
     finally:
         con.close()
