@@ -108,3 +108,21 @@ def test_largest_run_without_numpy(monkeypatch):
     real = k._largest_run_py
     monkeypatch.setattr(k, "_largest_run_py", lambda ids: calls.append(1) or real(ids))
     assert k.largest_run([3, 1, 2, 9, 10]) == 3 and calls == [1]
+
+
+def test_page_stats_bounds_and_pages_past_the_tokens():
+    for page, total in ((-16, 8), (0, 8), (16, -1)):
+        with pytest.raises(ValueError):
+            k.page_stats(page, total, {}, {}, free_pages=[])
+    one = k.page_stats(1, 4, {"a": [0, 1]}, {"a": 2}, free_pages=[2, 3])  # pages of one token are valid
+    assert (one.used_pages, one.live_tokens) == (2, 2)
+    # "a" holds 3 pages for 20 tokens (its last page is reserved ahead, empty); "b" has no token count yet
+    s = k.page_stats(16, 8, {"a": [0, 1, 2], "b": [3]}, {"a": 20}, free_pages=[4, 5, 6, 7])
+    assert (s.used_pages, s.live_tokens, s.num_seqs) == (4, 20, 2)
+
+
+def test_arithmetic_that_floor_division_or_a_wrong_sign_would_change():
+    assert k.rate(5, 2.0) == 2.5 and k.hit_rate(1, -1) is None
+    assert k.kv_imbalance([1, 2]) == pytest.approx(2 / 1.5 - 1)  # a mean of 1.5, not 1
+    assert k.predicted_waste([16, 32], 16) == 0.0  # exact multiples fill their pages: 1 + 2 pages
+    assert k.largest_run({5, 6, 9}) == 2 and k.largest_run(iter([3, 1, 2])) == 3  # any iterable of ids

@@ -56,18 +56,20 @@ def _not_shown(name: str, found: set[str], allowed: set[str]) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two real runs; under 2 spinners at load 17 both attempts overran the 300 s default
 @pytest.mark.parametrize("name", REAL)
 def test_real_rebuild_fires(name, tmp_path, scenario):
     """A rebuild fires the scenario's rules and nothing its committed fixture does not show (give or take
     what load alone changes): an extra, wrong finding fails. The rules' numbers are pinned on the committed
     fixtures (test_rules.py)."""
-    expect = set(SCENARIOS[name].expect)
+    stated = set(SCENARIOS[name].expect)
     fixture_con, fixture_run = scenario(name)
     allowed = {f.id for f in diagnose(fixture_con, fixture_run)} | LOAD_DEPENDENT
-    assert expect <= allowed
+    assert stated <= allowed
     # A real run on a shared 2-core machine is timing-noisy: one rebuild may be disturbed by
     # other processes, so a second attempt is allowed.
     for attempt in range(2):
+        expect = set(stated)
         path = str(tmp_path / f"run{attempt}.duckdb")
         run_id, config = build_db(name, path)
         con = duckdb.connect(path, read_only=True)
@@ -76,19 +78,23 @@ def test_real_rebuild_fires(name, tmp_path, scenario):
             requests = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run_id]).fetchone()[0]
         finally:
             con.close()
-        if "host-bound" not in expect:
+        if "host-bound" not in stated:
             # whether the engine is starved of CPU depends on the machine's load during the rebuild (on a
             # busy shared CI machine it truly is), not on the scenario's configuration; the committed
             # fixtures pin it (test_host_rules.py)
             found.discard("host-bound")
+        if "itl-spikes-host" in found:
+            # measured in this very run: host stalls (gaps far over their step's compute: the machine's load)
+            # are the larger part of the ITL tail, so the ITL finding names them instead of the prefills
+            expect = expect - {"itl-spikes-prefill"}
         if expect <= found and not _not_shown(name, found, allowed):
             break
     assert expect <= found, f"{name}: expected {sorted(expect)}, got {sorted(found)}"
     extra = _not_shown(name, found, allowed)
     assert not extra, f"{name}: {sorted(extra)} fired, which the fixture does not show"
     # the run served the stated workload (every request of it is in the store)
-    stated = SCENARIOS[name].demo.get("requests", DemoConfig().requests)
-    assert requests == stated, (requests, stated)
+    served = SCENARIOS[name].demo.get("requests", DemoConfig().requests)
+    assert requests == served, (requests, served)
 
 
 def _config(name: str) -> dict:

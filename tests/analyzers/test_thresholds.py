@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import statistics
 from typing import Any, Callable
 
 import duckdb
@@ -23,7 +24,7 @@ from phasescope.agent.sidecar.store import Store
 from phasescope.analyzers import diagnose as dg
 from phasescope.analyzers.geometry import geometry_from_labels
 from phasescope.analyzers.gpus import lookup
-from phasescope.analyzers.prefill import prefill_stalls_decode, suggest_chunk
+from phasescope.analyzers.prefill import chunk_suggestion, chunked_prefill, prefill_stalls_decode, suggest_chunk
 from phasescope.analyzers.runinfo import read_run_info
 
 # every analyzer's thresholds and their defaults, as the docs and `diagnose --list-thresholds` state them
@@ -209,12 +210,17 @@ def test_threshold_just_below_and_just_above(scenario, fixture, analyzer, fid, n
     holds, fails = edges(x, op, integer)
     at_holds = _run(con, run_id, analyzer, **{**extra, name: holds})
     at_fails = _run(con, run_id, analyzer, **{**extra, name: fails})
+    # and well inside the firing side (a rule written `==` for `>=` holds at the boundary only)
+    deep = (x - 1 if integer else x / 2) if op in (">=", ">") else (x + 1 if integer else x * 2 if x > 0 else 1.0)
+    at_deep = _run(con, run_id, analyzer, **{**extra, name: deep})
     if severity is None:
         assert fid in at_holds, f"{name}={holds!r}: {fid} should fire ({x!r} {op} threshold)"
         assert fid not in at_fails, f"{name}={fails!r}: {fid} should not fire"
+        assert fid in at_deep, f"{name}={deep!r}: {fid} should fire"
         assert at_holds[fid].thresholds[name] == holds  # the finding reports the threshold it was judged by
     else:
         assert at_holds[fid].severity == severity, f"{name}={holds!r}"
+        assert at_deep[fid].severity == severity, f"{name}={deep!r}"
         assert fid in at_fails and at_fails[fid].severity != severity, f"{name}={fails!r}"
 
 
@@ -267,6 +273,9 @@ def test_suggest_chunk_values():
     assert suggest_chunk(10.0, None, 2.0, 16, 2000) == 512  # no slope: half the largest prefill, at most 512
     assert suggest_chunk(10.0, 0.0, 2.0, 16, 600) == 288  # 600 // 2 // 16 * 16
     assert suggest_chunk(10.0, -1.0, 2.0, 64, 100) == 64  # at least a page
+    assert suggest_chunk(10.0, -0.5, 2.0, 16, 2000) == 512  # any slope <= 0 means no fit: the fallback
+    assert suggest_chunk(10.0, 1.0, 2.0, 1, 4096) == 64  # min_chunk's default, at pages of one token
+    assert type(suggest_chunk(10.0, None, 2.0, 16, 601)) is int and suggest_chunk(10.0, None, 2.0, 16, 601) == 288
 
 
 def test_long_prefill_tokens_filters_the_steps(scenario):
@@ -310,15 +319,15 @@ def test_prefix_hit_ratio_boundary(scenario):
 
 # --- the prefill-stall ratio at its default, on a stated store ---
 
-def _stall_store(path: str, cosched_ms: float) -> str:
-    """20 pure decode steps of 10 ms, then 8 decode steps each next to a 256-token prefill taking `cosched_ms`."""
+def _stall_store(path: str, cosched_ms: float, pure: int = 20, cosched: int = 8) -> str:
+    """`pure` decode steps of 10 ms, then `cosched` decode steps each next to a 256-token prefill taking `cosched_ms`."""
     store = Store(path)
     try:
         sid = store.register_source(ev.Hello(1_000_000_000, 0, 1, 0, 1, "stall", "m", "module"))
         steps = [ev.Step(1_000_000_000 + i * 20_000_000, i, 0, ev.PHASE_DECODE, 4, 0, 4, 512, 10.0, math.nan)
-                 for i in range(20)]
-        steps += [ev.Step(2_000_000_000 + i * 50_000_000, 20 + i, 0, ev.PHASE_MIXED, 5, 256, 4, 512, cosched_ms,
-                          math.nan) for i in range(8)]
+                 for i in range(pure)]
+        steps += [ev.Step(2_000_000_000 + i * 50_000_000, pure + i, 0, ev.PHASE_MIXED, 5, 256, 4, 512, cosched_ms,
+                          math.nan) for i in range(cosched)]
         store.append([(sid, steps)])
     finally:
         store.close()
@@ -337,6 +346,7 @@ def test_prefill_stall_ratio_at_its_default(tmp_path, cosched_ms, fires):
             (f,) = found
             assert f.evidence["stall_ratio"] == pytest.approx(cosched_ms / 10.0, rel=1e-12)
             assert (f.evidence["pure_decode_steps"], f.evidence["cosched_steps"]) == (20, 8)
+            assert f.evidence["page_size"] == 16  # no KV snapshots in this store: pages of 16 are assumed
             assert f.severity == ("critical" if cosched_ms >= 100.0 else "warning")
     finally:
         con.close()
@@ -348,5 +358,62 @@ def test_prefill_stall_critical_at_its_default(tmp_path):
     con = duckdb.connect(path, read_only=True)
     try:
         assert prefill_stalls_decode(con, run_id)[0].severity == "critical"  # 10.0x: critical_ratio 10 holds
+    finally:
+        con.close()
+
+
+def test_chunked_prefill_from_labels():
+    assert chunked_prefill(None) == (None, None) and chunked_prefill({}) == (None, None)
+    assert chunked_prefill({"enable_chunked_prefill": "True", "max_num_batched_tokens": "2048"}) == (True, 2048)
+    assert chunked_prefill({"enable_chunked_prefill": "false", "max_num_batched_tokens": "512.0"}) == (False, 512)
+    assert chunked_prefill({"enable_chunked_prefill": "on"}) == (True, None)
+    assert chunked_prefill({"runtime": "hf-cb"}) == (True, None)  # HF continuous batching always splits prompts
+    assert chunked_prefill({"runtime": "cb", "max_batch_tokens": "256"}) == (True, 256)
+    assert chunked_prefill({"max_batch_tokens": "96"}) == (True, 96)
+    assert chunked_prefill({"runtime": "vllm", "max_num_batched_tokens": "lots"}) == (None, None)  # not a number
+
+
+def test_chunk_suggestion_branches_at_the_budget():
+    at = chunk_suggestion(256, True, 256)  # budget at the chunk: chunking is not the lever
+    assert at.startswith("Chunked prefill is already on with a per-step budget of 256 tokens") and "disaggregation" in at
+    assert chunk_suggestion(256, True, 128).startswith("Chunked prefill is already on with a per-step budget of 128")
+    above = chunk_suggestion(256, True, 257)
+    assert above.startswith("Chunked prefill is on") and "lower it to ~256 tokens" in above and "(now 257)" in above
+    unknown = chunk_suggestion(256, True, None)
+    assert "lower it to ~256 tokens" in unknown and "(now" not in unknown
+    off = chunk_suggestion(256, False, 128)  # off: enable it, whatever the budget label says
+    assert off.startswith("Enable chunked prefill with a chunk of ~256 tokens")
+    assert chunk_suggestion(256, None, None).startswith("Enable chunked prefill")
+
+
+def test_prefill_stall_effect_states_the_predicted_step(scenario):
+    con, run_id = scenario("prefill-interference")
+    f = _run(con, run_id, "prefill_stalls_decode")["prefill-stalls-decode"]
+    e = f.evidence
+    expected_ms = e["pure_decode_p50_ms"] + e["ms_per_prefill_token"] * e["suggested_chunk_tokens"]
+    assert f"keeps them near {expected_ms:.1f} ms (~{expected_ms / e['pure_decode_p50_ms']:.1f}x)" in f.expected_effect
+    assert f"(p95 now {e['tpot_p95_s'] * 1e3:.1f} ms)" in f.expected_effect
+    # the figures behind it, from the raw steps: the co-scheduled share and the median extra ms per prefill token
+    rows = con.execute("""SELECT CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END, prefill_tokens, decode_tokens
+                          FROM steps JOIN sources USING (source_id) WHERE run_id = ?""", [run_id]).fetchall()
+    co = [(ms, p) for ms, p, d in rows if d > 0 and p >= 128]
+    assert e["cosched_share"] == len(co) / sum(1 for _, _, d in rows if d > 0)
+    median = statistics.median((ms - e["pure_decode_p50_ms"]) / p for ms, p in co)  # = quantile_cont(., 0.5)
+    assert e["ms_per_prefill_token"] == pytest.approx(max(median, 0.0), rel=1e-9) and 0 < median < 1
+
+
+def test_prefill_stall_needs_min_steps_of_each_kind(tmp_path):
+    """Both counts gate: 5 pure decode steps against 8 co-scheduled ones, and none co-scheduled at all."""
+    few_pure = _stall_store(str(tmp_path / "p.duckdb"), 40.0, pure=5, cosched=8)
+    con = duckdb.connect(str(tmp_path / "p.duckdb"), read_only=True)
+    try:
+        assert prefill_stalls_decode(con, few_pure, min_steps=6) == []
+        assert len(prefill_stalls_decode(con, few_pure, min_steps=5)) == 1
+    finally:
+        con.close()
+    none = _stall_store(str(tmp_path / "n.duckdb"), 40.0, pure=20, cosched=0)
+    con = duckdb.connect(str(tmp_path / "n.duckdb"), read_only=True)
+    try:
+        assert prefill_stalls_decode(con, none, min_steps=1) == []
     finally:
         con.close()

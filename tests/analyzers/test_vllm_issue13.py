@@ -182,6 +182,7 @@ def test_itl_fixture_tail_is_the_chunked_prefills(scenario):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # install + a real vLLM run: over the 300 s default at load average ~11 on 2 cores
 def test_real_vllm_itl_run_reproduces_the_attribution(tmp_path):
     skip_without_vllm()
     con, run_id, cfg = rebuilt(tmp_path, "itl-spikes-vllm")

@@ -9,9 +9,9 @@ file between queries, and stopping `phasescope dashboard` must stop its Streamli
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,12 +22,6 @@ import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SHOTS = os.environ.get("PHASESCOPE_SCREENSHOTS", os.path.join(os.path.dirname(__file__), "..", "..", "artifacts"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, timeout_s: float) -> None:
@@ -60,9 +54,18 @@ PAGES = _pages()
 SETTLE_S = 10.0
 
 
-def _dashboard(target_args: list[str], port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "phasescope.cli", "dashboard", *target_args,
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _dashboard(target_args: list[str]) -> tuple[subprocess.Popen, int]:
+    """`phasescope dashboard` on port 0: Streamlit binds a free port itself and prints it ("URL: http://...")."""
+    app = subprocess.Popen([sys.executable, "-m", "phasescope.cli", "dashboard", *target_args, "--port", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    while True:
+        line = app.stdout.readline()
+        assert line, "the dashboard exited before it listened:\n" + "".join(seen)
+        seen.append(line)
+        m = re.search(r"URL: http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            return app, int(m.group(1))
 
 
 def _settled(page) -> bool:
@@ -125,8 +128,7 @@ def test_every_page_offline_and_the_file_stays_free(tmp_path):
 
     db = str(tmp_path / "demo.duckdb")
     scenarios.load(os.path.join(scenarios.DATA_DIR, "service-mix"), db)
-    port = _free_port()
-    app = _dashboard([db], port)
+    app, port = _dashboard([db])
     try:
         _wait_http(f"http://127.0.0.1:{port}/_stcore/health", 90)
         _visit_every_page(f"http://127.0.0.1:{port}/", "offline")
@@ -155,8 +157,7 @@ def test_killing_the_dashboard_hard_still_stops_its_child(tmp_path):
 
     db = str(tmp_path / "h.duckdb")
     scenarios.load(os.path.join(scenarios.DATA_DIR, "healthy"), db)
-    port = _free_port()
-    app = _dashboard([db], port)
+    app, port = _dashboard([db])
     try:
         _wait_http(f"http://127.0.0.1:{port}/_stcore/health", 90)
         children = psutil.Process(app.pid).children(recursive=True)
@@ -176,7 +177,6 @@ def test_every_page_on_a_live_agent_settles(tiny_llama, short_tmp):
     from phasescope.agent.sidecar import Sidecar
     from phasescope.analyzers.diagnose import diagnose
 
-    app_port = _free_port()  # Streamlit's (it cannot report a port 0 it bound); the read API binds its own
     sc = Sidecar(os.path.join(short_tmp, "live.duckdb"), listen=[f"unix:{short_tmp}/a.sock"],
                  batch_interval_s=0.05, read_api="127.0.0.1:0", findings=diagnose).start()
     probe = attach(tiny_llama, agent=f"unix:{short_tmp}/a.sock", runtime="hf-generate", flush_interval_s=0.02)
@@ -197,7 +197,7 @@ def test_every_page_on_a_live_agent_settles(tiny_llama, short_tmp):
 
     writer = threading.Thread(target=serve, daemon=True)
     writer.start()
-    app = _dashboard(["--agent", sc.read_api.url], app_port)
+    app, app_port = _dashboard(["--agent", sc.read_api.url])
     try:
         _wait_http(f"http://127.0.0.1:{app_port}/_stcore/health", 90)
         rows_before = sc.stats.rows_written_total

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -31,14 +32,6 @@ RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus; "
                                                             ".ci/run installs it)")]
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _get(url: str, timeout_s: float = 5.0) -> bytes:
@@ -80,7 +73,6 @@ def stack(short_tmp):
     reg.register(SidecarStatsCollector(sc.stats))
     metrics = MetricsServer(reg, "127.0.0.1:0").start()
     sc.start()
-    web_port = _free_port()
     cfg = os.path.join(short_tmp, "prometheus.yml")
     with open(cfg, "w") as f:
         f.write(f"""
@@ -95,13 +87,18 @@ scrape_configs:
 """)
     log = open(os.path.join(short_tmp, "prometheus.log"), "wb")
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={short_tmp}/tsdb",
-                             f"--web.listen-address=127.0.0.1:{web_port}"], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{web_port}"
+                             "--web.listen-address=127.0.0.1:0"], stdout=log, stderr=subprocess.STDOUT)
+    base = None  # Prometheus binds port 0 itself and logs the address it got: msg="Listening on" address=...
     try:
         deadline = time.monotonic() + 30
         while True:
             assert proc.poll() is None, open(log.name).read()[-2000:]
+            if base is None:
+                m = re.search(r'msg="Listening on" address=(127\.0\.0\.1:\d+)', open(log.name).read())
+                base = f"http://{m.group(1)}" if m else None
             try:
+                if base is None:
+                    raise OSError("not listening yet")
                 if _get(f"{base}/-/ready", 1) is not None:
                     break
             except OSError:
