@@ -19,6 +19,7 @@ from .decode import decode_roofline
 from .findings import Finding, sort_findings
 from .geometry import ModelGeometry, geometry_from_labels
 from .gpus import GpuSpec, lookup
+from .history import history_rolled
 from .host import host_bound, process_memory_growth
 from .itl import itl_spikes
 from .kvcache import kv_external_fragmentation, kv_headroom_low, kv_internal_fragmentation, kv_near_cap
@@ -41,6 +42,7 @@ ANALYZERS: tuple[Analyzer, ...] = (
     prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
     preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
     host_bound, process_memory_growth, telemetry_degraded, prefix_miss_causes, kv_evicted_before_reuse,
+    history_rolled,
 )
 CONTEXT = ("model", "gpu", "labels", "now_ns")
 

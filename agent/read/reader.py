@@ -20,6 +20,8 @@ import duckdb
 
 from ..records.errors import ReadError
 from .exports import export_glob, hosts, open_host
+from .history import open_with_history, rolled_to
+from .storefile import check_readable
 from .jsonsafe import json_safe
 from .queries import run_named
 
@@ -45,8 +47,8 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
         raise ReadError(f"{path!r} is a directory, not a DuckDB file")
     try:
         con = duckdb.connect(path, read_only=True)
-    except (duckdb.IOException, duckdb.ConnectionException) as exc:
-        # another process: "Could not set lock"; this process: "different configuration"
+    except duckdb.Error as exc:
+        # another process: "Could not set lock"; this process: "different configuration"; a damaged file: any
         text = str(exc).lower()
         if "lock" in text or "different configuration" in text:
             raise StoreBusyError(
@@ -54,12 +56,22 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
                 "(--api http://127.0.0.1:7702, the address the agent serves it on) or stop the agent first") from None
         if "not a valid duckdb" in text:
             raise ReadError(f"{path} is not a DuckDB file; give the file phasescope agent or demo wrote") from None
-        raise ReadError(f"cannot open {path}: {exc}") from None
-    has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'sources'").fetchone()[0]
-    if not has:
+        raise ReadError(f"cannot open {path} (damaged, or not a phasescope store): {' '.join(str(exc).split())}") \
+            from None
+    try:
+        check_readable(con, path)  # one line for an empty or foreign file, another schema version, missing columns
+    except BaseException:
         con.close()
-        raise ReadError(f"{path} holds no phasescope data (an empty or foreign DuckDB file); record a run into it "
-                       "with phasescope agent --db FILE or phasescope demo --db FILE")
+        raise
+    where = rolled_to(con)
+    if where is not None and where[0]:  # retention rolled old rows out to Parquet: read them back (one history)
+        con.close()
+        try:
+            joined = open_with_history(path, *where)
+        except duckdb.Error as exc:
+            raise ReadError(f"cannot read {path} with its exports under {where[0]}: {' '.join(str(exc).split())}") \
+                from None
+        return joined if joined is not None else duckdb.connect(path, read_only=True)
     return con
 
 

@@ -59,6 +59,7 @@ DEFAULTS = {
     "prefix_miss_causes": {"prefix_miss_min_tokens": 256, "prefix_miss_cause_share": 0.05, "min_sub_page_tokens": 4,
                            "max_no_prefix_hit_rate": 0.1},
     "kv_evicted_before_reuse": {"evicted_reuse_share": 0.05},
+    "history_rolled": {},
 }
 
 
