@@ -47,6 +47,9 @@ def _check_agent_args(args: argparse.Namespace) -> None:
         raise CliError(f"--db {args.db!r}: directory {parent} does not exist; create it or choose another path")
     if os.path.isdir(args.db):
         raise CliError(f"--db {args.db!r} is a directory; give a file path")
+    from phasescope.agent.read.storefile import check_writable
+
+    check_writable(args.db)  # before anything binds: a foreign, damaged or other-version file is refused untouched
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:

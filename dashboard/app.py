@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import altair as alt
+import duckdb
 import pandas as pd
 import streamlit as st
 
@@ -518,6 +519,8 @@ def render(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
         RENDER[page](reader, run, win)
     except ReadError as exc:
         st.warning(f"{exc} (the page shows it again once the store can be read)")
+    except duckdb.Error as exc:  # a damaged file or one an older build wrote: one line, never a traceback
+        st.error(f"{reader.target} cannot be read: {' '.join(str(exc).split())[:300]}")
 
 
 def main() -> None:
