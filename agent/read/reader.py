@@ -23,6 +23,7 @@ from .exports import export_glob, hosts, open_host
 from .history import open_with_history, rolled_to
 from .storefile import check_readable
 from .jsonsafe import json_safe
+from .snapshot import Item, encode_items, run_batch
 from .queries import run_named
 
 Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings, e.g. analyzers.diagnose
@@ -93,6 +94,8 @@ class Reader(Protocol):
 
     def findings(self, run_id: str | None = None) -> list[dict[str, Any]]: ...
 
+    def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]: ...
+
     def close(self) -> None: ...
 
 
@@ -124,6 +127,10 @@ class FileReader:
         if self._findings is None:
             return []
         return json_safe(self._run(lambda con: self._findings(con, run_id)))
+
+    def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]:
+        """Named queries (and, with `findings_run`, the findings) read in one transaction (snapshot.run_batch)."""
+        return self._run(lambda con: run_batch(con, items, self._findings, findings_run))
 
     def close(self) -> None:
         pass  # nothing is held between queries
@@ -192,6 +199,12 @@ class AgentReader:
 
     def findings(self, run_id: str | None = None) -> list[dict[str, Any]]:
         return self._get("/api/v1/findings", {"run_id": run_id})["findings"]
+
+    def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]:
+        params = {"items": encode_items(items)}
+        if findings_run is not None:
+            params["findings"] = findings_run
+        return self._get("/api/v1/snapshot", params)
 
     def close(self) -> None:
         pass
