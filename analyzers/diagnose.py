@@ -19,6 +19,7 @@ from .decode import decode_roofline
 from .findings import Finding, sort_findings
 from .geometry import ModelGeometry, geometry_from_labels
 from .gpus import GpuSpec, lookup
+from .history import history_rolled
 from .host import host_bound, process_memory_growth
 from .itl import itl_spikes
 from .kvcache import kv_external_fragmentation, kv_headroom_low, kv_internal_fragmentation, kv_near_cap
@@ -41,8 +42,9 @@ ANALYZERS: tuple[Analyzer, ...] = (
     prefix_hit_collapse, tp_kv_imbalance, tp_straggler, tp_kv_head_replication,
     preemption_recompute, survival_rate, probe_dropping, gpu_memory_near_full, gpu_xid_errors,
     host_bound, process_memory_growth, telemetry_degraded, prefix_miss_causes, kv_evicted_before_reuse,
+    history_rolled,
 )
-CONTEXT = ("model", "gpu", "labels")
+CONTEXT = ("model", "gpu", "labels", "now_ns")
 
 
 def thresholds() -> dict[str, dict[str, Any]]:
@@ -56,9 +58,11 @@ def thresholds() -> dict[str, dict[str, Any]]:
 
 
 def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None = None,
-             gpu: GpuSpec | str | None = None, **overrides: Any) -> list[Finding]:
+             gpu: GpuSpec | str | None = None, now_ns: int | None = None, **overrides: Any) -> list[Finding]:
     """Findings of one run (default: the latest), most severe first. `overrides` set named thresholds
-    (an unknown name raises ValueError); `model` / `gpu` override the run's labels."""
+    (an unknown name raises ValueError); `model` / `gpu` override the run's labels. `now_ns`: the wall
+    clock (Unix ns) of a live reader, whose runs may still be going (requests in flight are not failures);
+    None for a file no agent writes, whose data is complete."""
     known = {n for params in thresholds().values() for n in params}
     unknown = set(overrides) - known
     if unknown:
@@ -74,7 +78,7 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
         if gpu is None:
             raise ValueError(f"unknown GPU {name!r}")
     gpu = gpu or lookup(labels.get("gpu_name"))
-    context = {"model": model, "gpu": gpu, "labels": labels}
+    context = {"model": model, "gpu": gpu, "labels": labels, "now_ns": now_ns}
     findings: list[Finding] = []
     for fn in ANALYZERS:
         params = inspect.signature(fn).parameters
@@ -84,6 +88,14 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
     if labels.get("runtime") == "vllm":  # name vLLM's flags with this run's values
         findings = [dataclasses.replace(f, suggestion=with_flag_values(f.suggestion, labels)) for f in findings]
     return sort_findings(findings)
+
+
+def diagnose_live(con: Any, run_id: str | None = None) -> list[Finding]:
+    """diagnose() as a live reader (the agent's read API) runs it: with the wall clock now, so a run still
+    going is judged as one (its running requests are in flight)."""
+    import time
+
+    return diagnose(con, run_id, now_ns=time.time_ns())
 
 
 def reconcile(findings: list[Finding]) -> list[Finding]:

@@ -53,21 +53,39 @@ def preemption_recompute(con, run_id: str, *, min_preemptions: int = 1, critical
 SURVIVAL_SQL = """WITH r AS (SELECT * FROM requests WHERE run_id = $run),
     d AS (SELECT arrival_ns AS ts, 1 AS delta FROM r
           UNION ALL SELECT coalesce(last_token_ns, arrival_ns), -1 FROM r WHERE status != 'running'),
-    c AS (SELECT sum(delta) OVER (ORDER BY ts, delta DESC ROWS UNBOUNDED PRECEDING) AS n FROM d)
+    c AS (SELECT sum(delta) OVER (ORDER BY ts, delta DESC ROWS UNBOUNDED PRECEDING) AS n FROM d),
+    w AS (SELECT max(t.ts_ns + s.wall_minus_mono_ns) AS last_wall_ns
+          FROM request_events t JOIN sources s USING (source_id) WHERE s.run_id = $run)
     SELECT (SELECT count(*) FROM r) AS requests,
            (SELECT count(*) FROM r WHERE status = 'finished') AS finished,
            (SELECT count(*) FROM r WHERE status = 'aborted') AS aborted,
            (SELECT count(*) FROM r WHERE status = 'running') AS unfinished,
-           (SELECT max(n) FROM c) AS peak_concurrency"""
+           (SELECT max(n) FROM c) AS peak_concurrency,
+           (SELECT last_wall_ns FROM w) AS last_event_wall_ns"""
 
 
 def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_survival: float = 0.95,
-                  labels: dict | None = None, **_: object) -> list[Finding]:
-    """Fires when the share of requests that finished is below `min_survival`."""
+                  in_flight_window_s: float = 60.0, labels: dict | None = None, now_ns: int | None = None,
+                  **_: object) -> list[Finding]:
+    """Fires when the share of judged requests that finished is below `min_survival`.
+
+    A request still running is a failure only once the run is over. `now_ns` (wall clock, Unix ns) is given
+    by a live reader (the agent's read API): when the run's last request event is less than
+    `in_flight_window_s` before it, the run is live and its running requests are in flight, not judged.
+    Offline (`now_ns` None: a file no agent writes) the data is complete and they never finished."""
     e = one(con, SURVIVAL_SQL, run_id)
     if not e["requests"]:
         return []
-    rate = e["finished"] / e["requests"]
+    last = e.pop("last_event_wall_ns")
+    age_s = (now_ns - last) / 1e9 if now_ns is not None and last is not None else None
+    live = age_s is not None and age_s < in_flight_window_s
+    in_flight = e["unfinished"] if live else 0
+    judged = e["requests"] - in_flight
+    e.update(in_flight=in_flight, judged=judged, live=live,
+             last_event_age_s=None if age_s is None else round(age_s, 3))
+    if not judged:
+        return []
+    rate = e["finished"] / judged
     if rate >= min_survival:
         return []
     e["survival_rate"] = rate
@@ -75,6 +93,8 @@ def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_surv
     if oom is not None:
         e["oom_total"] = oom
     e["query"] = SURVIVAL_SQL
+    never = (f"{e['unfinished']} never finished" if not live else
+             f"{in_flight} still in flight (the run is live: not judged)")
     return [Finding(
         id="survival-rate-low",
         title="Requests fail under load",
@@ -84,12 +104,13 @@ def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_surv
                     "control that rejects or redirects early when KV usage or queue length passes a threshold, a "
                     "KV budget at or below ~80% of the memory left after weights, then load-test at 2-3x the "
                     "production peak and track the survival rate after each change."),
-        expected_effect=(f"{e['finished']} of {e['requests']} requests finished ({rate:.1%}); {e['aborted']} aborted, "
-                         f"{e['unfinished']} never finished, at up to {e['peak_concurrency']} concurrent requests. "
+        expected_effect=(f"{e['finished']} of {judged} requests finished ({rate:.1%}); {e['aborted']} aborted, "
+                         f"{never}, at up to {e['peak_concurrency']} concurrent requests. "
                          f"The target is >= {min_survival:.0%}."),
         reference=ref("Experiments"),
         run_id=run_id,
-        thresholds={"min_survival": min_survival, "critical_survival": critical_survival},
+        thresholds={"min_survival": min_survival, "critical_survival": critical_survival,
+                    "in_flight_window_s": in_flight_window_s},
     )]
 
 

@@ -122,6 +122,10 @@ def cmd_retention(args: argparse.Namespace) -> int:
     from phasescope.agent.sidecar.retention import Retention
     from phasescope.agent.sidecar.store import Store
 
+    if not os.path.isfile(args.db):  # a typo must not create a store
+        from .errors import CliError
+
+        raise CliError(f"no such file {args.db!r}; give the DuckDB file phasescope agent or demo wrote")
     store = Store(args.db)
     try:
         r = Retention(store, policy_from_args(args)).roll()

@@ -47,6 +47,9 @@ def _check_agent_args(args: argparse.Namespace) -> None:
         raise CliError(f"--db {args.db!r}: directory {parent} does not exist; create it or choose another path")
     if os.path.isdir(args.db):
         raise CliError(f"--db {args.db!r} is a directory; give a file path")
+    from phasescope.agent.read.storefile import check_writable
+
+    check_writable(args.db)  # before anything binds: a foreign, damaged or other-version file is refused untouched
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
@@ -174,7 +177,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                 raise SystemExit(f"phasescope agent: cannot serve the read API on {args.api}: {exc}")
             log.warning("no read API: the default %s is taken (%s); pass --api or --no-api", DEFAULT_API_ADDR, exc)
             api = None
-    from phasescope.analyzers.diagnose import diagnose  # the read API serves the analyzers' findings
+    from phasescope.analyzers.diagnose import diagnose_live as diagnose  # the read API's findings: runs are live
 
     if api is not None and _host_port(api)[0] not in ("127.0.0.1", "localhost", "::1"):
         log.warning("read API on non-loopback %s: anyone who reaches it can read every stored row", api)

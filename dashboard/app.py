@@ -15,12 +15,14 @@ import sys
 from typing import Any
 
 import altair as alt
+import duckdb
 import pandas as pd
 import streamlit as st
 
 from phasescope.agent.records.errors import ReadError
 from phasescope.agent.read.exports import export_glob, hosts
 from phasescope.agent.read.reader import open_reader
+from phasescope.agent.read.snapshot import decode_items, encode_items
 from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.fleet import HOST_SQL, diagnose_fleet
@@ -57,9 +59,26 @@ def q(reader: Any, name: str, **params: Any) -> Any:
 
 
 @st.cache_data(ttl=30, show_spinner="running the analyzers")
-def findings_for(target: str, run: str) -> list[dict[str, Any]]:
-    """diagnose() findings, recomputed at most every 30 s (all analyzers: ~1.5 s on 10M steps)."""
-    return reader_for(target).findings(run)
+def snapshot_for(target: str, host: str | None, items: str, findings_run: str | None) -> dict[str, Any]:
+    """Named queries and the findings read in ONE transaction (agent/read/snapshot.py), recomputed at most
+    every 30 s (all analyzers: ~1.5 s on 10M steps): the tiles and the findings beside them are one moment."""
+    return reader_for(target, host).snapshot(decode_items(items), findings_run)
+
+
+def snapshot(reader: Any, items: list[tuple[str, dict[str, Any]]], findings_run: str | None = None) -> dict[str, Any]:
+    """One read of several named queries (and, with `findings_run`, the findings): one snapshot of the store.
+    With findings it is cached (see snapshot_for); without, read now."""
+    if findings_run is None:
+        return reader.snapshot(items)
+    return snapshot_for(reader.target, getattr(reader, "host", None), encode_items(items), findings_run)
+
+
+def as_of(snap: dict[str, Any]) -> None:
+    """The caption that says which moment a page's figures are from."""
+    import datetime
+
+    t = datetime.datetime.fromtimestamp(snap["as_of_ns"] / 1e9).strftime("%H:%M:%S")
+    st.caption(f"Every figure in this section is from one read of the store at {t}.")
 
 
 def df(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -90,8 +109,11 @@ def gib(v: float | None) -> str:
 
 
 def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
-    findings = sorted(findings_for(reader.target, run), key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
-    r = q(reader, "request_summary", run_id=run)
+    p = {"run_id": run}
+    snap = snapshot(reader, [("request_summary", p), ("kv_summary", p), ("prefix_summary", p), ("probe_health", p)],
+                    findings_run=run)
+    r, kv, px, health = snap["rows"]
+    findings = sorted(snap["findings"], key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
     c = st.columns(4)
     c[0].metric("TTFT p50 / p95 / p99", ms(r["ttft_p50_s"]), f"p95 {ms(r['ttft_p95_s'])} · p99 {ms(r['ttft_p99_s'])}",
                 delta_color="off", delta_arrow="off")
@@ -100,12 +122,11 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
     tps = r.get("output_tokens_per_s")
     c[2].metric("Throughput", "–" if tps is None else f"{tps:.0f} tok/s",
                 f"{r['finished']} of {r['requests']} requests finished", delta_color="off", delta_arrow="off")
-    kv = q(reader, "kv_summary", run_id=run)
-    px = q(reader, "prefix_summary", run_id=run)
     c[3].metric("KV usage mean / max", pct(kv[0]["block_usage_mean"]) if kv else "–",
                 f"max {pct(kv[0]['block_usage_max'])} · prefix hit {pct(px['hit_rate'])}" if kv else "no KV data",
                 delta_color="off", delta_arrow="off")
-    telemetry_part(reader, run, findings)
+    telemetry_part(health, findings)
+    as_of(snap)
     st.subheader(f"Findings ({len(findings)})")
     explain("What phasescope's analyzers conclude from this run, most severe first, each with what to change.")
     if not findings:
@@ -261,21 +282,24 @@ def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:
 
 
 def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
-    px = q(reader, "prefix_summary", run_id=run)
+    snap = snapshot(reader, [("prefix_summary", {"run_id": run}), ("prefix_timeline", {
+        "run_id": run, "bucket_s": win["bucket_s"], "since_s": win["since_s"], "until_s": win["until_s"]}),
+        ("prefix_miss_causes", {"run_id": run}), ("kv_residency", {"run_id": run})])
+    px, timeline, causes, residency = snap["rows"]
     c = st.columns(4)
     c[0].metric("Hit rate", pct(px["hit_rate"]))
     c[1].metric("Hit / queried tokens", f"{px['hit_tokens'] or 0} / {px['queried_tokens'] or 0}")
     c[2].metric("Recomputed tokens", f"{px['recomputed_tokens'] or 0}", f"{px['preemptions']} preemptions",
                 delta_color="off", delta_arrow="off")
     c[3].metric("Evicted pages", f"{px['evicted_blocks'] or 0}")
-    tl = df(q(reader, "prefix_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
-              until_s=win["until_s"]))
+    as_of(snap)
+    tl = df(timeline)
     if tl.empty:
         st.info("No prefix-cache counters in this run.")
     else:
         prefix_timeline_view(tl)
-    prefix_miss_view(reader, run)
-    residency_view(reader, run)
+    prefix_miss_view(causes)
+    residency_view(residency)
 
 
 def prefix_timeline_view(tl: pd.DataFrame) -> None:
@@ -301,8 +325,7 @@ MISS_CAUSE_DOC = {
 }
 
 
-def prefix_miss_view(reader: Any, run: str) -> None:
-    c = q(reader, "prefix_miss_causes", run_id=run)
+def prefix_miss_view(c: dict[str, Any]) -> None:
     st.subheader("Why prefix lookups miss")
     if not (c["lookups"] or c["readmissions"] or c["disabled_lookups"]):
         st.caption("No per-lookup records in this run (the adapter predates them or the runtime has none).")
@@ -312,15 +335,16 @@ def prefix_miss_view(reader: Any, run: str) -> None:
         x=alt.X("tokens:Q", title="missed prompt tokens"), y=alt.Y("cause:N", sort=list(MISS_CAUSE_DOC), title=None),
         tooltip=["cause", "tokens", "what"]), width="stretch")
     cols = st.columns(3)
-    cols[0].metric("Missed (first admissions)", f"{c['missed_tokens']} of {c['queried_tokens']}")
+    cols[0].metric("Missed, per lookup (first admissions)", f"{c['missed_tokens']:,} of {c['queried_tokens']:,}")
     cols[1].metric("Eviction-to-reuse gap p50", "–" if c["evict_gap_ms_p50"] is None else f"{c['evict_gap_ms_p50']:.0f} ms")
     cols[2].metric("Page hashes dropped (table cap)", f"{c['table_dropped_pages'] or 0}")
-    explain("Every missed token has one cause; they add up to queried − hit. Good: misses are mostly "
-            "no-shared-prefix (truly unique text); sub-page, evicted and in-flight tokens are avoidable.")
+    explain("Every missed token has one cause; they add up to queried − hit of the per-lookup records (first "
+            "admissions only: re-admissions after preemption are apart), so these totals differ from the "
+            "runtime's counters above, which count every lookup. Good: misses are mostly no-shared-prefix (truly "
+            "unique text); sub-page, evicted and in-flight tokens are avoidable.")
 
 
-def residency_view(reader: Any, run: str) -> None:
-    r = q(reader, "kv_residency", run_id=run)
+def residency_view(r: dict[str, Any]) -> None:
     st.subheader("KV residency")
     if not r["page_events"]:
         st.caption("No sampled page events in this run.")
@@ -360,7 +384,8 @@ def page_ranks(reader: Any, run: str, win: dict[str, Any]) -> None:
 
 def page_hardware(reader: Any, run: str, win: dict[str, Any]) -> None:
     """The GPU (NVML) beside the host and the server process (psutil)."""
-    mb = q(reader, "memory_budget", run_id=run)
+    snap = snapshot(reader, [("memory_budget", {"run_id": run})], findings_run=run)
+    mb, found = snap["rows"][0], snap["findings"]
     st.subheader("GPU memory budget")
     total = mb["gpu_total_bytes"]
     if total:
@@ -387,7 +412,6 @@ def page_hardware(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.altair_chart(alt.Chart(m).mark_line().encode(x="t_s:Q", y="value:Q", color="kind:N",
                                                         strokeDash="gpu_index:N"), width="stretch")
         explain("Good: utilisation high while serving; memory flat (growth means leaks or an unbounded cache).")
-    found = findings_for(reader.target, run)
     mbu = [f for f in found if "mbu" in str(f.get("evidence", {})).lower()]
     if mbu:
         st.subheader("Decode roofline")
@@ -395,19 +419,22 @@ def page_hardware(reader: Any, run: str, win: dict[str, Any]) -> None:
     host_part(reader, run, win, found)
 
 
-def telemetry_part(reader: Any, run: str, findings: list[dict[str, Any]]) -> None:
+def telemetry_part(h: dict[str, Any], findings: list[dict[str, Any]]) -> None:
     """Whether the figures on every page are still true: probe health and the silent-degradation findings."""
     st.subheader("Telemetry")
-    h = q(reader, "probe_health", run_id=run)
     degraded = [f for f in findings if str(f.get("id", "")).startswith("telemetry-")]
     c = st.columns(4)
     c[0].metric("Telemetry", f"degraded ({len(degraded)})" if degraded else "complete")
     c[1].metric("Records dropped", f"{h['dropped_total']:,}", f"of {h['records_total']:,} produced",
                 delta_color="off", delta_arrow="off")
     c[2].metric("Probe errors", f"{h['errors_total']:,}")
-    rate = h["gpu_sample_rate_min"]
-    c[3].metric("GPU-timed share (min)", "–" if rate is None else pct(rate), f"{h['gpu_timed_total']:,} steps timed",
-                delta_color="off", delta_arrow="off")
+    rate, timed = h["gpu_sample_rate_min"], h["gpu_timed_total"] or 0
+    if not timed:  # on CPU (or with CUDA timing off) the probe's rate is 1.0 of nothing: no GPU time exists
+        c[3].metric("GPU-timed share (min)", "none", "host time only: no step GPU-timed", delta_color="off",
+                    delta_arrow="off")
+    else:
+        c[3].metric("GPU-timed share (min)", "–" if rate is None else pct(rate), f"{timed:,} steps timed",
+                    delta_color="off", delta_arrow="off")
     for f in degraded:
         st.error(f"Do not trust what depends on it: {f.get('title')}. {f.get('expected_effect', '')}")
     explain("Good: complete, no records dropped, no probe errors; KV snapshots and prefix counters flow until "
@@ -518,6 +545,8 @@ def render(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
         RENDER[page](reader, run, win)
     except ReadError as exc:
         st.warning(f"{exc} (the page shows it again once the store can be read)")
+    except duckdb.Error as exc:  # a damaged file or one an older build wrote: one line, never a traceback
+        st.error(f"{reader.target} cannot be read: {' '.join(str(exc).split())[:300]}")
 
 
 def main() -> None:

@@ -20,7 +20,10 @@ import duckdb
 
 from ..records.errors import ReadError
 from .exports import export_glob, hosts, open_host
+from .history import open_with_history, rolled_to
+from .storefile import check_readable
 from .jsonsafe import json_safe
+from .snapshot import Item, encode_items, run_batch
 from .queries import run_named
 
 Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings, e.g. analyzers.diagnose
@@ -45,8 +48,8 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
         raise ReadError(f"{path!r} is a directory, not a DuckDB file")
     try:
         con = duckdb.connect(path, read_only=True)
-    except (duckdb.IOException, duckdb.ConnectionException) as exc:
-        # another process: "Could not set lock"; this process: "different configuration"
+    except duckdb.Error as exc:
+        # another process: "Could not set lock"; this process: "different configuration"; a damaged file: any
         text = str(exc).lower()
         if "lock" in text or "different configuration" in text:
             raise StoreBusyError(
@@ -54,12 +57,22 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
                 "(--api http://127.0.0.1:7702, the address the agent serves it on) or stop the agent first") from None
         if "not a valid duckdb" in text:
             raise ReadError(f"{path} is not a DuckDB file; give the file phasescope agent or demo wrote") from None
-        raise ReadError(f"cannot open {path}: {exc}") from None
-    has = con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'sources'").fetchone()[0]
-    if not has:
+        raise ReadError(f"cannot open {path} (damaged, or not a phasescope store): {' '.join(str(exc).split())}") \
+            from None
+    try:
+        check_readable(con, path)  # one line for an empty or foreign file, another schema version, missing columns
+    except BaseException:
         con.close()
-        raise ReadError(f"{path} holds no phasescope data (an empty or foreign DuckDB file); record a run into it "
-                       "with phasescope agent --db FILE or phasescope demo --db FILE")
+        raise
+    where = rolled_to(con)
+    if where is not None and where[0]:  # retention rolled old rows out to Parquet: read them back (one history)
+        con.close()
+        try:
+            joined = open_with_history(path, *where)
+        except duckdb.Error as exc:
+            raise ReadError(f"cannot read {path} with its exports under {where[0]}: {' '.join(str(exc).split())}") \
+                from None
+        return joined if joined is not None else duckdb.connect(path, read_only=True)
     return con
 
 
@@ -80,6 +93,8 @@ class Reader(Protocol):
     def query(self, name: str, **params: Any) -> Any: ...
 
     def findings(self, run_id: str | None = None) -> list[dict[str, Any]]: ...
+
+    def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -112,6 +127,10 @@ class FileReader:
         if self._findings is None:
             return []
         return json_safe(self._run(lambda con: self._findings(con, run_id)))
+
+    def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]:
+        """Named queries (and, with `findings_run`, the findings) read in one transaction (snapshot.run_batch)."""
+        return self._run(lambda con: run_batch(con, items, self._findings, findings_run))
 
     def close(self) -> None:
         pass  # nothing is held between queries
@@ -180,6 +199,12 @@ class AgentReader:
 
     def findings(self, run_id: str | None = None) -> list[dict[str, Any]]:
         return self._get("/api/v1/findings", {"run_id": run_id})["findings"]
+
+    def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]:
+        params = {"items": encode_items(items)}
+        if findings_run is not None:
+            params["findings"] = findings_run
+        return self._get("/api/v1/snapshot", params)
 
     def close(self) -> None:
         pass

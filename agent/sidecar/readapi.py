@@ -10,6 +10,8 @@ other threads while the writer appends), under the store's read memory limit
     GET /api/v1/health                      sidecar counters
     GET /api/v1/query/<name>?param=value    rows of a named query
     GET /api/v1/findings?run_id=RUN         diagnose() findings, when analyzers are installed
+    GET /api/v1/snapshot?items=JSON[&findings=RUN]   several named queries (and findings) in one
+                                            transaction: one snapshot (agent/read/snapshot.py)
     GET /healthz, /readyz                   liveness / readiness, each check with what it saw (200 or 503)
 
 The standard library's ThreadingHTTPServer is enough for a loopback API with a
@@ -35,6 +37,7 @@ import duckdb
 from ..records.address import host_header_allowed
 from ..read.jsonsafe import to_json
 from ..read.queries import QUERIES, run_named
+from ..read.snapshot import decode_items, run_batch
 
 Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings; the CLI injects diagnose
 
@@ -108,6 +111,10 @@ class ReadAPI:
                         body, status = {"rows": run_named(con, parts[3], params)}, 200
             elif parts == ["api", "v1", "findings"]:
                 body, status = self._findings(params.get("run_id") or None), 200
+            elif parts == ["api", "v1", "snapshot"]:
+                items = decode_items(params.get("items", ""))
+                with self._reading() as con:
+                    body, status = run_batch(con, items, self._findings_fn, params.get("findings")), 200
             else:
                 body, status = {"error": "not found"}, 404
         except ValueError as exc:

@@ -303,6 +303,10 @@ class Retention:
                         con.execute(f"INSERT INTO {name} {select} FROM {src} GROUP BY ALL")
                 con.execute(f"DELETE FROM {table} t USING sources s "
                             f"WHERE t.source_id = s.source_id AND {_WALL} < {int(cut)}")
+            if rows:  # where the rolled rows went, for readers (agent/read/history.py): one history
+                where = os.path.abspath(self.policy.export_dir) if self.policy.export_dir else ""
+                con.execute("INSERT OR REPLACE INTO meta VALUES ('export_dir', ?), ('export_host', ?)",
+                            [where, self.policy.host])
             if rows and staging is not None:
                 ids = "SELECT DISTINCT source_id FROM sources"
                 self._copy(con, f"SELECT *, {self._date_expr(str(int(cut) - 1))} AS date FROM sources "

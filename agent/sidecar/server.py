@@ -13,8 +13,10 @@ store is rejected or set aside, counted by reason; sinks that lag miss records, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -112,6 +114,7 @@ class Sidecar:
             self.read_api = ReadAPI(lambda: self.store.reading(), host or "127.0.0.1", int(port),
                                     health=lambda: _jsonable(vars(self.stats)), findings=self._findings,
                                     live=lambda: liveness(self), ready=lambda: readiness(self, self.checks))
+        created = not os.path.exists(self.db_path)
         self.store = Store(self.db_path, read_memory_limit=f"{self.limits.read_memory_mib}MB")
         self.store.defer_sources = True
         self.writer = Writer(self.store, self.stats, self.limits, self._budget, self._committed,
@@ -123,6 +126,10 @@ class Sidecar:
         except BaseException:
             self.store.close()
             self._stopping.set()
+            if created:  # refused (a taken socket): leave no new store behind
+                for p in (self.db_path, self.db_path + ".wal"):
+                    with contextlib.suppress(OSError):
+                        os.remove(p)
             raise
         self.writer.start()
         self.fanout.start()

@@ -25,6 +25,7 @@ import numpy as np
 from ..records.events import Hello, Record, RunLabel
 from . import columnar
 from ..records.schema import SCHEMA_VERSION, TABLES, ddl
+from ..read.storefile import check_writable
 
 log = logging.getLogger("phasescope.store")
 
@@ -119,6 +120,7 @@ class Store:
 
     def _open(self) -> None:
         path = self.path
+        check_writable(path)  # a foreign, damaged or other-version file is refused untouched
         old = os.umask(0o077)  # the file and its WAL: 0600
         try:
             self.con = duckdb.connect(path)

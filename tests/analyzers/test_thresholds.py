@@ -48,7 +48,7 @@ DEFAULTS = {
     "tp_straggler": {"max_skew": 0.15, "min_straggler_share": 0.5, "min_steps": 10, "max_rows": 1000000},
     "tp_kv_head_replication": {"kv_dtype": "bf16"},
     "preemption_recompute": {"min_preemptions": 1, "critical_recompute_share": 0.2},
-    "survival_rate": {"min_survival": 0.99, "critical_survival": 0.95},
+    "survival_rate": {"min_survival": 0.99, "critical_survival": 0.95, "in_flight_window_s": 60.0},
     "probe_dropping": {"max_drop_share": 0.0, "critical_drop_share": 0.01},
     "gpu_memory_near_full": {"max_used_share": 0.95, "critical_used_share": 0.98},
     "gpu_xid_errors": {"max_xid_errors": 0},
@@ -60,6 +60,7 @@ DEFAULTS = {
     "prefix_miss_causes": {"prefix_miss_min_tokens": 256, "prefix_miss_cause_share": 0.05, "min_sub_page_tokens": 4,
                            "max_no_prefix_hit_rate": 0.1},
     "kv_evicted_before_reuse": {"evicted_reuse_share": 0.05},
+    "history_rolled": {},
 }
 
 
@@ -253,6 +254,7 @@ def test_every_gate_threshold_of_an_analyzer_that_fires_on_a_fixture_is_covered(
         ("process_memory_growth", "min_rss_r2"): "tests/analyzers/test_host_rules.py",
         ("process_memory_growth", "min_rss_span_s"): "tests/analyzers/test_host_rules.py",
         ("telemetry_degraded", "max_clock_skew_s"): "tests/analyzers/test_telemetry.py",
+        ("survival_rate", "in_flight_window_s"): "tests/analyzers/test_in_flight.py (a live reader's clock)",
     }
     every = {(a, n) for a, params in DEFAULTS.items() for n in params}
     assert covered | set(untested) == every

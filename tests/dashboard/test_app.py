@@ -181,3 +181,11 @@ def test_requests_page_charges_the_itl_tail_to_its_causes(stores, monkeypatch):
     assert metrics["Tail samples (>= p99)"].value == "15"
     assert metrics["ITL p50 / p99"].value == "9.6 ms"
     assert any("smaller per-step token budget" in c.value for c in at.caption)
+
+
+def test_a_cpu_run_is_not_called_100_percent_gpu_timed(stores, monkeypatch):
+    """On CPU the probe's sample rate is 1.0 of nothing: the tile says no GPU time exists (issue 23)."""
+    at = _app(stores["demo"], monkeypatch)
+    tile = next(m for m in at.metric if m.label.startswith("GPU-timed share"))
+    assert tile.value == "none" and "host time only" in str(tile.delta)
+    assert any("one read of the store" in c.value for c in at.caption)  # tiles and findings: one snapshot

@@ -1,0 +1,110 @@
+"""One history: a store whose old raw rows retention rolled out is read together with their Parquet exports.
+
+Retention (agent/sidecar/retention.py) notes in the store's `meta` where it put what it rolled
+(`export_dir`, `export_host`; an empty `export_dir` when it rolled without an export, so the raw
+rows are gone and only the per-minute rollups remain). `open_with_history` gives a connection whose
+raw tables are the store's rows followed by that host's exported rows of the store's own sources,
+so every named query and analyzer reads a rolled run as it read it before the roll. A view
+`phasescope_read_from` (source, location) says what a connection reads; `rolled_history` says what
+a reader could not read back (the analyzers turn it into a finding that names where the rows are).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import duckdb
+
+from ..records.schema import TABLES, VIEWS
+from .exports import list_files
+
+READ_FROM = "phasescope_read_from"
+ROLLED_STEPS = "rollup_steps_1m"
+ROLLED_EVENTS = "rollup_request_events_1m"
+
+
+def rolled_to(con: Any) -> tuple[str, str] | None:
+    """(export folder, host) when retention rolled raw rows out of this store ('' as folder: no export), or
+    None when it never did (or the store predates the note)."""
+    try:
+        meta = dict(con.execute("SELECT key, value FROM meta WHERE key IN ('export_dir', 'export_host')").fetchall())
+    except duckdb.Error:
+        return None
+    if "export_dir" not in meta:
+        return None
+    return meta["export_dir"], meta.get("export_host", "")
+
+
+def export_files(export_dir: str, host: str) -> dict[str, list[str]]:
+    """Raw table -> the export files of `host` under `export_dir` ({} when the folder is not here)."""
+    if not export_dir or not host or not os.path.isdir(export_dir):
+        return {}
+    out: dict[str, list[str]] = {}
+    for h, _, table, path in list_files(os.path.join(export_dir, f"host={host}", "**", "*.parquet")):
+        if h == host and table in TABLES and table != "sources":
+            out.setdefault(table, []).append(path)
+    return out
+
+
+def open_with_history(path: str, export_dir: str, host: str) -> duckdb.DuckDBPyConnection | None:
+    """An in-memory connection over the store at `path` (attached read-only) whose raw tables also hold the
+    exported rows of the store's sources; None when no export file of `host` is under `export_dir`."""
+    files = export_files(export_dir, host)
+    if not files:
+        return None
+    con = duckdb.connect()
+    try:
+        con.execute(f"ATTACH {_quote(path)} AS store (READ_ONLY)")
+        tables = [n for (n,) in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = 'store'").fetchall()]
+        for t in tables:
+            paths = files.get(t)
+            if paths:
+                names = ", ".join(n for n, _, _ in TABLES[t])
+                con.execute(f"CREATE VIEW {t} AS SELECT {names} FROM store.main.{t} UNION ALL "
+                            f"SELECT {names} FROM read_parquet([{', '.join(map(_quote, paths))}], "
+                            f"hive_partitioning = false, union_by_name = true) "
+                            f"WHERE source_id IN (SELECT source_id FROM store.main.sources)")
+            else:
+                con.execute(f"CREATE VIEW {t} AS SELECT * FROM store.main.{t}")
+        for view, sql in VIEWS.items():
+            con.execute(f"CREATE VIEW {view} AS {sql}")
+        con.execute(f"CREATE VIEW {READ_FROM} AS SELECT * FROM (VALUES ('store', {_quote(path)}), "
+                    f"('exports', {_quote(os.path.join(export_dir, f'host={host}'))})) AS t(source, location)")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def rolled_history(con: Any, run_id: str) -> dict[str, Any] | None:
+    """What retention rolled out of `run_id` that `con` does not read back: rolled steps and request events
+    (from the rollups), where they went (`export_dir`, '' none, `host`) and the rolled minutes (UTC); None when
+    nothing of the run was rolled, or the connection reads the exports too."""
+    try:
+        reads = {s for (s,) in con.execute(f"SELECT source FROM {READ_FROM}").fetchall()}
+    except duckdb.Error:
+        reads = {"store"}
+    if "exports" in reads:
+        return None
+    where = rolled_to(con)
+    if where is None:
+        return None
+    try:
+        steps, first, last = con.execute(
+            f"SELECT coalesce(sum(steps), 0), min(minute), max(minute) FROM {ROLLED_STEPS} WHERE run_id = ?",
+            [run_id]).fetchone()
+        events = con.execute(f"SELECT coalesce(sum(events), 0) FROM {ROLLED_EVENTS} WHERE run_id = ?",
+                             [run_id]).fetchone()[0]
+    except duckdb.Error:
+        return None
+    if not steps and not events:
+        return None
+    return {"rolled_steps": int(steps), "rolled_request_events": int(events), "export_dir": where[0],
+            "host": where[1], "first_minute": str(first) if first is not None else None,
+            "last_minute": str(last) if last is not None else None}
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

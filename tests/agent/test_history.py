@@ -1,0 +1,76 @@
+"""A run whose raw rows retention rolled out reads as one history: from the store and its Parquet exports
+(the same findings and summary as before the roll); when the exports are not there, a finding says where
+they went instead of an empty, healthy-looking report."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from builders import synthetic
+from phasescope.agent.sidecar.retention import DAY_S, Retention, RetentionPolicy
+from phasescope.agent.sidecar.store import Store
+from phasescope.cli.main import main
+
+NS = 1_000_000_000
+
+
+def _cli(argv, capsys) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _findings(path: str, capsys) -> dict[str, str]:
+    return {f["id"]: f["severity"] for f in _cli(["diagnose", path, "--json"], capsys)["findings"]}
+
+
+def _roll(path: str, export_dir: str | None) -> dict[str, int]:
+    store = Store(path)
+    try:
+        later = time.time_ns() + int(10 * DAY_S * NS)  # ten days on: every row is past the 7-day age
+        r = Retention(store, RetentionPolicy(export_dir=export_dir, host="h1"), clock_ns=lambda: later).roll()
+    finally:
+        store.close()
+    return r.rows_rolled
+
+
+@pytest.fixture
+def rolled(tmp_path):
+    path = str(tmp_path / "run.duckdb")
+    synthetic.overload(path)  # survival-rate-low and probe-dropping, both critical
+    return path
+
+
+def test_a_rolled_run_reads_as_before_from_its_exports(rolled, tmp_path, capsys):
+    before = _findings(rolled, capsys)
+    summary_before = _cli(["summary", rolled, "--json"], capsys)
+    assert before == {"survival-rate-low": "critical", "probe-dropping": "critical"}
+    rows = _roll(rolled, str(tmp_path / "exports"))
+    assert rows["request_events"] > 0 and rows["probe_health"] > 0
+    assert _findings(rolled, capsys) == before
+    summary_after = _cli(["summary", rolled, "--json"], capsys)
+    assert summary_after["requests"] == summary_before["requests"]
+    assert summary_after["probe"] == summary_before["probe"]
+
+
+def test_exports_not_here_are_named_not_a_green_report(rolled, tmp_path, capsys):
+    exports = str(tmp_path / "exports")
+    _roll(rolled, exports)
+    shutil.move(exports, str(tmp_path / "elsewhere"))
+    out = _cli(["diagnose", rolled, "--json"], capsys)["findings"]
+    f = next(x for x in out if x["id"] == "history-rolled")
+    assert f["severity"] == "warning" and f["evidence"]["export_dir"] == os.path.abspath(exports)
+    assert f["evidence"]["rolled_request_events"] == 100 * 3 + 90 * 2 + 6  # every event of the 100 requests
+    assert f"phasescope diagnose {os.path.abspath(exports)}" in f["suggestion"]
+
+
+def test_a_roll_without_export_is_critical_and_says_so(rolled, capsys):
+    _roll(rolled, None)
+    out = {f["id"]: f for f in _cli(["diagnose", rolled, "--json"], capsys)["findings"]}
+    assert set(out) == {"history-rolled"}
+    assert out["history-rolled"]["severity"] == "critical"
+    assert "without --export-dir" in out["history-rolled"]["suggestion"]
