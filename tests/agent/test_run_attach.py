@@ -128,7 +128,7 @@ def test_env_options_are_checked():
 
     assert options_from_env({"PHASESCOPE_AGENT": "unix:/s", "PHASESCOPE_RUN_ID": "r1", "PHASESCOPE_LABELS": "k=v",
                              "PHASESCOPE_CUDA_TIMING": "0"}) == \
-        {"agent": "unix:/s", "run_id": "r1", "labels": {"k": "v"}, "cuda_timing": False}
+        {"address": "unix:/s", "run_id": "r1", "labels": {"k": "v"}, "cuda_timing": False}
     with pytest.raises(ValueError):
         parse_labels("novalue")
     with pytest.raises(ValueError):
