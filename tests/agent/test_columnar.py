@@ -198,3 +198,61 @@ def test_a_control_record_with_a_bad_value_is_dropped_not_applied():
     d = columnar.decode(payload + label_bad, n + 1)
     assert d.rejected == collections.Counter({"out_of_range": 1, "bad_utf8": 1})
     assert d.control == [ev.RunLabel(1, "k", "v")]
+
+
+def _sample_records() -> list:
+    """One record of every stored type and of the control types, interleaved, with distinct values."""
+    nan = math.nan
+    return [
+        ev.Step(10, 1, 0, ev.PHASE_PREFILL, 2, 64, 0, 0, 5.5, nan),
+        ev.RequestEvent(11, 0, ev.REQ_ARRIVAL, "r1", 64, 0),
+        ev.Step(12, 2, 0, ev.PHASE_DECODE, 2, 0, 2, 64, 1.25, 0.75),
+        ev.Step(13, 3, 0, ev.PHASE_MIXED, 3, 16, 2, 80, 2.0, nan),
+        ev.RunLabel(14, "k", "v"),
+        ev.KVSnapshot(15, 0, 16, 64, 5, 59, 1, 1, 2, 2, 70, 40, 9, 4, 4096, "float16"),
+        ev.PrefixCounters(16, 0, 128, 32, 0, 1),
+        ev.GpuSample(17, 0, 50.0, 1 << 30, 1 << 34, 300.0, 60.0, 1500.0, 0),
+        ev.ServerMetric(18, 0, "vllm:x", "le=0.5", -1.5),
+        ev.RequestEvent(19, 0, ev.REQ_TOKEN, "r1", 1, 0),
+        ev.PrefixLookup(20, 0, "r1", "first", 16, 64, 48, 32, 40, 0, nan, 7, 0),
+        ev.PageEvent(21, 0, 3, "evicted", 12.5, nan, 1, 0),
+        ev.ProbeHealth(22, 0, 99, 10, 0, 0, 1, 0, 0, 0, 1.0, 0),
+    ]
+
+
+def _by_type(records: list) -> dict:
+    out = collections.defaultdict(list)
+    for r in records:
+        out[type(r)].append(r)
+    return out
+
+
+def test_interleaved_types_decode_back_exactly():
+    recs = _sample_records()
+    payload, n = ev.encode_records(recs)
+    d = columnar.decode(payload, n)
+    assert d.records == n == len(recs) and not d.rejected and d.kept() == n
+    assert d.control == [r for r in recs if type(r) is ev.RunLabel]
+    got, want = _by_type(columnar.records_of(d.arrays)), _by_type([r for r in recs if type(r) is not ev.RunLabel])
+    assert set(got) == set(want)
+    for cls, rows in want.items():  # each type's records, in order, value for value
+        assert len(got[cls]) == len(rows) and all(ev.same_record(a, b) for a, b in zip(got[cls], rows)), cls
+    only_steps = columnar.records_of(d.arrays, {ev.Step})
+    assert [r.step_id for r in only_steps] == [1, 2, 3]
+    # one type alone takes the no-scan path and gives the same rows; a payload starting past `start` too
+    steps = [r for r in recs if type(r) is ev.Step]
+    sp, sn = ev.encode_records(steps)
+    for d1 in (columnar.decode(sp, sn), columnar.decode(b"\0" * 8 + sp, sn, start=8)):
+        back = columnar.records_of(d1.arrays)
+        assert d1.records == len(back) == 3 and all(ev.same_record(a, b) for a, b in zip(back, steps))
+    assert columnar.decode(b"", 0).records == 0
+
+
+def test_split_records_round_trips_every_stored_type():
+    recs = [r for r in _sample_records() if type(r) is not ev.RunLabel] + [ev.RunLabel(1, "a", "é")]
+    arrays, control = columnar.split_records(recs)
+    assert control == [ev.RunLabel(1, "a", "é")]
+    got, want = _by_type(columnar.records_of(arrays)), _by_type(recs[:-1])
+    assert set(got) == set(want)
+    for cls, rows in want.items():
+        assert all(ev.same_record(a, b) for a, b in zip(got[cls], rows)) and len(got[cls]) == len(rows), cls
