@@ -76,6 +76,12 @@ def _fmt_metric(k: str, v: Any) -> str:
     return str(v)
 
 
+def _fmt_seconds(v: float | None, in_s: bool) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f} s" if in_s else f"{v * 1e3:.1f} ms"
+
+
 def print_compare(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     a, b = result["a"], result["b"]
@@ -85,10 +91,15 @@ def print_compare(result: dict[str, Any], console: Console | None = None) -> Non
     t.add_column(f"B {b['run_id']}", justify="right")
     t.add_column("B vs A", justify="right")
     for k in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "output_tokens_per_s", "requests",
-              "survival_rate", "preemptions", "aborted", "oom_total"):
+              "prompt_tokens_mean", "output_tokens_mean", "survival_rate", "preemptions", "aborted", "oom_total"):
         ch = result["change"].get(k)
-        t.add_row(k, _fmt_metric(k, a["metrics"].get(k)), _fmt_metric(k, b["metrics"].get(k)),
-                  "-" if ch is None else f"{ch:+.1%}")
+        x, y = a["metrics"].get(k), b["metrics"].get(k)
+        if k.endswith("_s") and not k.endswith("_per_s"):  # one unit per row: ms unless either is >= 10 s
+            in_s = any(v is not None and v >= 10 for v in (x, y))
+            fx, fy = (_fmt_seconds(v, in_s) for v in (x, y))
+        else:
+            fx, fy = _fmt_metric(k, x), _fmt_metric(k, y)
+        t.add_row(k, fx, fy, "-" if ch is None else f"{ch:+.1%}")
     console.print(t)
     if result["differs"]:
         d = Table(title="labels that differ")

@@ -24,6 +24,7 @@ from phasescope.agent.read.exports import export_glob, hosts
 from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.snapshot import decode_items, encode_items
 from phasescope.agent.read.thresholds import T
+from phasescope.analyzers.compare import describe, workload_differs
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.fleet import HOST_SQL, diagnose_fleet
 
@@ -497,14 +498,29 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
     la, lb = q(reader, "run_labels", run_id=a), q(reader, "run_labels", run_id=b)
     differ = {k: (la.get(k), lb.get(k)) for k in sorted(set(la) | set(lb))
               if la.get(k) != lb.get(k) and k not in ("seed",)}
+    work = workload_differs(*(workload_of(r) for r in rows))
+    if work:
+        st.warning(f"The workloads differ ({describe(work)}): the changes above are not the effect of a setting "
+                   "alone. Replay the same workload to compare settings.")
     if len(differ) > 1:
         st.warning(f"{len(differ)} settings differ: the effect cannot be pinned on one of them.")
     if differ:
         st.dataframe(pd.DataFrame(differ, index=[a, b]).T, column_config=None)
+    elif not (la or lb):
+        st.caption("Neither run carries labels: nothing says which setting changed between them.")
+    elif work:
+        st.caption(f"The two runs carry the same {len(la)} labels, but not the same workload.")
     else:
-        st.caption("The two runs carry the same labels.")
+        st.caption(f"The two runs carry the same {len(la)} labels and the same workload.")
     explain("Change one variable per run (KV budget, then quantization, then layout); compare TTFT, TPOT, "
             "throughput and failures side by side.")
+
+
+def workload_of(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's workload figures (analyzers.compare.WORKLOAD) from its request summary."""
+    n = summary.get("requests") or 0
+    return {"requests": n, "prompt_tokens_mean": (summary.get("prompt_tokens") or 0) / n if n else None,
+            "output_tokens_mean": (summary.get("output_tokens") or 0) / n if n else None}
 
 
 def page_fleet(pattern: str) -> None:

@@ -141,7 +141,10 @@ def test_ranks_and_hardware_pages_on_a_two_rank_run(stores, monkeypatch):
 def test_experiments_page_names_the_setting_that_differs(stores, monkeypatch):
     at = _app(stores["demo"], monkeypatch)  # two demo runs: num_pages 96 and 48 (and seeds, not a setting)
     at.sidebar.radio(key="page").set_value("Experiments").run()
-    assert not at.exception and not at.warning  # exactly one setting differs: no warning
+    assert not at.exception
+    # exactly one setting differs (no "settings differ" warning), but the seeds made different workloads
+    # (3887 vs 3020 prompt tokens): that is said, never "the same" (issue 23)
+    assert [w.value.split(" (")[0] for w in at.warning] == ["The workloads differ"]
     differ = at.dataframe[1].value
     assert list(differ.index) == ["num_pages"]
     assert sorted(differ.loc["num_pages"].tolist()) == ["48", "96"]
@@ -189,3 +192,37 @@ def test_a_cpu_run_is_not_called_100_percent_gpu_timed(stores, monkeypatch):
     tile = next(m for m in at.metric if m.label.startswith("GPU-timed share"))
     assert tile.value == "none" and "host time only" in str(tile.delta)
     assert any("one read of the store" in c.value for c in at.caption)  # tiles and findings: one snapshot
+
+
+def _two_workloads(path: str) -> str:
+    """Two runs with the same labels whose workloads differ: 32 and 128 requests."""
+    import time
+
+    from phasescope.agent.records import events as ev
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.analyzers.runinfo import record_run_info
+
+    store = Store(path)
+    for k, (run, n) in enumerate((("run-32", 32), ("run-128", 128))):
+        sid = store.register_source(ev.Hello(1, time.time_ns() + k * 10**9, 1, 0, 1, run, "m", "hf-cb"))
+        recs = []
+        for i in range(n):
+            t = 1_000_000 + i * 1_000_000
+            recs += [ev.RequestEvent(t, 0, ev.REQ_ARRIVAL, f"r{i}", 64, 0),
+                     ev.RequestEvent(t + 5_000_000, 0, ev.REQ_TOKEN, f"r{i}", 1, 0),
+                     ev.RequestEvent(t + 9_000_000, 0, ev.REQ_TOKEN, f"r{i}", 1, 0),
+                     ev.RequestEvent(t + 9_000_000, 0, ev.REQ_FINISHED, f"r{i}", 2, 0)]
+        store.append([(sid, recs)])
+    store.close()
+    for run in ("run-32", "run-128"):
+        record_run_info(path, run, page_size=32, kv_dtype="bf16")
+    return path
+
+
+def test_experiments_never_calls_different_workloads_the_same(tmp_path, monkeypatch):
+    at = _app(_two_workloads(str(tmp_path / "two.duckdb")), monkeypatch)
+    at.sidebar.radio(key="page").set_value("Experiments").run()
+    assert not at.exception
+    assert any("The workloads differ (requests 32 vs 128" in w.value for w in at.warning), [w.value for w in at.warning]
+    assert not any("same 2 labels and the same workload" in c.value for c in at.caption)
+    assert any("same 2 labels, but not the same workload" in c.value for c in at.caption)
