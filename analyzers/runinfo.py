@@ -99,3 +99,23 @@ def with_flag_values(text: str, labels: Mapping[str, str]) -> str:
         if key in labels and f"{flag} (now" not in text:
             text = re.sub(re.escape(flag) + r"(?![\w-])", f"{flag} (now {labels[key]})", text, count=1)
     return text
+
+
+# runtime names as the probes (sources.runtime) and the demo's labels give them -> one name
+RUNTIME_ALIASES = {"cb": "hf-cb", "generate": "hf-generate"}
+PAGED_RUNTIMES = ("vllm", "hf-cb")  # map KV pages through a page table: no contiguous run is ever needed
+
+
+def runtime_of(labels: Mapping[str, Any] | None) -> str:
+    """The run's runtime: vllm, hf-cb, hf-generate, module, or '' when unknown (diagnose fills the `runtime`
+    label from the probes' own when the run has none)."""
+    rt = str((labels or {}).get("runtime") or "").strip().lower()
+    return RUNTIME_ALIASES.get(rt, rt)
+
+
+def budget_knob(runtime: str, value: int | None = None) -> str:
+    """The per-step token budget's name in `runtime` (with `value` when given)."""
+    v = "" if value is None else str(value)
+    vllm = f"vLLM --max-num-batched-tokens{' ' + v if v else ''}"
+    hf = f"HF continuous batching max_batch_tokens{'=' + v if v else ''}"
+    return {"vllm": vllm, "hf-cb": hf}.get(runtime, f"{vllm}; {hf}")
