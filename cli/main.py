@@ -313,6 +313,9 @@ def _cmd_summary(args: argparse.Namespace) -> int:
                    "probe": reader.query("probe_health", run_id=run_id)}
     finally:
         reader.close()
+    from phasescope.agent.read.summary import requests_hint
+
+    summary["hint"] = requests_hint(summary)
     if args.json:
         print(json.dumps(summary, default=str, indent=2))
     else:
@@ -326,6 +329,8 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
     import duckdb
 
+    from phasescope.agent.read.summary import fold
+
     from phasescope.agent.records.schema import RUN_INFO_DOC, SCHEMA_VERSION, TABLES, ddl
 
     console = Console()
@@ -336,7 +341,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
             t.add_column(c)
         for name, typ, doc in cols:
             t.add_row(name, typ, doc)
-        console.print(t)
+        console.print(fold(t))
     con = duckdb.connect()  # an in-memory store: the other tables' and the views' columns, as DuckDB sees them
     try:
         for stmt in ddl():
@@ -354,7 +359,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
             for name, typ in con.execute(f"SELECT column_name, data_type FROM duckdb_columns() "
                                          f"WHERE table_name = '{table}' ORDER BY column_index").fetchall():
                 t.add_row(name, typ, docs.get(name, ""))
-            console.print(t)
+            console.print(fold(t))
         for view, doc in VIEW_DOCS.items():
             t = Table(title=f"view {view}", title_justify="left", caption=doc, caption_justify="left")
             for c in ("column", "type"):
@@ -362,7 +367,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
             for name, typ in con.execute(f"SELECT column_name, data_type FROM duckdb_columns() "
                                          f"WHERE table_name = '{view}' ORDER BY column_index").fetchall():
                 t.add_row(name, typ)
-            console.print(t)
+            console.print(fold(t))
     finally:
         con.close()
     return 0

@@ -23,6 +23,7 @@ from phasescope.agent.records.errors import ReadError
 from phasescope.agent.read.exports import export_glob, hosts
 from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.snapshot import decode_items, encode_items
+from phasescope.agent.read.summary import requests_hint
 from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.compare import describe, workload_differs
 from phasescope.analyzers.diagnose import diagnose
@@ -111,9 +112,12 @@ def gib(v: float | None) -> str:
 
 def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
     p = {"run_id": run}
-    snap = snapshot(reader, [("request_summary", p), ("kv_summary", p), ("prefix_summary", p), ("probe_health", p)],
-                    findings_run=run)
-    r, kv, px, health = snap["rows"]
+    snap = snapshot(reader, [("request_summary", p), ("kv_summary", p), ("prefix_summary", p), ("probe_health", p),
+                             ("phase_summary", p)], findings_run=run)
+    r, kv, px, health, phases = snap["rows"]
+    hint = requests_hint({"phases": phases, "requests": r})
+    if hint:
+        st.info(hint[0].upper() + hint[1:])
     findings = sorted(snap["findings"], key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
     c = st.columns(4)
     c[0].metric("TTFT p50 / p95 / p99", ms(r["ttft_p50_s"]), f"p95 {ms(r['ttft_p95_s'])} · p99 {ms(r['ttft_p99_s'])}",

@@ -245,3 +245,22 @@ def test_page_size_whatif_current_row_is_the_measured_figure(stores, monkeypatch
     assert row["Internal fragmentation (%)"].iloc[0] == round(kv[0]["internal_fragmentation_mean"] * 100, 1)
     smaller = table["Internal fragmentation (%)"].tolist()
     assert smaller == sorted(smaller)  # the calibrated model keeps the order: smaller pages waste less
+
+
+def test_a_run_without_requests_says_how_to_get_them(tmp_path, monkeypatch):
+    """The README's attach(model) + generate gives steps only: the Overview says so instead of empty tiles."""
+    import time
+
+    from phasescope.agent.records import events as ev
+    from phasescope.agent.sidecar.store import Store
+
+    path = str(tmp_path / "plain.duckdb")
+    store = Store(path)
+    sid = store.register_source(ev.Hello(1, time.time_ns(), 1, 0, 1, "plain", "m", "module"))
+    store.append([(sid, [ev.Step(1 + i * 10**6, i, 0, ev.PHASE_DECODE, 1, 0, 1, 8 + i, 1.0, float("nan"))
+                         for i in range(20)])])
+    store.close()
+    at = _app(path, monkeypatch)
+    assert not at.exception
+    assert any("No request records" in i.value and "GenerateRequests" in i.value and "phasescope run" in i.value
+               for i in at.info)
