@@ -1,8 +1,8 @@
 """Run labels: `run_info(run_id, key, value)` rows the analyzers read when present.
 
-The probe does not send model geometry, GPU names or experiment labels yet, so
-offline files (and scenario fixtures) get them with `record_run_info`. Live runs
-should label every run — the config values an experiment varies (`kv_dtype`,
+The probe sends the model geometry, GPU name and TP size itself (agent/probe/labels.py),
+and adapters their runtime's knobs; offline files (and scenario fixtures) get more with
+`record_run_info`. Live runs should label every run — the config values an experiment varies (`kv_dtype`,
 `kv_budget_gib`, `max_num_seqs`, `tp`, ...) plus the model and GPU keys below —
 so that `phasescope compare` and the roofline / planner rules have them.
 
