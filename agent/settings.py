@@ -69,6 +69,35 @@ def parse_labels(text: Any) -> dict[str, str]:
     return out
 
 
+def check_address(v: Any) -> None:
+    """unix:PATH, tcp:HOST:PORT with a port 0-65535, or a socket path containing a / (records.address)."""
+    from .records.address import parse_address
+
+    parse_address(str(v))
+
+
+def check_host_port(v: Any) -> None:
+    """HOST:PORT with a port 0-65535 (0: pick a free one)."""
+    host, sep, port = str(v).rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError("expected HOST:PORT with a port 0-65535, e.g. 127.0.0.1:7702")
+
+
+def check_url(v: Any) -> None:
+    """An http:// or https:// URL with a host."""
+    from urllib.parse import urlparse
+
+    u = urlparse(str(v))
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8000/metrics")
+    try:
+        port = u.port
+    except ValueError:
+        port = -1
+    if port is not None and not 0 < port <= 65535:
+        raise ValueError("expected an http:// or https:// URL with a port 1-65535")
+
+
 def _number(kind: type) -> Callable[[Any], Any]:
     def parse(v: Any) -> Any:
         if isinstance(v, bool):  # TOML true is not a number
@@ -111,6 +140,43 @@ class Spec(NamedTuple):
     metavar: str | None = None
     shown: str | None = None  # how help and docs show the default (when the value itself says little)
     secret: bool = False  # --print-config masks it
+    lo: float | None = None  # a number's allowed range: lo <= value (lo < value when lo_open) ...
+    hi: float | None = None  # ... and value <= hi; None: unbounded on that side
+    lo_open: bool = False
+    check: Callable[[Any], Any] | None = None  # raises ValueError (what is allowed) for a bad value (each item)
+
+
+def allowed(spec: Spec) -> str:
+    """The allowed range of a number, as help and errors state it: "> 0 s", "0.05 to 3600 s", ">= 1"."""
+    unit = f" {spec.unit}" if spec.unit and spec.unit != "fraction" else ""
+    if spec.parse is parse_mode:
+        return f"{int(spec.lo or 0):04o} to {int(spec.hi or 0):04o} (octal)"
+
+    def num(v: float | None) -> str | None:
+        return None if v is None else f"{int(v):,}" if float(v).is_integer() and abs(v) >= 1000 else f"{v:g}"
+
+    lo, hi = num(spec.lo), num(spec.hi)
+    if lo is not None and hi is not None:
+        return (f"> {lo} and <= {hi}" if spec.lo_open else f"{lo} to {hi}") + unit
+    if lo is not None:
+        return f"{'>' if spec.lo_open else '>='} {lo}{unit}"
+    return f"<= {hi}{unit}" if hi is not None else ""
+
+
+def check_value(f: dataclasses.Field, value: Any) -> None:
+    """Raise ValueError (what is allowed, in a few words) unless `value` (parsed) is within what `f` declares;
+    a list is checked item by item; None passes (unset)."""
+    if value is None:
+        return
+    for item in value if isinstance(value, list) else [value]:
+        spec = spec_of(f)
+        if spec.check is not None:
+            spec.check(item)
+        if isinstance(item, (int, float)) and not isinstance(item, bool) and (spec.lo is not None or spec.hi is not None):
+            bad = (item != item or (spec.lo is not None and (item <= spec.lo if spec.lo_open else item < spec.lo))
+                   or (spec.hi is not None and item > spec.hi))
+            if bad:
+                raise ValueError(f"must be {allowed(spec)}")
 
 
 def setting(default: Any, help: str, **spec: Any) -> Any:
@@ -154,11 +220,49 @@ def default_of(f: dataclasses.Field) -> Any:
 
 
 def parse_value(f: dataclasses.Field, raw: Any, where: str) -> Any:
-    """`raw` parsed as field `f`'s type; ValueError naming `where` (the variable or file key) if it is not one."""
+    """`raw` parsed as field `f`'s type and checked against its range; ValueError naming `where` (the variable
+    or file key), the value and what is allowed if it is not one."""
     try:
-        return parser_of(f)(raw)
+        value = parser_of(f)(raw)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: bad value {raw!r} for {f.name} ({f.type}): {exc}") from None
+    try:
+        check_value(f, value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {raw!r} for {f.name}: {exc}") from None
+    return value
+
+
+def _flag_type(f: dataclasses.Field, parse: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """argparse's type= for a flag of `f`: parsed and range-checked; argparse prints the message with the flag
+    ("argument --checkpoint-s: '-1': must be > 0 and <= 86400 s")."""
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a {f.type} ({exc})") from None
+        try:
+            check_value(f, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+        return value
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def check_options(cls: type, values: Mapping[str, Any], call: str = "attach") -> None:
+    """Check option values given as arguments (e.g. attach's) against `cls`'s declarations: ValueError
+    "attach(gpu_budget=2.0): must be > 0 and <= 1" for the first bad one. Unknown names are left alone."""
+    known = {f.name: f for f in fields_of(cls)}
+    for name, value in values.items():
+        f = known.get(name)
+        if f is None or value is None:
+            continue
+        try:
+            check_value(f, value)
+        except ValueError as exc:
+            raise ValueError(f"{call}({name}={value!r}): {exc}") from None
 
 
 # --- the three routes ---
@@ -217,6 +321,8 @@ def _help(f: dataclasses.Field) -> str:
     spec = spec_of(f)
     default = spec.shown if spec.shown is not None else _shown(default_of(f))
     text = spec.help.replace("%", "%%") + (f", {spec.unit}" if spec.unit else "")
+    if allowed(spec):
+        text += f"; {allowed(spec)}"
     return f"{text} (default: {default})" if default else text
 
 
@@ -240,9 +346,9 @@ def add_arguments(p: argparse.ArgumentParser, cls: type | None = None, only: Seq
         if str(f.type) == "bool":
             kw["action"] = "store_true"
         elif str(f.type).startswith("list["):
-            kw.update(action="append", type=PARSERS["int" if f.type == "list[int]" else "str"])
+            kw.update(action="append", type=_flag_type(f, PARSERS["int" if f.type == "list[int]" else "str"]))
         else:
-            kw["type"] = parser_of(f)
+            kw["type"] = _flag_type(f, parser_of(f))
         p.add_argument(flag_name(f), **kw)
 
 
@@ -302,47 +408,56 @@ class AgentSettings:
 
     db: str = setting("phasescope.duckdb", "DuckDB file to write")
     listen: list[str] = setting([], "unix:/path/agent.sock or tcp:127.0.0.1:PORT; repeatable", metavar="ADDR",
-                                shown="the default socket")
+                                shown="the default socket", check=check_address)
     socket_mode: int = setting(0o600, "mode of the Unix socket, octal (0660 to share it through a group)",
-                               parse=parse_mode, shown="0600")
-    checkpoint_s: float = setting(10.0, "checkpoint interval", unit="s")
+                               parse=parse_mode, shown="0600", lo=0, hi=0o777)
+    checkpoint_s: float = setting(10.0, "checkpoint interval", unit="s", lo=0, lo_open=True, hi=86400)
     api: str | None = setting(None, "serve named queries to live readers (dashboard, diagnose) here, on loopback; "
-                                    "a taken default only warns", metavar="HOST:PORT", shown=DEFAULT_API_ADDR)
+                                    "a taken default only warns", metavar="HOST:PORT", shown=DEFAULT_API_ADDR,
+                              check=check_host_port)
     no_api: bool = setting(False, "no read API")
     token: str | None = setting(None, "shared secret every probe must present; TCP listeners are otherwise "
                                       "unauthenticated, so set one whenever you --listen tcp:",
                                 env=ENV_TOKEN, secret=True)
     memory_budget_mib: float = setting(32.0, "received-but-unwritten records held at most; beyond it probes are "
-                                             "slowed down and their rings drop and count", unit="MiB")
+                                             "slowed down and their rings drop and count", unit="MiB", lo=1,
+                                     hi=1 << 20)
     read_memory_mib: int = setting(512, "DuckDB memory while a read-API query or retention roll runs; exact "
                                         "percentiles over 10M steps need ~250 MiB (the writer alone stays within "
-                                        "48 MB)", unit="MiB")
-    max_connections: int = setting(256, "probe connections at once")
-    idle_timeout_s: float = setting(120.0, "close a probe connection silent this long", unit="s")
-    frame_timeout_s: float = setting(10.0, "a frame must arrive whole within this once it starts", unit="s")
+                                        "48 MB)", unit="MiB", lo=1, hi=1 << 22)
+    max_connections: int = setting(256, "probe connections at once", lo=1, hi=1_000_000)
+    idle_timeout_s: float = setting(120.0, "close a probe connection silent this long", unit="s", lo=0,
+                                    lo_open=True, hi=7 * 86400)
+    frame_timeout_s: float = setting(10.0, "a frame must arrive whole within this once it starts", unit="s", lo=0,
+                                     lo_open=True, hi=3600)
     metrics_addr: str | None = setting(None, "serve Prometheus /metrics here (skipped with a warning if the "
-                                             "default is taken)", metavar="HOST:PORT", shown="127.0.0.1:9464")
+                                             "default is taken)", metavar="HOST:PORT", shown="127.0.0.1:9464",
+                                       check=check_host_port)
     no_metrics: bool = setting(False, "do not serve /metrics")
     otlp: bool = setting(False, "export OTLP/HTTP metrics and traces, configured by the standard "
                                 "OTEL_EXPORTER_OTLP_* and OTEL_SERVICE_NAME variables (default endpoint "
                                 "http://localhost:4318)")
-    otlp_interval_s: float = setting(10.0, "OTLP metric export interval", unit="s")
-    sample_s: float = setting(1.0, "GPU (NVML), host and server-process (psutil) sampling interval", unit="s")
+    otlp_interval_s: float = setting(10.0, "OTLP metric export interval", unit="s", lo=0.1, hi=86400)
+    sample_s: float = setting(1.0, "GPU (NVML), host and server-process (psutil) sampling interval", unit="s",
+                              lo=0.05, hi=3600)
     host: str | None = setting(None, "host name in the Parquet export paths", shown="the hostname")
     retention_days: float = setting(7.0, "raw rows older than this are rolled up, exported and deleted",
-                                    unit="days")
+                                    unit="days", lo=0, lo_open=True, hi=36500)
     retention_max_gib: float = setting(10.0, "above this store size the oldest raw rows are rolled too",
-                                       unit="GiB")
-    rollup_days: float = setting(90.0, "per-minute rollups are kept this long", unit="days")
-    retention_interval_s: float = setting(60.0, "how often retention runs", unit="s")
+                                       unit="GiB", lo=0, lo_open=True, hi=1 << 20)
+    rollup_days: float = setting(90.0, "per-minute rollups are kept this long", unit="days", lo=0, lo_open=True,
+                                 hi=36500)
+    retention_interval_s: float = setting(60.0, "how often retention runs", unit="s", lo=0, lo_open=True,
+                                          hi=7 * 86400)
     export_dir: str | None = setting(None, "write rolled raw rows here as Parquet, host=/date=/table=",
                                      shown="no export")
     no_retention: bool = setting(False, "keep everything (unbounded)")
     scrape: list[str] = setting([], "scrape mode: poll an inference server's Prometheus /metrics (vLLM without "
                                     "the plugin, SGLang, TGI, TensorRT-LLM) every sample_s and store what maps "
-                                    "onto the tables; repeatable", metavar="URL")
+                                    "onto the tables; repeatable", metavar="URL", check=check_url)
     pid: list[int] = setting([], "also sample this server process's CPU, threads, memory and files (psutil); "
-                                 "the pids of attached probes are sampled without it; repeatable", metavar="PID")
+                                 "the pids of attached probes are sampled without it; repeatable", metavar="PID",
+                            lo=1, hi=1 << 22)
 
 
 @dataclass(frozen=True)
@@ -352,22 +467,27 @@ class ProbeSettings:
     and objects (`sink`, `device`, `clock_ns`, `perf_ns`) are arguments only."""
 
     address: str | None = setting(None, "where the sidecar listens: unix:/path/agent.sock or tcp:HOST:PORT",
-                                env=ENV_ADDRESS, shown="$XDG_RUNTIME_DIR/phasescope/agent.sock")
-    rank: int | None = setting(None, "this process's rank", env=None, shown="$RANK, else $LOCAL_RANK, else 0")
-    world_size: int | None = setting(None, "ranks in the run", env=None, shown="$WORLD_SIZE, else 1")
+                                env=ENV_ADDRESS, shown="$XDG_RUNTIME_DIR/phasescope/agent.sock",
+                                check=check_address)
+    rank: int | None = setting(None, "this process's rank", env=None, shown="$RANK, else $LOCAL_RANK, else 0",
+                               lo=0)
+    world_size: int | None = setting(None, "ranks in the run", env=None, shown="$WORLD_SIZE, else 1",
+                                     lo=1)
     run_id: str | None = setting(None, "run id shared by every process of one run", shown="a new one")
     model_name: str | None = setting(None, "model name in every record", env=None,
                                      shown="the model's config name")
     runtime: str = setting("module", "runtime label (hf-generate, hf-cb, vllm, module); set by the adapter",
                            env=None)
-    buffer_records: int = setting(65536, "records the ring holds before it drops the oldest (counted)")
-    flush_interval_s: float = setting(0.1, "how often the sender ships the ring", unit="s")
+    buffer_records: int = setting(65536, "records the ring holds before it drops the oldest (counted)", lo=16,
+                                  hi=1 << 26)
+    flush_interval_s: float = setting(0.1, "how often the sender ships the ring", unit="s", lo=0.001, hi=60)
     cuda_timing: bool = setting(True, "time forwards with CUDA events (sampled under gpu_budget); 0: host only")
-    event_pool_size: int = setting(256, "pre-created CUDA event pairs")
-    poll_interval_s: float = setting(0.02, "how often the poller completes CUDA events", unit="s")
+    event_pool_size: int = setting(256, "pre-created CUDA event pairs", lo=1, hi=1 << 16)
+    poll_interval_s: float = setting(0.02, "how often the poller completes CUDA events", unit="s", lo=0.001, hi=10)
     gpu_budget: float | None = setting(0.005, "share of GPU time CUDA-event timing may cost (none: time every "
-                                              "forward)", unit="fraction")
-    gpu_min_rate: float = setting(0.001, "share of forwards timed whatever the budget", unit="fraction")
+                                              "forward)", unit="fraction", lo=0, lo_open=True, hi=1)
+    gpu_min_rate: float = setting(0.001, "share of forwards timed whatever the budget", unit="fraction", lo=0,
+                                  hi=1)
     seed: int | None = setting(None, "seed of the timing sampler", shown="random")
     exact_tokens: bool = setting(True, "read exact token counts on CUDA asynchronously")
     connect: bool = setting(True, "ship records to the sidecar (0: keep them in the ring, for tests)")
@@ -397,7 +517,7 @@ def probe_options(arguments: Mapping[str, Any], environ: Mapping[str, str] = os.
 def docs_table(cls: type) -> str:
     """The markdown table of `cls`'s fields: key, flag, variable, type, default, unit, meaning."""
     flags = cls is AgentSettings
-    head = ["key", *(["flag"] if flags else []), "environment", "type", "default", "unit", "meaning"]
+    head = ["key", *(["flag"] if flags else []), "environment", "type", "default", "unit", "allowed", "meaning"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in fields_of(cls):
         spec = spec_of(f)
@@ -406,7 +526,8 @@ def docs_table(cls: type) -> str:
                                                                else _shown(value))
         env = env_name(f)
         cells = [f"`{f.name}`", *([f"`{flag_name(f)}`"] if flags else []), f"`{env}`" if env else "-",
-                 f"`{f.type}`", default or "-", spec.unit or "-", spec.help]
+                 f"`{f.type}`", default or "-", spec.unit or "-", allowed(spec) or (spec.check.__doc__ or "-").split(
+                     " (records")[0].rstrip(".") if spec.check else allowed(spec) or "-", spec.help]
         cells = [c.replace("|", "\\|") for c in cells]  # a | inside a cell (str | None) would split it
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"

@@ -59,6 +59,9 @@ def run_metrics(reader: Any, run_id: str) -> dict[str, Any]:
     r = reader.query("request_summary", run_id=run_id)
     m = {k: r.get(k) for k in ("requests", "finished", "aborted", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s",
                                "tpot_p95_s", "output_tokens_per_s", "preemptions")}
+    n = m["requests"] or 0
+    m["prompt_tokens_mean"] = (r.get("prompt_tokens") or 0) / n if n else None
+    m["output_tokens_mean"] = (r.get("output_tokens") or 0) / n if n else None
     m["survival_rate"] = m["finished"] / m["requests"] if m["requests"] else None
     m["preemptions"] = int(m["preemptions"] or 0)
     oom = reader.query("run_labels", run_id=run_id).get("oom_total")
@@ -83,9 +86,41 @@ def compare(a: RunRef, b: RunRef) -> dict[str, Any]:
         x, y = out["a"]["metrics"].get(k), out["b"]["metrics"].get(k)
         changes[k] = (y - x) / x if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x else None
     out["change"] = changes
+    out["workload_differs"] = workload_differs(out["a"]["metrics"], out["b"]["metrics"])
     n = len(out["differs"])
-    out["warning"] = (f"{n} variables differ ({', '.join(out['differs'])}): the effect cannot be attributed to "
-                      "one of them; change one variable per round" if n > 1 else
-                      "the runs carry no differing labels: label runs with the config values you vary"
-                      if n == 0 else None)
+    warnings = []
+    if n > 1:
+        warnings.append(f"{n} variables differ ({', '.join(out['differs'])}): the effect cannot be attributed to "
+                        "one of them; change one variable per round")
+    elif n == 0 and not out["workload_differs"]:
+        warnings.append("the runs carry no differing labels: label runs with the config values you vary"
+                        if la or lb else "neither run carries labels: nothing says which setting changed; label "
+                        "runs with the config values you vary")
+    if out["workload_differs"]:
+        warnings.append("the workloads differ (" + describe(out["workload_differs"]) + "): latency and throughput "
+                        "changes are not the effect of a setting alone; replay the same workload")
+    out["warning"] = "; ".join(warnings) or None
     return out
+
+
+WORKLOAD = ("requests", "prompt_tokens_mean", "output_tokens_mean")
+
+
+def workload_differs(a: dict[str, Any], b: dict[str, Any], tolerance: float = 0.05) -> dict[str, tuple[Any, Any]]:
+    """The workload figures (request count; mean prompt and output tokens per request) of two runs' metrics
+    that differ: any other request count, a mean more than `tolerance` (relative) apart."""
+    out = {}
+    for k in WORKLOAD:
+        x, y = a.get(k), b.get(k)
+        if x is None or y is None:
+            continue
+        if (k == "requests" and x != y) or (k != "requests" and abs(x - y) > tolerance * max(abs(x), abs(y))):
+            out[k] = (x, y)
+    return out
+
+
+def describe(diff: dict[str, tuple[Any, Any]]) -> str:
+    """'requests 32 vs 128, mean prompt tokens 70 vs 210' for workload_differs' answer."""
+    names = {"requests": "requests", "prompt_tokens_mean": "mean prompt tokens",
+             "output_tokens_mean": "mean output tokens"}
+    return ", ".join(f"{names[k]} {x:.0f} vs {y:.0f}" for k, (x, y) in diff.items())

@@ -71,6 +71,11 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
     if run_id is None:
         return []
     labels = read_run_info(con, run_id)
+    if not labels.get("runtime"):  # the probes say which runtime they measured: advice is phrased for it
+        row = con.execute("SELECT any_value(runtime) FROM sources WHERE run_id = ? AND runtime != 'sidecar'",
+                          [run_id]).fetchone()
+        if row and row[0]:
+            labels = {**labels, "runtime": row[0]}
     model = model or geometry_from_labels(labels)
     if isinstance(gpu, str):
         name = gpu

@@ -115,6 +115,8 @@ def print_fleet(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from phasescope.agent.read.summary import fold
+
     console = Console()
     t = Table(title=f"fleet: {len(report['hosts'])} hosts ({report['pattern']})", title_justify="left")
     t.add_column("host")
@@ -129,7 +131,7 @@ def print_fleet(report: dict[str, Any]) -> None:
             text = "-" if v is None else f"{v:.4g}"
             cells.append(f"[bold red]{text}[/]" if (h, name) in outliers else text)
         t.add_row(h, *cells, str(m["steps"]))
-    console.print(t)
+    console.print(fold(t))
     if not report["findings"]:
         console.print("no host stands out from the fleet")
     for f in report["findings"]:

@@ -42,6 +42,7 @@ from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
 from .prefill import STALL_SQL, chunk_plan, chunk_suggestion, chunked_prefill
+from .runinfo import runtime_of
 from .sql import RUN_STEPS, one
 
 # the prefill cost fit from the run's steps (intercept: the median pure decode step)
@@ -184,5 +185,5 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
         id="itl-spikes-prefill",
         title="ITL spikes come from prefills sharing the step",
         severity=severity, evidence=e,
-        suggestion=chunk_suggestion(chunk, chunked, budget),
+        suggestion=chunk_suggestion(chunk, chunked, budget, runtime_of(labels)),
         expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th)

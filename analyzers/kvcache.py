@@ -8,6 +8,7 @@ from phasescope.agent.records.kvmath import predicted_waste
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
+from .runinfo import PAGED_RUNTIMES, runtime_of
 from .geometry import DTYPE_BYTES, ModelGeometry
 from .kvplan import kv_bytes_per_token_per_rank
 from .sql import PREEMPTIONS, PREFIX_TOTALS, RUN_KV, one, rows
@@ -171,7 +172,7 @@ EXTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
 
 def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: float = T["max_external_fragmentation"],
                               max_blocked_share: float = 0.25, min_turnover_per_s: float = 0.1,
-                              **_: object) -> list[Finding]:
+                              labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires under churn (pages allocated per second >= `min_turnover_per_s` x total pages) when free
     pages are scattered: mean external fragmentation >= `max_external_fragmentation` and, in >=
     `max_blocked_share` of the snapshots whose free pages would hold a p95-long request, no contiguous
@@ -192,19 +193,31 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
             or turnover < min_turnover_per_s):
         return []
     e["query"] = SEQ_LEN_SQL + ";\n" + EXTERNAL_SQL.replace("$need", str(need))
+    runtime = runtime_of(labels)
+    e["runtime"] = runtime
+    if runtime in PAGED_RUNTIMES:  # one story: a page table needs no contiguous run, so nothing waits on one
+        name = {"vllm": "vLLM", "hf-cb": "HF continuous batching"}[runtime]
+        suggestion = (f"Nothing to change for this run: {name} maps KV pages through a page table, so scattered free "
+                      "pages cost it nothing and no allocation waits for a contiguous run. It would matter only to "
+                      "an allocator that needs contiguous runs (a custom KV manager, a contiguous cache).")
+        effect = f"{name} allocates page by page: none of those allocations was blocked, and compaction would gain nothing."
+    else:
+        suggestion = ("If this runtime's allocator needs contiguous runs: allocate in fewer, larger fixed-size units "
+                      "(control allocation size and count), compact or defragment periodically, and check whether "
+                      "the service allocates and frees quickly (reuse buffers). A paged-attention runtime that maps "
+                      "pages through a page table (vLLM, HF continuous batching) is not affected.")
+        effect = ("An allocator that needs contiguous runs fails (or waits on) those allocations; compaction would "
+                  "let them succeed.")
     return [Finding(
         id="kv-external-fragmentation",
         title="Free KV pages are scattered under churn (external fragmentation)",
         severity="info",
         evidence=e,
-        suggestion=("Harmless to a paged-attention runtime that maps pages through a page table (vLLM, HF "
-                    "continuous batching); it matters to allocators that need contiguous runs. There: allocate in "
-                    "fewer, larger fixed-size units (control allocation size and count), compact or defragment "
-                    "periodically, and check whether the service allocates and frees quickly (reuse buffers)."),
+        suggestion=suggestion,
         expected_effect=(f"Pages turn over {turnover:.2f}x per second; free pages are {e['external_fragmentation_mean']:.0%} "
                          f"scattered on average, and in {e['snapshots_blocked']} of {e['snapshots_with_room']} snapshots "
                          f"({blocked:.0%}) a p95 request ({need} pages) would fit the free pages but no contiguous run. "
-                         "Compaction would make those allocations succeed without preemption."),
+                         + effect),
         reference=ref("KV fragmentation"),
         run_id=run_id,
         thresholds={"max_external_fragmentation": max_external_fragmentation,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
+from .runinfo import budget_knob, runtime_of
 from .sql import RUN_STEPS, one, page_size
 
 STALL_SQL = f"""WITH st AS ({RUN_STEPS})
@@ -50,8 +51,10 @@ def chunked_prefill(labels: dict | None) -> tuple[bool | None, int | None]:
     flag = labels.get("enable_chunked_prefill")
     if flag is not None:
         return flag.strip().lower() in ("1", "true", "yes", "on"), budget_i
-    if labels.get("runtime") in ("cb", "hf-cb") or "max_batch_tokens" in labels:
+    if runtime_of(labels) == "hf-cb" or "max_batch_tokens" in labels:
         return True, budget_i
+    if runtime_of(labels) == "hf-generate":
+        return False, None
     return None, budget_i
 
 
@@ -94,7 +97,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
         title="Long prefills stall decode steps",
         severity="critical" if ratio >= critical_ratio else "warning",
         evidence=evidence,
-        suggestion=chunk_suggestion(chunk, *chunked_prefill(labels)),
+        suggestion=chunk_suggestion(chunk, *chunked_prefill(labels), runtime_of(labels)),
         expected_effect=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran next to a prefill of "
                          f">= {long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x the "
                          f"{e['pure_decode_p50_ms']:.1f} ms of a pure decode step; at {slope:.3f} ms per prefill "
@@ -109,10 +112,16 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
     )]
 
 
-def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None) -> str:
-    """What to change, given whether the run already chunks its prefills (its labels) and its budget."""
+def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "") -> str:
+    """What to change, given whether the run already chunks its prefills (its labels), its budget, and its runtime
+    (`runinfo.runtime_of`: each names only its own knobs; static-batch HF generate has no per-step budget)."""
     tail = (" Cost: slightly lower prefill efficiency. If TTFT is the tighter SLO, consider prefill/decode "
             "disaggregation instead.")
+    if runtime == "hf-generate":
+        return (f"HF generate runs each static batch's whole prompts in one forward and cannot chunk them: serve "
+                f"with continuous batching (model.generate_batch / init_continuous_batching with "
+                f"max_batch_tokens={chunk}, or vLLM with --max-num-batched-tokens {chunk}), which splits long "
+                "prompts between decode steps; or batch long prompts apart from short ones." + tail)
     if chunked and budget is not None and budget <= chunk:
         return (f"Chunked prefill is already on with a per-step budget of {budget} tokens, at or below the "
                 f"~{chunk}-token chunk that would keep decode steps within target: the stall is not the chunk "
@@ -120,8 +129,10 @@ def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None) -> st
     if chunked:
         now = f" (now {budget})" if budget is not None else ""
         return (f"Chunked prefill is on, but its per-step token budget{now} lets long prompt chunks stall decode: "
-                f"lower it to ~{chunk} tokens (vLLM --max-num-batched-tokens {chunk}; HF continuous batching "
-                f"max_batch_tokens={chunk})." + tail)
-    return (f"Enable chunked prefill with a chunk of ~{chunk} tokens (vLLM: --enable-chunked-prefill "
-            f"--max-num-batched-tokens {chunk}; HF continuous batching: max_batch_tokens={chunk}) so long "
-            "prompts are split between decode steps." + tail)
+                f"lower it to ~{chunk} tokens ({budget_knob(runtime, chunk)})." + tail)
+    how = {"vllm": f"vLLM: --enable-chunked-prefill --max-num-batched-tokens {chunk}",
+           "hf-cb": f"HF continuous batching: max_batch_tokens={chunk}"}.get(
+        runtime, f"vLLM: --enable-chunked-prefill --max-num-batched-tokens {chunk}; HF continuous batching: "
+                 f"max_batch_tokens={chunk}")
+    return (f"Enable chunked prefill with a chunk of ~{chunk} tokens ({how}) so long prompts are split between "
+            "decode steps." + tail)

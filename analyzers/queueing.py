@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .findings import Finding, ref
+from .runinfo import budget_knob, runtime_of
 from .sql import RUN_STEPS, one
 
 QUEUE_SQL = """SELECT count(*) AS requests,
@@ -28,11 +29,18 @@ CAPACITY_SQL = f"""WITH st AS ({RUN_STEPS})
 
 
 def queueing_suggestion(e: dict, raise_budget: bool) -> str:
-    """The advice; without raising the per-step token budget when a larger step would stall decode."""
+    """The advice, in the knobs of the run's runtime (`e["runtime"]`); without raising the per-step token budget
+    when a larger step would stall decode. Static-batch HF generate has no such budget: requests wait for the
+    batch ahead, so the knob is continuous batching or the batch size."""
+    runtime = e.get("runtime") or ""
+    if runtime == "hf-generate":
+        return ("Requests wait for the whole static batch ahead of them (HF generate): serve with continuous batching "
+                "(model.generate_batch / init_continuous_batching, or vLLM) so a new request joins at the next step; "
+                "with static batches, smaller batches shorten that wait and more replicas serve batches side by side. "
+                "Reject or redirect new requests at the door when the queue grows (overload protection).")
     if raise_budget:
-        first = ("Add prefill capacity: raise the per-step token budget (vLLM --max-num-batched-tokens, HF "
-                 f"max_batch_tokens; the largest step prefilled {e['max_prefill_tokens_per_step']} tokens), add "
-                 "replicas, or disaggregate")
+        first = (f"Add prefill capacity: raise the per-step token budget ({budget_knob(runtime)}; the largest step "
+                 f"prefilled {e['max_prefill_tokens_per_step']} tokens), add replicas, or disaggregate")
     else:
         first = ("Add prefill capacity without larger steps (they already stall decode, see prefill-stalls-decode, "
                  "so keep the per-step token budget): add replicas, or disaggregate")
@@ -41,7 +49,7 @@ def queueing_suggestion(e: dict, raise_budget: bool) -> str:
 
 
 def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s: float = 0.05,
-                  critical_queue_p50_s: float = 1.0, **_: object) -> list[Finding]:
+                  critical_queue_p50_s: float = 1.0, labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires when queueing is >= `queue_share` of the summed TTFT and the median queue time is
     >= `min_queue_p50_s` seconds."""
     e = one(con, QUEUE_SQL, run_id)
@@ -51,6 +59,7 @@ def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s
         return []
     cap = one(con, CAPACITY_SQL, run_id)
     e.update(cap)
+    e["runtime"] = runtime_of(labels)
     util = (e["prefill_demand_tokens_per_s"] / cap["prefill_capacity_tokens_per_s"]
             if e["prefill_demand_tokens_per_s"] and cap["prefill_capacity_tokens_per_s"] else None)
     e["prefill_utilization"] = util

@@ -7,6 +7,8 @@ from typing import Any, Iterable
 from rich.console import Console
 from rich.table import Table
 
+from phasescope.agent.read.summary import fold
+
 from .findings import Finding
 from .kvplan import GIB, PlanRow
 
@@ -29,7 +31,7 @@ def print_findings(findings: list[Finding], run_id: str | None, console: Console
         return
     t = Table(title=f"phasescope diagnose · run {run_id} · {len(findings)} findings", show_lines=True,
               expand=True)
-    t.add_column("severity", no_wrap=True)
+    t.add_column("severity", min_width=8)
     t.add_column("finding", ratio=2)
     t.add_column("evidence", ratio=2)
     t.add_column("suggestion → expected effect", ratio=3)
@@ -38,7 +40,7 @@ def print_findings(findings: list[Finding], run_id: str | None, console: Console
                        if k != "query" and not isinstance(v, (list,)) and v is not None)
         t.add_row(f"[{_STYLE[f.severity]}]{f.severity}[/]", f"[bold]{f.title}[/]\n[dim]{f.id}\n{f.reference}[/]",
                   ev, f"{f.suggestion}\n\n[green]→[/] {f.expected_effect}")
-    console.print(t)
+    console.print(fold(t))
     if show_queries:
         for f in findings:
             console.rule(f.id)
@@ -47,9 +49,7 @@ def print_findings(findings: list[Finding], run_id: str | None, console: Console
 
 def print_plan(rows: Iterable[PlanRow], context: int, console: Console | None = None) -> None:
     console = console or Console()
-    t = Table(title=f"KV capacity at {context} tokens per sequence",
-              caption="per GPU; KV bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes, "
-                      "heads split over TP ranks (replicated below one head per rank)")
+    t = Table(title=f"KV capacity at {context} tokens per sequence, per GPU")
     for c in ("TP", "KV dtype", "B/token/GPU", "MiB/seq/GPU", "KV heads replicated", "KV budget GiB/GPU",
               "weights GiB/GPU", "max sequences"):
         t.add_column(c, justify="right")
@@ -59,7 +59,9 @@ def print_plan(rows: Iterable[PlanRow], context: int, console: Console | None = 
                   f"{r.budget_bytes_per_gpu / GIB:,.1f}",
                   "-" if r.weight_bytes_per_gpu is None else f"{r.weight_bytes_per_gpu / GIB:,.1f}",
                   f"{r.max_sequences:,}")
-    console.print(t)
+    console.print(fold(t))
+    console.print("KV bytes/token = 2 x layers x kv_heads x head_dim x dtype bytes, heads split over TP ranks "
+                  "(replicated below one head per rank)", style="dim")
 
 
 def _fmt_metric(k: str, v: Any) -> str:
@@ -76,6 +78,12 @@ def _fmt_metric(k: str, v: Any) -> str:
     return str(v)
 
 
+def _fmt_seconds(v: float | None, in_s: bool) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f} s" if in_s else f"{v * 1e3:.1f} ms"
+
+
 def print_compare(result: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     a, b = result["a"], result["b"]
@@ -85,18 +93,23 @@ def print_compare(result: dict[str, Any], console: Console | None = None) -> Non
     t.add_column(f"B {b['run_id']}", justify="right")
     t.add_column("B vs A", justify="right")
     for k in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "output_tokens_per_s", "requests",
-              "survival_rate", "preemptions", "aborted", "oom_total"):
+              "prompt_tokens_mean", "output_tokens_mean", "survival_rate", "preemptions", "aborted", "oom_total"):
         ch = result["change"].get(k)
-        t.add_row(k, _fmt_metric(k, a["metrics"].get(k)), _fmt_metric(k, b["metrics"].get(k)),
-                  "-" if ch is None else f"{ch:+.1%}")
-    console.print(t)
+        x, y = a["metrics"].get(k), b["metrics"].get(k)
+        if k.endswith("_s") and not k.endswith("_per_s"):  # one unit per row: ms unless either is >= 10 s
+            in_s = any(v is not None and v >= 10 for v in (x, y))
+            fx, fy = (_fmt_seconds(v, in_s) for v in (x, y))
+        else:
+            fx, fy = _fmt_metric(k, x), _fmt_metric(k, y)
+        t.add_row(k, fx, fy, "-" if ch is None else f"{ch:+.1%}")
+    console.print(fold(t))
     if result["differs"]:
         d = Table(title="labels that differ")
         for c in ("label", "A", "B"):
             d.add_column(c)
         for k, (x, y) in result["differs"].items():
             d.add_row(k, str(x), str(y))
-        console.print(d)
+        console.print(fold(d))
     if result["warning"]:
         console.print(f"[yellow]warning:[/] {result['warning']}")
 
@@ -131,4 +144,4 @@ def print_thresholds(console: Console | None = None) -> None:
     for analyzer, params in thresholds().items():
         for name, default in params.items():
             t.add_row(analyzer, name, str(default), threshold_unit(name, default))
-    console.print(t)
+    console.print(fold(t))

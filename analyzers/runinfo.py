@@ -1,8 +1,8 @@
 """Run labels: `run_info(run_id, key, value)` rows the analyzers read when present.
 
-The probe does not send model geometry, GPU names or experiment labels yet, so
-offline files (and scenario fixtures) get them with `record_run_info`. Live runs
-should label every run — the config values an experiment varies (`kv_dtype`,
+The probe sends the model geometry, GPU name and TP size itself (agent/probe/labels.py),
+and adapters their runtime's knobs; offline files (and scenario fixtures) get more with
+`record_run_info`. Live runs should label every run — the config values an experiment varies (`kv_dtype`,
 `kv_budget_gib`, `max_num_seqs`, `tp`, ...) plus the model and GPU keys below —
 so that `phasescope compare` and the roofline / planner rules have them.
 
@@ -99,3 +99,23 @@ def with_flag_values(text: str, labels: Mapping[str, str]) -> str:
         if key in labels and f"{flag} (now" not in text:
             text = re.sub(re.escape(flag) + r"(?![\w-])", f"{flag} (now {labels[key]})", text, count=1)
     return text
+
+
+# runtime names as the probes (sources.runtime) and the demo's labels give them -> one name
+RUNTIME_ALIASES = {"cb": "hf-cb", "generate": "hf-generate"}
+PAGED_RUNTIMES = ("vllm", "hf-cb")  # map KV pages through a page table: no contiguous run is ever needed
+
+
+def runtime_of(labels: Mapping[str, Any] | None) -> str:
+    """The run's runtime: vllm, hf-cb, hf-generate, module, or '' when unknown (diagnose fills the `runtime`
+    label from the probes' own when the run has none)."""
+    rt = str((labels or {}).get("runtime") or "").strip().lower()
+    return RUNTIME_ALIASES.get(rt, rt)
+
+
+def budget_knob(runtime: str, value: int | None = None) -> str:
+    """The per-step token budget's name in `runtime` (with `value` when given)."""
+    v = "" if value is None else str(value)
+    vllm = f"vLLM --max-num-batched-tokens{' ' + v if v else ''}"
+    hf = f"HF continuous batching max_batch_tokens{'=' + v if v else ''}"
+    return {"vllm": vllm, "hf-cb": hf}.get(runtime, f"{vllm}; {hf}")

@@ -32,8 +32,28 @@ def _overrides(items: list[str], known: dict[str, Any]) -> dict[str, Any]:
         value = _value(val)
         if isinstance(known[key], (int, float)) and not isinstance(value, (int, float)):
             raise UsageError(f"--set {key}: {val!r} is not a number")
+        if isinstance(value, (int, float)):
+            out[key] = _checked_threshold(key, val, value, known[key])
+            continue
         out[key] = value
     return out
+
+
+def _checked_threshold(key: str, text: str, value: float, default: Any) -> float:
+    """A numeric threshold within its unit's range (from its name, as --list-thresholds shows it): >= 0 and
+    finite; a fraction 0 to 1; a count or token threshold a whole number. UsageError naming name, value, range."""
+    import math
+
+    from phasescope.analyzers.render import threshold_unit
+
+    unit = threshold_unit(key, default)
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"--set {key}={text}: must be >= 0 ({unit})")
+    if unit.startswith("fraction") and value > 1:
+        raise UsageError(f"--set {key}={text}: a fraction, must be 0 to 1")
+    if isinstance(default, int) and not float(value).is_integer():
+        raise UsageError(f"--set {key}={text}: must be a whole number ({unit})")
+    return int(value) if isinstance(default, int) else float(value)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -141,6 +161,10 @@ def cmd_plan_kv(args: argparse.Namespace) -> int:
     if args.budget_gib is not None and args.budget_gib <= 0:
         raise UsageError(f"--budget-gib must be > 0, got {args.budget_gib}")
     tps = _positive_ints(args.tp, "--tp")
+    try:
+        dtype_bytes(args.dtype)
+    except ValueError as exc:
+        raise UsageError(f"--dtype: {exc}") from None
     kv_dtypes = [x for x in args.kv_dtype.split(",") if x.strip()]
     for dt in kv_dtypes or [""]:
         try:
@@ -162,13 +186,30 @@ def cmd_plan_kv(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown GPU {args.gpu!r}; give --budget-gib instead, or a known GPU name")
     if args.budget_gib is None and gpu is None:
         raise UsageError("give --budget-gib or --gpu")
+    from phasescope.analyzers.kvplan import check_tp
+
+    for tp in tps:
+        try:
+            check_tp(g, tp)
+        except ValueError as exc:
+            raise UsageError(f"--tp {tp}: {exc}") from None
     rows = plan(g, args.context, None if args.budget_gib is None else args.budget_gib * GIB, tps=tps,
                 kv_dtypes=kv_dtypes, gpu_mem_bytes=gpu.mem_bytes if gpu else None, weights_known=weights_known)
+    if rows and not any(r.max_sequences for r in rows):
+        best = max(rows, key=lambda r: r.budget_bytes_per_gpu / r.bytes_per_sequence_per_rank)
+        raise CliError(f"no layout fits one sequence of {args.context} tokens: at best (TP {best.tp}, "
+                       f"{best.kv_dtype}) a sequence needs {best.bytes_per_sequence_per_rank / GIB:.2f} GiB per GPU "
+                       f"of a {best.budget_bytes_per_gpu / GIB:.2f} GiB KV budget; give a larger --budget-gib, a "
+                       "shorter --context, more TP or a smaller --kv-dtype")
+    empty = [r for r in rows if not r.max_sequences]
     if args.json:
         print(json.dumps({"geometry": asdict(g), "weights_known": weights_known, "context_tokens": args.context,
                           "rows": [asdict(r) for r in rows]}, indent=2))
     else:
         print_plan(rows, args.context)
+        if empty:
+            print(f"{len(empty)} of {len(rows)} layouts fit no sequence of {args.context} tokens (max sequences 0)",
+                  file=sys.stderr)
         if not weights_known:
             print("weights unknown: give --intermediate and --vocab (or --params, or --config) to count them",
                   file=sys.stderr)

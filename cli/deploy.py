@@ -61,16 +61,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     argv = list(args.program)
     if argv and argv[0] == "--":
         argv = argv[1:]
+    from .errors import UsageError
+
     if not argv:
-        raise SystemExit("phasescope run: give the program to run after --, e.g. phasescope run -- python serve.py")
+        raise UsageError("give the program to run after --, e.g. phasescope run -- python serve.py")
+    if args.address is not None:  # checked here, where it is given: a bad one would make the probes record nothing
+        from phasescope.agent.records.address import parse_address
+
+        try:
+            parse_address(args.address)
+        except ValueError as exc:
+            raise UsageError(f"--address: {exc}") from None
     try:
         env = build_run_env(args.address, args.run_id, args.label, args.no_cuda_timing, dict(os.environ))
     except ValueError as exc:
-        raise SystemExit(f"phasescope run: {exc}")
+        raise UsageError(str(exc)) from None
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as exc:
-        raise SystemExit(f"phasescope run: cannot run {argv[0]!r}: {exc.strerror}")
+        from .errors import CliError
+
+        raise CliError(f"cannot run {argv[0]!r}: {exc.strerror}") from None
     return 0  # not reached
 
 
@@ -137,6 +148,26 @@ def cmd_retention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timeout(text: str) -> float:
+    """argparse type: seconds, > 0 and <= 600."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of seconds") from None
+    if not 0 < v <= 600:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0 and <= 600 s")
+    return v
+
+
+def _host_port_arg(text: str) -> str:
+    """argparse type: HOST:PORT (the agent's read API), port 0-65535."""
+    try:
+        settings.check_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return text
+
+
 def add_commands(sub: Any) -> None:
     """Register run, health and retention on the CLI's subparsers."""
     r = sub.add_parser("run", help="run a program with the probe attached to the models it serves (zero code)",
@@ -159,10 +190,11 @@ def add_commands(sub: Any) -> None:
                                    "queue has room, retention is not failing) from the agent's read API; print "
                                    "each check. For container HEALTHCHECKs and Kubernetes exec probes.")
     h.add_argument("--ready", action="store_true", help="readiness instead of liveness")
-    h.add_argument("--api", metavar="HOST:PORT", help="the agent's read API (default: $PHASESCOPE_API, the "
+    h.add_argument("--api", metavar="HOST:PORT", type=_host_port_arg, help="the agent's read API (default: $PHASESCOPE_API, the "
                                                      "config file's api, or 127.0.0.1:7702)")
     h.add_argument("--config", metavar="FILE", help="agent config file (default: $PHASESCOPE_CONFIG)")
-    h.add_argument("--timeout-s", type=float, default=3.0, help="HTTP timeout, s (default: %(default)s)")
+    h.add_argument("--timeout-s", type=_timeout, default=3.0, help="HTTP timeout, s, > 0 and <= 600 "
+                                                                  "(default: %(default)s)")
     h.set_defaults(func=cmd_health)
 
     t = sub.add_parser("retention", help="roll old rows of a DuckDB file no agent holds (rollups + Parquet)",

@@ -18,6 +18,13 @@ from .options import add_api_url, reader_target
 from phasescope.agent.settings import DEFAULT_API_ADDR
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port 0-65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a port 0 to 65535")
+    return int(text)
+
+
 def _host_port(addr: str, flag: str = "--api") -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not port.isdigit() or int(port) > 65535:
@@ -61,6 +68,10 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         raise CliError("needs streamlit: pip install 'phasescope[dashboard]'")
     from phasescope.agent.read.exports import export_glob
 
+    if args.api and not args.api.startswith(("http://", "https://")):
+        from .options import API_EXAMPLE
+
+        raise UsageError(f"--api takes the agent's read API URL, e.g. {API_EXAMPLE}, not {args.api!r}")
     target = args.api or args.db
     if not target.startswith("http"):
         from phasescope.agent.read.reader import ExportReader, connect_readonly
@@ -302,6 +313,9 @@ def _cmd_summary(args: argparse.Namespace) -> int:
                    "probe": reader.query("probe_health", run_id=run_id)}
     finally:
         reader.close()
+    from phasescope.agent.read.summary import requests_hint
+
+    summary["hint"] = requests_hint(summary)
     if args.json:
         print(json.dumps(summary, default=str, indent=2))
     else:
@@ -315,6 +329,8 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
     import duckdb
 
+    from phasescope.agent.read.summary import fold
+
     from phasescope.agent.records.schema import RUN_INFO_DOC, SCHEMA_VERSION, TABLES, ddl
 
     console = Console()
@@ -325,7 +341,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
             t.add_column(c)
         for name, typ, doc in cols:
             t.add_row(name, typ, doc)
-        console.print(t)
+        console.print(fold(t))
     con = duckdb.connect()  # an in-memory store: the other tables' and the views' columns, as DuckDB sees them
     try:
         for stmt in ddl():
@@ -343,7 +359,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
             for name, typ in con.execute(f"SELECT column_name, data_type FROM duckdb_columns() "
                                          f"WHERE table_name = '{table}' ORDER BY column_index").fetchall():
                 t.add_row(name, typ, docs.get(name, ""))
-            console.print(t)
+            console.print(fold(t))
         for view, doc in VIEW_DOCS.items():
             t = Table(title=f"view {view}", title_justify="left", caption=doc, caption_justify="left")
             for c in ("column", "type"):
@@ -351,7 +367,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
             for name, typ in con.execute(f"SELECT column_name, data_type FROM duckdb_columns() "
                                          f"WHERE table_name = '{view}' ORDER BY column_index").fetchall():
                 t.add_row(name, typ)
-            console.print(t)
+            console.print(fold(t))
     finally:
         con.close()
     return 0
@@ -376,6 +392,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="phasescope", description="Observability and diagnostics for LLM inference.")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--version", action="version", version=f"phasescope {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     a = sub.add_parser("agent", help="run the sidecar: receive probe records and write DuckDB",
@@ -413,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: %(default)s)")
     add_api_url(db, "a running agent's read API")
     db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
-    db.add_argument("--port", type=int, default=8501, help="port (default: %(default)s)")
+    db.add_argument("--port", type=_port, default=8501, help="port, 0-65535 (0: a free one; default: %(default)s)")
     db.set_defaults(func=_cmd_dashboard)
 
     d = sub.add_parser("demo", help="run a small random-weight Llama under a service-like workload and summarise",
@@ -448,6 +465,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_deploy_commands(sub)
     return p
+
+
+def _version() -> str:
+    """The installed distribution's version (importlib.metadata), or 'unknown' when run from a bare checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("phasescope")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _one_line(exc: BaseException) -> str:

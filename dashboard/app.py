@@ -23,7 +23,9 @@ from phasescope.agent.records.errors import ReadError
 from phasescope.agent.read.exports import export_glob, hosts
 from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.snapshot import decode_items, encode_items
+from phasescope.agent.read.summary import requests_hint
 from phasescope.agent.read.thresholds import T
+from phasescope.analyzers.compare import describe, workload_differs
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.fleet import HOST_SQL, diagnose_fleet
 
@@ -110,9 +112,12 @@ def gib(v: float | None) -> str:
 
 def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
     p = {"run_id": run}
-    snap = snapshot(reader, [("request_summary", p), ("kv_summary", p), ("prefix_summary", p), ("probe_health", p)],
-                    findings_run=run)
-    r, kv, px, health = snap["rows"]
+    snap = snapshot(reader, [("request_summary", p), ("kv_summary", p), ("prefix_summary", p), ("probe_health", p),
+                             ("phase_summary", p)], findings_run=run)
+    r, kv, px, health, phases = snap["rows"]
+    hint = requests_hint({"phases": phases, "requests": r})
+    if hint:
+        st.info(hint[0].upper() + hint[1:])
     findings = sorted(snap["findings"], key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
     c = st.columns(4)
     c[0].metric("TTFT p50 / p95 / p99", ms(r["ttft_p50_s"]), f"p95 {ms(r['ttft_p95_s'])} · p99 {ms(r['ttft_p99_s'])}",
@@ -235,6 +240,7 @@ def itl_tail(reader: Any, run: str, tpot_slo_s: float) -> None:
 
 
 def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:
+    kv_rows = q(reader, "kv_summary", run_id=run)
     kv = df(q(reader, "kv_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
               until_s=win["until_s"]))
     if kv.empty:
@@ -265,20 +271,54 @@ def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:
     explain("Pages allocated and freed per second. Good: both track the request rate; a sawtooth with high "
             "external fragmentation means allocation granularity is fighting the workload.")
     st.subheader("Page-size what-if")
-    current = int(kv_page[0]["page_size"]) if (kv_page := q(reader, "kv_summary", run_id=run)) else None
-    sizes = sorted({8, 16, 32, 64, 128, 256} | ({current} if current else set()))
-    w = df(q(reader, "page_size_whatif", run_id=run, sizes=",".join(map(str, sizes))))
-    if not w.empty:
-        w["page"] = [f"{p} (current)" if p == current else str(p) for p in w["page_size"]]
-        w["current"] = w["page_size"] == current
-        st.altair_chart(alt.Chart(w).mark_bar().encode(
-            x=alt.X("page:O", title="page size (tokens)", sort=list(w["page"])),
-            y=alt.Y("internal_fragmentation:Q", title="predicted internal fragmentation", axis=alt.Axis(format="%")),
-            color=alt.Color("current:N", title="this run's page size",
-                            scale=alt.Scale(domain=[True, False], range=["#d62728", "#4c78a8"])),
-            tooltip=["page_size", "internal_fragmentation", "pages"]), width="stretch")
-    explain("The same requests at other page sizes (from their final lengths). Smaller pages waste less but mean "
-            "bigger page tables; pick the knee.")
+    page_size_whatif_view(q(reader, "page_size_whatif", run_id=run,
+                            sizes=",".join(map(str, sorted({8, 16, 32, 64, 128, 256} | current_pages(kv_rows))))),
+                          kv_rows)
+
+
+def current_pages(kv_rows: list[dict[str, Any]]) -> set[int]:
+    return {int(r["page_size"]) for r in kv_rows if r.get("page_size")}
+
+
+def page_size_whatif_view(rows: list[dict[str, Any]], kv_rows: list[dict[str, Any]]) -> None:
+    """Predicted internal fragmentation at other page sizes, calibrated so this run's page size reads exactly the
+    measured mean (the model - each request's final length - and the snapshots differ: mid-run sequences are
+    shorter); each bar is the model's value times measured / model at the current size."""
+    w = df(rows)
+    sizes = current_pages(kv_rows)
+    current = next(iter(sizes)) if len(sizes) == 1 else None
+    measured = [r["internal_fragmentation_mean"] for r in kv_rows if r.get("internal_fragmentation_mean") is not None]
+    if w.empty:
+        st.caption("No finished requests with known lengths: nothing to predict from.")
+        return
+    model_now = w.loc[w["page_size"] == current, "internal_fragmentation"] if current else pd.Series(dtype=float)
+    scale = (sum(measured) / len(measured)) / float(model_now.iloc[0]) if measured and len(model_now) and \
+        float(model_now.iloc[0]) > 0 else 1.0
+    w["predicted"] = (w["internal_fragmentation"] * scale).clip(upper=0.999)
+    if current is not None and measured:
+        w.loc[w["page_size"] == current, "predicted"] = sum(measured) / len(measured)  # exactly the measured mean
+    w["page"] = [f"{p} (current)" if p == current else str(p) for p in w["page_size"]]
+    w["current"] = w["page_size"] == current
+    st.altair_chart(alt.Chart(w).mark_bar().encode(
+        x=alt.X("page:O", title="Page size (tokens)", sort=list(w["page"])),
+        y=alt.Y("predicted:Q", title="Internal fragmentation (%)", axis=alt.Axis(format="%")),
+        color=alt.Color("current:N", title="This run's page size",
+                        scale=alt.Scale(domain=[True, False], range=["#d62728", "#4c78a8"])),
+        tooltip=[alt.Tooltip("page_size:Q", title="Page size (tokens)"),
+                 alt.Tooltip("predicted:Q", title="Internal fragmentation", format=".1%"),
+                 alt.Tooltip("pages:Q", title="Pages at the end", format=",.0f")]), width="stretch")
+    st.dataframe(pd.DataFrame({"Page size (tokens)": w["page"],
+                               "Internal fragmentation (%)": (w["predicted"] * 100).round(1),
+                               "Pages at the end": w["pages"].astype(int)}), hide_index=True)
+    if current is not None and measured:
+        model = float(model_now.iloc[0]) if len(model_now) else float("nan")
+        explain(f"At {current} tokens (this run) the bar is the measured mean, {pct(sum(measured) / len(measured))} "
+                f"of used-page space; the requests' final lengths alone predict {pct(model)}, so every other bar is "
+                f"that model's value times {scale:.2f}. Smaller pages waste less but mean bigger page tables; pick "
+                "the knee.")
+    else:
+        explain("The same requests at other page sizes (from their final lengths). Smaller pages waste less but mean "
+                "bigger page tables; pick the knee.")
 
 
 def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
@@ -497,14 +537,29 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
     la, lb = q(reader, "run_labels", run_id=a), q(reader, "run_labels", run_id=b)
     differ = {k: (la.get(k), lb.get(k)) for k in sorted(set(la) | set(lb))
               if la.get(k) != lb.get(k) and k not in ("seed",)}
+    work = workload_differs(*(workload_of(r) for r in rows))
+    if work:
+        st.warning(f"The workloads differ ({describe(work)}): the changes above are not the effect of a setting "
+                   "alone. Replay the same workload to compare settings.")
     if len(differ) > 1:
         st.warning(f"{len(differ)} settings differ: the effect cannot be pinned on one of them.")
     if differ:
         st.dataframe(pd.DataFrame(differ, index=[a, b]).T, column_config=None)
+    elif not (la or lb):
+        st.caption("Neither run carries labels: nothing says which setting changed between them.")
+    elif work:
+        st.caption(f"The two runs carry the same {len(la)} labels, but not the same workload.")
     else:
-        st.caption("The two runs carry the same labels.")
+        st.caption(f"The two runs carry the same {len(la)} labels and the same workload.")
     explain("Change one variable per run (KV budget, then quantization, then layout); compare TTFT, TPOT, "
             "throughput and failures side by side.")
+
+
+def workload_of(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's workload figures (analyzers.compare.WORKLOAD) from its request summary."""
+    n = summary.get("requests") or 0
+    return {"requests": n, "prompt_tokens_mean": (summary.get("prompt_tokens") or 0) / n if n else None,
+            "output_tokens_mean": (summary.get("output_tokens") or 0) / n if n else None}
 
 
 def page_fleet(pattern: str) -> None:

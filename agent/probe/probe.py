@@ -125,6 +125,14 @@ class Probe:
     ) -> None:
         if not hasattr(model, "register_forward_pre_hook"):
             raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+        from ..settings import ProbeSettings, check_options
+
+        # every value option against its declared range (agent/settings.py), here where it is given
+        check_options(ProbeSettings, {
+            "address": next((a for a in (address, agent) if a is not None and not isinstance(a, Address)), None),
+            "rank": rank, "world_size": world_size,
+            "buffer_records": buffer_records, "flush_interval_s": flush_interval_s, "event_pool_size": event_pool_size,
+            "poll_interval_s": poll_interval_s, "gpu_budget": gpu_budget, "gpu_min_rate": gpu_min_rate})
         if buffer_records < 16:
             raise ValueError("buffer_records must be >= 16")
         if not (0.001 <= flush_interval_s <= 60):

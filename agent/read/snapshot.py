@@ -31,13 +31,27 @@ def run_batch(con: Any, items: list[Item], findings: Callable[[Any, str | None],
     con.execute("BEGIN TRANSACTION")
     try:
         as_of = time.time_ns()
-        rows = [run_named(con, name, dict(params)) for name, params in items]
+        rows = [run_named(con, name, with_latest_run(con, name, dict(params))) for name, params in items]
         found = None
         if findings_run is not None:
             found = json_safe(findings(con, findings_run or None)) if findings is not None else []
     finally:
         con.execute("ROLLBACK")  # a reader: nothing to keep
     return {"rows": rows, "findings": found, "as_of_ns": as_of}
+
+
+def with_latest_run(con: Any, name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """`params` with `run_id` set to the store's latest run when query `name` takes one and none is given
+    (absent or empty), as the command line does: the read API reads one run at a time, like `diagnose` and
+    `summary`, never every run summed."""
+    import inspect
+
+    fn = QUERIES.get(name)
+    if fn is None or "run_id" not in inspect.signature(fn).parameters or params.get("run_id") not in (None, ""):
+        return params
+    from .queries import latest_run
+
+    return {**params, "run_id": latest_run(con)}
 
 
 def check_items(items: Any) -> list[Item]:

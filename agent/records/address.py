@@ -32,20 +32,34 @@ def default_socket_path() -> str:
     return os.path.join(base, sub, "agent.sock")
 
 
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket path (sun_path less its NUL) on Linux
+
+
 def parse_address(text: str | None) -> Address:
-    """Parse an address; None means $PHASESCOPE_AGENT or the default socket. Raises ValueError."""
+    """Parse an address: "unix:PATH", "tcp:HOST:PORT" (port 0-65535; 0 lets a listener pick one), or a
+    socket path (it must contain a "/": a bare word is a typo, not a file here). None means
+    $PHASESCOPE_AGENT or the default socket. Raises ValueError naming the address and what is allowed."""
     if text is None:
         text = os.environ.get(ENV_ADDRESS) or default_socket_path()
+    if not isinstance(text, str):
+        raise ValueError(f"address {text!r}: expected a string, unix:/path/agent.sock or tcp:HOST:PORT")
     if text.startswith("tcp:"):
         rest = text[4:].lstrip("/")
         host, sep, port = rest.rpartition(":")
         if not sep or not port.isdigit() or not host:
             raise ValueError(f"bad tcp address {text!r}; expected tcp:HOST:PORT")
+        if int(port) > 65535:
+            raise ValueError(f"bad tcp address {text!r}: port {int(port)} is outside 0-65535")
         return Address("tcp", host, int(port))
-    if text.startswith("unix:"):
+    explicit = text.startswith("unix:")
+    if explicit:
         text = text[5:]
     if not text:
         raise ValueError("empty socket path")
+    if not explicit and "/" not in text:
+        raise ValueError(f"address {text!r}: expected unix:/path/agent.sock, tcp:HOST:PORT or a socket path")
+    if len(os.fsencode(text)) > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path {text!r} is {len(os.fsencode(text))} bytes; at most {MAX_SOCKET_PATH}")
     return Address("unix", text, 0)
 
 

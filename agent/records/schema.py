@@ -2,7 +2,7 @@
 
 Raw tables are append-only and hold what the records say (timestamps in
 monotonic ns of the producing host; `sources.wall_minus_mono_ns` converts them).
-Views derive the per-request metrics exactly as DESIGN.md defines them.
+Views derive the per-request metrics exactly as README.md ("Definitions") defines them.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ VIEWS: dict[str, str] = {
                runtime_request_id, arrival_no, event, ts_ns, tokens, cached_tokens
         FROM e
     """,
-    # per request, exactly as DESIGN.md defines; seconds. `cached_tokens` are those of the request's
+    # per request, exactly as README.md ("Definitions") defines; seconds. `cached_tokens` are those of the request's
     # first admission; prefix reuse at a re-admission after preemption (recomputation avoided) is
     # `readmit_cached_tokens`, never part of the request's cache hits
     "requests": """

@@ -6,9 +6,10 @@ the query on a cursor of its own connection (DuckDB cursors are safe to use from
 other threads while the writer appends), under the store's read memory limit
 (`Store.reading`). A query that needs more than that answers 503 naming the flag. Only the named queries of
 `agent/read/queries.py` (and the findings function the CLI injects) can run: never user SQL.
+The API's reference is docs/read-api.md.
 
     GET /api/v1/health                      sidecar counters
-    GET /api/v1/query/<name>?param=value    rows of a named query
+    GET /api/v1/query/<name>?param=value    rows of a named query (no run_id: the latest run, as the CLI)
     GET /api/v1/findings?run_id=RUN         diagnose() findings, when analyzers are installed
     GET /api/v1/snapshot?items=JSON[&findings=RUN]   several named queries (and findings) in one
                                             transaction: one snapshot (agent/read/snapshot.py)
@@ -37,7 +38,7 @@ import duckdb
 from ..records.address import host_header_allowed
 from ..read.jsonsafe import to_json
 from ..read.queries import QUERIES, run_named
-from ..read.snapshot import decode_items, run_batch
+from ..read.snapshot import decode_items, run_batch, with_latest_run
 
 Findings = Callable[[Any, "str | None"], list]  # (connection, run_id) -> findings; the CLI injects diagnose
 
@@ -107,8 +108,12 @@ class ReadAPI:
                 if parts[3] not in QUERIES:
                     body, status = {"error": f"unknown query {parts[3]!r}", "queries": sorted(QUERIES)}, 404
                 else:
-                    with self._reading() as con:
-                        body, status = {"rows": run_named(con, parts[3], params)}, 200
+                    with self._reading() as con:  # no run_id: the latest run, as the command line reads
+                        params = with_latest_run(con, parts[3], params)
+                        body = {"rows": run_named(con, parts[3], params)}
+                        if "run_id" in params:
+                            body["run_id"] = params["run_id"]
+                        status = 200
             elif parts == ["api", "v1", "findings"]:
                 body, status = self._findings(params.get("run_id") or None), 200
             elif parts == ["api", "v1", "snapshot"]:

@@ -116,7 +116,7 @@ def test_kv_figures_equal_the_cache_ledger_under_preemption_and_sharing():
                 got.largest_free_run, got.shared_pages) == (
             want["total"], want["used"], want["free"], want["cached"], want["live"], want["run"], want["shared"])
         assert got.used_pages + got.free_pages + got.cached_pages == got.total_pages
-        # derived figures, exactly as DESIGN.md defines them
+        # derived figures, exactly as README.md ("Definitions") defines them
         assert kvmath.block_usage(got.used_pages, got.total_pages) == want["used"] / want["total"]
         if want["used"]:
             assert kvmath.internal_fragmentation(got.live_tokens, got.used_pages, PAGE) == \
@@ -348,3 +348,14 @@ def test_prefix_lookups_of_a_burst_are_in_flight_or_cache_disabled(sharing):
         assert causes == {"in-flight": 2 * 2 * PAGE, "no-shared-prefix": 74 + 10 + 10}
     else:
         assert {r.kind for r in looks} == {"disabled"} and causes == {"cache-disabled": 3 * 74}
+
+
+def test_the_adapter_labels_the_runs_knobs():
+    """A zero-code run (phasescope run) has no labels but the adapter's: page size, pages, max_batch_tokens, so
+    advice names their values (it told a run chunking at 256 to 'enable chunked prefill': issue 23)."""
+    from phasescope.agent.records.events import RunLabel
+
+    records, outputs, _ = _run(_model(), [SYSTEM + [7] * 5], max_new_tokens=3, num_blocks=16)
+    assert len(outputs) == 1
+    labels = {r.key: r.value for r in records if isinstance(r, RunLabel)}
+    assert (labels["page_size"], labels["num_pages"], labels["max_batch_tokens"]) == (str(PAGE), "16", "256")

@@ -34,6 +34,14 @@ def sample(f: dataclasses.Field, which: int) -> tuple[object, list[str], str, st
     if t in ("int", "int | None"):
         v = (7, 9)[which]
         return v, [S.flag_name(f), str(v)], str(v), str(v)
+    valid = {"api": ("127.0.0.1:17702", "127.0.0.1:17703"), "metrics_addr": ("127.0.0.1:19464", "127.0.0.1:19465")}
+    if f.name in valid:  # checked text: a HOST:PORT
+        v = valid[f.name][which]
+        return v, [S.flag_name(f), v], v, f'"{v}"'
+    if f.name in ("listen", "scrape"):  # checked lists: addresses, URLs
+        v = ([f"unix:/tmp/a{which}.sock", f"tcp:127.0.0.1:{7000 + which}"] if f.name == "listen" else
+             [f"http://127.0.0.1:{8000 + which}/metrics", f"https://h{which}:9000/metrics"])
+        return v, [S.flag_name(f), v[0], S.flag_name(f), v[1]], ",".join(v), "[" + ", ".join(f'"{x}"' for x in v) + "]"
     if t in ("str", "str | None"):
         v = f"{('f', 'e')[which]}-{f.name}"
         return v, [S.flag_name(f), v], v, f'"{v}"'
@@ -86,8 +94,9 @@ def test_every_agent_field_by_flag_env_and_file(f, tmp_path):
     assert (getattr(args, f.name), origin[f.name]) == (S.default_of(f), "default")
 
 
-@pytest.mark.parametrize("f", [f for f in FIELDS if str(f.type) not in ("str", "str | None", "list[str]")],
-                         ids=lambda f: f.name)  # any text is a string: text fields have no bad value here
+@pytest.mark.parametrize("f", [f for f in FIELDS if str(f.type) not in ("str", "str | None", "list[str]")
+                               or S.spec_of(f).check is not None],
+                         ids=lambda f: f.name)  # free text is a string: only checked text fields have a bad value
 def test_a_bad_value_names_its_route(f, tmp_path):
     bad = "often"
     with pytest.raises(ValueError, match=S.env_name(f)):
@@ -223,3 +232,34 @@ def test_tomli_is_declared_for_python_310():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.replace(" ", "").startswith("tomli") and "python_version<'3.11'" in d.replace(" ", "")
                for d in deps)
+
+
+@pytest.mark.parametrize("f", [f for f in FIELDS + S.fields_of(S.ProbeSettings)
+                               if S.spec_of(f).lo is not None or S.spec_of(f).hi is not None], ids=lambda f: f.name)
+def test_every_declared_range_is_checked_on_every_route(f, tmp_path):
+    """Just outside the declared range: refused by flag (agent), environment and file, with the option, the value
+    and the range in one line; just inside: accepted. The probe's options: by attach's own check."""
+    spec = S.spec_of(f)
+    integer = str(f.type).startswith(("int", "list[int]")) or spec.parse is S.parse_mode
+    step = 1 if integer else 1e-9 * max(1.0, abs(spec.lo or spec.hi or 1))
+    outside = (spec.lo if spec.lo_open else spec.lo - step) if spec.lo is not None else spec.hi + step
+    inside = (spec.lo + step if spec.lo_open else spec.lo) if spec.lo is not None else spec.hi
+    if f in S.fields_of(S.ProbeSettings):
+        with pytest.raises(ValueError, match=rf"attach\({f.name}=.*must be"):
+            S.check_options(S.ProbeSettings, {f.name: outside})
+        S.check_options(S.ProbeSettings, {f.name: inside})
+        return
+    text = f"{int(outside):o}" if spec.parse is S.parse_mode else repr(outside)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["agent", S.flag_name(f), text])
+    import re
+
+    with pytest.raises(ValueError, match=rf"{S.env_name(f)}.*{f.name}: must be {re.escape(S.allowed(spec))}"):
+        resolve([], {S.env_name(f): text})
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f"{f.name} = {text if spec.parse is not S.parse_mode else repr(text)}\n")
+    with pytest.raises(ValueError, match=f"{f.name}: must be"):
+        resolve(["--config", str(cfg)], {})
+    ok = f"{int(inside):o}" if spec.parse is S.parse_mode else repr(inside)
+    args, _ = resolve([S.flag_name(f), ok], {})
+    assert getattr(args, f.name) in (inside, [inside])

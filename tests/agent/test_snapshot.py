@@ -70,3 +70,27 @@ def test_bad_items_are_400_with_one_line(live):
         reader.snapshot([("no_such_query", {})])
     with pytest.raises(ReadError, match="takes no parameter"):
         reader.snapshot([("request_summary", {"bogus": 1})])
+
+
+def test_without_run_id_the_read_api_reads_the_latest_run(tmp_path):
+    """Like the CLI: the latest run, named in the answer; it summed every run (issue 23)."""
+    import json
+    import urllib.request
+
+    store = Store(str(tmp_path / "two.duckdb"))
+    for run, n in (("older", 5), ("newer", 3)):
+        sid = store.register_source(Hello(1, time.time_ns(), 1, 0, 1, run, "m", "hf-cb"))
+        store.append([(sid, [RequestEvent(10 + i, 0, ARRIVAL, f"r{i}", 8, 0) for i in range(n)])])
+        time.sleep(0.01)
+    api = ReadAPI(lambda: store.reading(), "127.0.0.1", 0).start()
+    try:
+        with urllib.request.urlopen(f"{api.url}/api/v1/query/request_summary") as r:
+            body = json.load(r)
+        assert body["run_id"] == "newer" and body["rows"]["requests"] == 3  # not 8
+        with urllib.request.urlopen(f"{api.url}/api/v1/query/request_summary?run_id=older") as r:
+            assert json.load(r)["rows"]["requests"] == 5
+        snap = AgentReader(api.url).snapshot([("request_summary", {})])
+        assert snap["rows"][0]["requests"] == 3
+    finally:
+        api.stop()
+        store.close()

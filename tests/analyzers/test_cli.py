@@ -95,3 +95,26 @@ def _fmt_row(k, v):
     from phasescope.analyzers.render import _fmt_metric
 
     return _fmt_metric(k, v)
+
+
+def test_compare_says_when_the_workloads_differ(scenario_db, capsys, monkeypatch):
+    """Runs of different workloads (24 vs 100 requests) are never 'the same but for a setting' (issue 23)."""
+    monkeypatch.setenv("COLUMNS", "240")
+    a, _ = scenario_db("healthy")
+    b, _ = scenario_db("overload")
+    r = compare(resolve(a), resolve(b))
+    assert r["workload_differs"]["requests"] == (24, 100)
+    assert "the workloads differ (requests 24 vs 100" in r["warning"]
+    assert main(["compare", a, b]) == 0
+    assert "the workloads differ" in " ".join(capsys.readouterr().out.split())
+
+
+def test_compare_keeps_one_unit_per_row(tmp_path, capsys, monkeypatch):
+    from phasescope.analyzers.render import print_compare
+
+    monkeypatch.setenv("COLUMNS", "200")
+    m = {"ttft_p50_s": 0.25}
+    print_compare({"a": {"run_id": "a", "metrics": m}, "b": {"run_id": "b", "metrics": {"ttft_p50_s": 12.5}},
+                   "change": {}, "differs": {}, "warning": None})
+    row = next(line for line in capsys.readouterr().out.splitlines() if "ttft_p50_s" in line)
+    assert "0.25 s" in row and "12.50 s" in row and " ms" not in row  # not 250.0 ms beside 12.50 s

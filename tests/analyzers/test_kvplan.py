@@ -1,4 +1,4 @@
-"""KV planner and geometry: exact figures from tuning-knowledge.md."""
+"""KV planner and geometry: exact figures of the KV arithmetic (README.md, "Definitions"; docs/tuning.md)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,24 @@ def test_live_model_config(tiny_llama):
     g = geometry_from_config(tiny_llama)  # a model: its .config
     assert (g.layers, g.heads, g.kv_heads, g.head_dim, g.hidden) == (2, 4, 2, 16, 64)
     assert g.params == sum(p.numel() for p in tiny_llama.parameters())
+
+
+def test_default_budget_subtracts_each_ranks_weights():
+    """plan-kv without --budget-gib: what each GPU's share of the weights leaves (less 5%), 45:20 between KV and
+    activations; it read 33.5 GiB at TP 1 and TP 8 alike for Llama-3-8B on an H100 (issue 23)."""
+    from phasescope.analyzers.geometry import ModelGeometry
+    from phasescope.analyzers.gpus import lookup
+    from phasescope.analyzers.kvplan import default_budget
+
+    llama3_8b = ModelGeometry(layers=32, heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336,
+                              vocab=128256, dtype="bfloat16")
+    mem = lookup("H100-SXM").mem_bytes
+    rows = {r.tp: r for r in plan(llama3_8b, 8192, tps=(1, 8), gpu_mem_bytes=mem)}
+    w = llama3_8b.weight_bytes
+    for tp in (1, 8):
+        assert rows[tp].weight_bytes_per_gpu == w / tp
+        assert rows[tp].budget_bytes_per_gpu == pytest.approx((mem * 0.95 - w / tp) * 45 / 65, rel=1e-12)
+    assert rows[8].budget_bytes_per_gpu - rows[1].budget_bytes_per_gpu == pytest.approx(w * 7 / 8 * 45 / 65)  # 9.7 GB
+    assert default_budget(mem, None) == 0.45 * mem  # weights unknown: the starting split's 45%
+    with pytest.raises(ValueError, match="TP 3 cannot split 8 KV heads"):
+        plan(llama3_8b, 8192, 40 * GIB, tps=(3,))

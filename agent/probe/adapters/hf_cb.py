@@ -234,6 +234,14 @@ class HFContinuousBatching(RuntimeAdapter):
             self.probe.label(adapter_missing=",".join(missing)[:96])
             return
         ProcessorHooks(self, bp).install()
+        self.guarded(self._label_config)(bp)
+
+    def _label_config(self, bp: Any) -> None:
+        """The run's knobs as labels (zero-code runs have no others): advice then names their values."""
+        alloc = _main_allocator(bp.cache)
+        budget = getattr(bp.cache, "max_batch_tokens", None)
+        self.probe.label(page_size=alloc.tokens_per_page, num_pages=alloc.num_blocks,
+                         **({"max_batch_tokens": int(budget)} if budget is not None else {}))
 
 
 class ProcessorHooks:
