@@ -126,7 +126,7 @@ BAD = [
     (["dashboard", "--port", "99999"], 2, "--port: '99999': must be a port 0 to 65535"),
     (["dashboard", "{d}/missing.duckdb"], 1, "no such file"),
     (["dashboard", "{d}/empty.duckdb"], 1, "no phasescope data"),
-    (["dashboard", "--api", "127.0.0.1:7702"], 2, "read API URL"),
+    (["dashboard", "--api", "127.0.0.1:5799"], 2, "read API URL"),
     (["diagnose", "{d}/good.duckdb", "--set", "queue_share=5"], 2, "queue_share=5: a fraction, must be 0 to 1"),
     (["diagnose", "{d}/good.duckdb", "--set", "stall_ratio=-5"], 2, "stall_ratio=-5: must be >= 0"),
     (["diagnose", "{d}/good.duckdb", "--set", "min_steps=2.5"], 2, "min_steps=2.5: must be a whole number"),

@@ -34,7 +34,7 @@ def sample(f: dataclasses.Field, which: int) -> tuple[object, list[str], str, st
     if t in ("int", "int | None"):
         v = (7, 9)[which]
         return v, [S.flag_name(f), str(v)], str(v), str(v)
-    valid = {"api": ("127.0.0.1:17702", "127.0.0.1:17703"), "metrics_addr": ("127.0.0.1:19464", "127.0.0.1:19465")}
+    valid = {"api": ("127.0.0.1:15702", "127.0.0.1:15703"), "metrics_addr": ("127.0.0.1:15464", "127.0.0.1:15465")}
     if f.name in valid:  # checked text: a HOST:PORT
         v = valid[f.name][which]
         return v, [S.flag_name(f), v], v, f'"{v}"'
