@@ -349,6 +349,7 @@ def test_prefill_stall_ratio_at_its_default(tmp_path, cosched_ms, fires):
             assert f.evidence["stall_ratio"] == pytest.approx(cosched_ms / 10.0, rel=1e-12)
             assert (f.evidence["pure_decode_steps"], f.evidence["cosched_steps"]) == (20, 8)
             assert f.evidence["page_size"] == 16  # no KV snapshots in this store: pages of 16 are assumed
+            assert "(p95 now 0.0 ms)" in f.expected_effect  # no requests in this store: no TPOT, said as 0
             assert f.severity == ("critical" if cosched_ms >= 100.0 else "warning")
     finally:
         con.close()
@@ -413,9 +414,10 @@ def test_prefill_stall_needs_min_steps_of_each_kind(tmp_path):
         assert len(prefill_stalls_decode(con, few_pure, min_steps=5)) == 1
     finally:
         con.close()
-    none = _stall_store(str(tmp_path / "n.duckdb"), 40.0, pure=20, cosched=0)
-    con = duckdb.connect(str(tmp_path / "n.duckdb"), read_only=True)
-    try:
-        assert prefill_stalls_decode(con, none, min_steps=1) == []
-    finally:
-        con.close()
+    for name, pure, cosched in (("n", 20, 0), ("z", 0, 8)):  # none of one kind: silent even at min_steps 1
+        run = _stall_store(str(tmp_path / f"{name}.duckdb"), 40.0, pure=pure, cosched=cosched)
+        con = duckdb.connect(str(tmp_path / f"{name}.duckdb"), read_only=True)
+        try:
+            assert prefill_stalls_decode(con, run, min_steps=1) == []
+        finally:
+            con.close()
