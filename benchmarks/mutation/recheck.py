@@ -1,7 +1,7 @@
 # Usage: python benchmarks/mutation/recheck.py SESSION.sqlite benchmarks/mutation/MODULE.toml  (in a checkout no one else tests from)
 """Re-run the survivors of a cosmic-ray session against the current tests: apply each survivor's diff to the
 work tree, run the config's test command, restore the file. Prints killed/survived per mutant."""
-import glob, os, shlex, sqlite3, subprocess, sys, tomllib
+import shlex, sqlite3, subprocess, sys, tomllib
 session, cfg = sys.argv[1], sys.argv[2]
 conf = tomllib.load(open(cfg, "rb"))["cosmic-ray"]
 cmd = shlex.split(conf["test-command"])
