@@ -87,6 +87,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         app = Path(pkg.__file__).parent / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
            "--server.port", str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+           "--client.toolbarMode", "minimal",  # a viewer's app: no Deploy button, no developer menu
            "--", "--target", target]
     print(f"phasescope dashboard: http://{args.host}:{args.port} over {target}", flush=True)
     return _run_child(cmd)
