@@ -106,5 +106,27 @@ def rolled_history(con: Any, run_id: str) -> dict[str, Any] | None:
             "last_minute": str(last) if last is not None else None}
 
 
+def read_line(con: Any, path: str) -> str:
+    """One line saying what a reader of `path` read: the store and its schema version, and the exports it read
+    with it (or where rolled rows went that it could not read)."""
+    try:
+        version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    except duckdb.Error:
+        version = "?"
+    text = f"read {path}: phasescope store, schema version {version}"
+    try:
+        exports = [loc for src, loc in con.execute(f"SELECT source, location FROM {READ_FROM}").fetchall()
+                   if src == "exports"]
+    except duckdb.Error:
+        exports = []
+    if exports:
+        return text + f", with the rows retention rolled out, from {exports[0]}"
+    where = rolled_to(con)
+    if where is not None:
+        return text + (f"; rows retention rolled out to {where[0]} are not here" if where[0] else
+                       "; rows retention rolled out were not exported")
+    return text
+
+
 def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
