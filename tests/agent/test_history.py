@@ -86,3 +86,15 @@ def test_readers_say_what_they_read(rolled, tmp_path, capsys):
     shutil.rmtree(exports)
     assert _cli(["summary", rolled, "--json"], capsys)["read"].endswith(
         f"rows retention rolled out to {os.path.abspath(exports)} are not here")
+
+
+def test_the_finding_survives_a_snapshot(rolled, tmp_path):
+    """Inside one read transaction (the dashboard's snapshot) too: a probing query that failed aborted the
+    transaction and the finding was lost, so the page said 'No findings' (seen in the browser test)."""
+    from phasescope.agent.read.reader import open_reader
+    from phasescope.analyzers.diagnose import diagnose
+
+    _roll(rolled, None)
+    reader = open_reader(rolled, findings=diagnose)
+    snap = reader.snapshot([("request_summary", {})], findings_run="")
+    assert [f["id"] for f in snap["findings"]] == ["history-rolled"]
