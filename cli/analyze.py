@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from .errors import CliError, UsageError
-from .options import add_api_url, reader_target
+from .options import add_api_url, read_line, reader_target
 
 
 def _value(text: str) -> Any:
@@ -112,11 +112,15 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             findings = diagnose(con, run_id, model=model, gpu=args.gpu, **overrides)
         finally:
             con.close()
+    read = read_line(target)
     if args.json:
-        print(json.dumps({"db": target, "run_id": run_id, "findings": [f.to_dict() for f in findings]},
+        print(json.dumps({"db": target, "run_id": run_id, "read": read, "findings": [f.to_dict() for f in findings]},
                          indent=2, default=str))
     else:
+        from rich.console import Console
+
         print_findings(findings, run_id, show_queries=args.queries)
+        Console().print(read, style="dim", markup=False, highlight=False)
     return 0
 
 

@@ -14,7 +14,7 @@ import threading
 from phasescope.agent.records.errors import PhasescopeError
 
 from .errors import CliError, UsageError
-from .options import add_api_url, reader_target
+from .options import add_api_url, read_line, reader_target
 from phasescope.agent.settings import DEFAULT_API_ADDR
 
 
@@ -87,6 +87,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         app = Path(pkg.__file__).parent / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
            "--server.port", str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+           "--client.toolbarMode", "minimal",  # a viewer's app: no Deploy button, no developer menu
            "--", "--target", target]
     print(f"phasescope dashboard: http://{args.host}:{args.port} over {target}", flush=True)
     return _run_child(cmd)
@@ -316,6 +317,7 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     from phasescope.agent.read.summary import requests_hint
 
     summary["hint"] = requests_hint(summary)
+    summary["read"] = read_line(target)
     if args.json:
         print(json.dumps(summary, default=str, indent=2))
     else:

@@ -54,3 +54,22 @@ def reader_target(args: argparse.Namespace) -> str:
     if not args.db:
         raise UsageError("give a DuckDB file, or --api URL to read a running agent")
     return args.db  # a URL in place of the file reads through its API, never DuckDB's httpfs
+
+
+def read_line(target: str) -> str:
+    """What a reading command read, in one line (agent/read/history.read_line): a file's schema version and
+    exports; a live agent's URL."""
+    from phasescope.agent.read.exports import export_glob
+
+    if target.startswith(("http://", "https://")):
+        return f"read the live agent at {target}"
+    if export_glob(target) is not None:
+        return f"read the Parquet exports under {target}"
+    from phasescope.agent.read.history import read_line as store_line
+    from phasescope.agent.read.reader import connect_readonly
+
+    con = connect_readonly(target)
+    try:
+        return store_line(con, target)
+    finally:
+        con.close()

@@ -26,12 +26,18 @@ from phasescope.agent.read.snapshot import decode_items, encode_items
 from phasescope.agent.read.summary import requests_hint
 from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.compare import describe, workload_differs
+from phasescope.dashboard.charts import human_table, label, line, melt, time_x
 from phasescope.analyzers.diagnose import diagnose
 from phasescope.analyzers.fleet import HOST_SQL, diagnose_fleet
 
 PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments")
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
-SEVERITY_ICON = {"critical": "🔴", "warning": "🟠", "info": "🔵"}
+SEVERITY_COLOR = {"critical": "red", "warning": "orange", "info": "blue"}
+
+
+def badge(severity: str) -> str:
+    """A severity as a text badge (markdown): readable without an emoji font, and by a screen reader."""
+    return f":{SEVERITY_COLOR.get(severity, 'gray')}-badge[{severity.upper()}]"
 RECOMMENDED_SPLIT = {"weights": 0.30, "activations": 0.20, "kv cache": 0.45, "margin": 0.05}
 
 
@@ -120,14 +126,14 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.info(hint[0].upper() + hint[1:])
     findings = sorted(snap["findings"], key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
     c = st.columns(4)
-    c[0].metric("TTFT p50 / p95 / p99", ms(r["ttft_p50_s"]), f"p95 {ms(r['ttft_p95_s'])} · p99 {ms(r['ttft_p99_s'])}",
+    c[0].metric("TTFT p50", ms(r["ttft_p50_s"]), f"p95 {ms(r['ttft_p95_s'])} · p99 {ms(r['ttft_p99_s'])}",
                 delta_color="off", delta_arrow="off")
-    c[1].metric("TPOT p50 / p95 / p99", ms(r["tpot_p50_s"]), f"p95 {ms(r['tpot_p95_s'])} · p99 {ms(r['tpot_p99_s'])}",
+    c[1].metric("TPOT p50", ms(r["tpot_p50_s"]), f"p95 {ms(r['tpot_p95_s'])} · p99 {ms(r['tpot_p99_s'])}",
                 delta_color="off", delta_arrow="off")
     tps = r.get("output_tokens_per_s")
     c[2].metric("Throughput", "–" if tps is None else f"{tps:.0f} tok/s",
                 f"{r['finished']} of {r['requests']} requests finished", delta_color="off", delta_arrow="off")
-    c[3].metric("KV usage mean / max", pct(kv[0]["block_usage_mean"]) if kv else "–",
+    c[3].metric("KV usage mean", pct(kv[0]["block_usage_mean"]) if kv else "–",
                 f"max {pct(kv[0]['block_usage_max'])} · prefix hit {pct(px['hit_rate'])}" if kv else "no KV data",
                 delta_color="off", delta_arrow="off")
     telemetry_part(health, findings)
@@ -138,7 +144,7 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.success("No findings: nothing in this run crosses an analyzer threshold.")
     for f in findings:
         sev = str(f.get("severity", "info"))
-        with st.expander(f"{SEVERITY_ICON.get(sev, '⚪')} {sev.upper()} · {f.get('title', f.get('id'))}",
+        with st.expander(f"{badge(sev)} · {f.get('title', f.get('id'))}",
                          expanded=f.get("severity") == "critical"):
             st.markdown(f"**Suggestion:** {f.get('suggestion', '')}")
             if f.get("expected_effect"):
@@ -148,31 +154,42 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
 
 
 def page_phases(reader: Any, run: str, win: dict[str, Any]) -> None:
-    summary = df(q(reader, "phase_summary", run_id=run))
-    st.dataframe(summary, hide_index=True)
+    summary = q(reader, "phase_summary", run_id=run)
+    st.dataframe(human_table(summary, {"phase": ("Phase", None), "steps": ("Steps", None),
+                                       "p50_ms": ("Step p50 (ms)", 2), "p95_ms": ("Step p95 (ms)", 2),
+                                       "p99_ms": ("Step p99 (ms)", 2), "prefill_tokens": ("Prefill tokens", None),
+                                       "decode_tokens": ("Decode tokens", None),
+                                       "gpu_timed": ("GPU-timed steps", None)}), hide_index=True)
     tl = df(q(reader, "step_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
               until_s=win["until_s"]))
     st.subheader("Step time over time, by phase")
     if not tl.empty:
-        st.altair_chart(alt.Chart(tl).mark_line(point=True).encode(
-            x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("p95_ms:Q", title="p95 step time (ms)"),
-            color="phase:N", tooltip=["t_s", "phase", "steps", "p50_ms", "p95_ms"]), width="stretch")
+        st.altair_chart(line(tl, "p95_ms", "Step time p95 (ms)", win["bucket_s"], color="phase", point=True,
+                             tooltip=["steps", "p50_ms"]), width="stretch")
     explain("Good: decode steps flat and low; prefill steps scale with prompt tokens. Spikes in decode mean "
             "something (a long prefill, preemption) shared its steps.")
     sample = df(q(reader, "step_sample", run_id=run, limit=3000, since_s=win["since_s"], until_s=win["until_s"]))
     st.subheader("Step timeline (sampled steps)")
     if not sample.empty:
         st.altair_chart(alt.Chart(sample).mark_circle(size=18, opacity=0.6).encode(
-            x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("ms:Q", title="step time (ms)", scale=alt.Scale(type="log")),
-            color="phase:N", tooltip=["t_s", "phase", "ms", "prefill_tokens", "decode_tokens", "num_seqs"]),
-            width="stretch")
+            x=time_x(), y=alt.Y("ms:Q", title="Step time (ms, log)", scale=alt.Scale(type="log")),
+            color=alt.Color("phase:N", title="Phase"),
+            tooltip=[alt.Tooltip("t_s:Q", title=label("t_s"), format=".2f"), alt.Tooltip("phase:N", title="Phase"),
+                     alt.Tooltip("ms:Q", title="Step time (ms)", format=",.2f")]
+            + [alt.Tooltip(f"{c}:Q", title=label(c), format=",") for c in ("prefill_tokens", "decode_tokens",
+                                                                            "num_seqs")]), width="stretch")
     explain("Each dot is one forward. Good: two tight bands (prefill, decode); mixed steps close to decode.")
     inter = df(q(reader, "interference", run_id=run, since_s=win["since_s"], until_s=win["until_s"]))
     st.subheader("Prefill interference")
     if not inter.empty:
         st.altair_chart(alt.Chart(inter).mark_bar().encode(
-            x=alt.X("p95_ms:Q", title="p95 step time of steps carrying decode tokens (ms)"), y="class:N",
-            tooltip=["class", "steps", "p50_ms", "p95_ms", "prefill_tokens_mean"]), width="stretch")
+            x=alt.X("p95_ms:Q", title="Step time p95 of steps carrying decode tokens (ms)"),
+            y=alt.Y("class:N", title="Decode steps"),
+            tooltip=[alt.Tooltip("class:N", title="Decode steps"), alt.Tooltip("steps:Q", title="Steps", format=","),
+                     alt.Tooltip("p50_ms:Q", title="p50 (ms)", format=",.2f"),
+                     alt.Tooltip("p95_ms:Q", title="p95 (ms)", format=",.2f"),
+                     alt.Tooltip("prefill_tokens_mean:Q", title="Mean prefill tokens", format=",.0f")]),
+            width="stretch")
     explain("Decode tokens pay the time of the step they ride in. Good: 'with long prefill' close to 'decode "
             "only'; far above it means chunked prefill (a smaller token budget per step) would steady TPOT.")
 
@@ -220,7 +237,7 @@ def itl_tail(reader: Any, run: str, tpot_slo_s: float) -> None:
         st.info("No inter-token gaps in this run (requests with two or more token events).")
         return
     c = st.columns(3)
-    c[0].metric("ITL p50 / p99", f"{a['itl_p50_ms']:.1f} ms", f"p99 {a['itl_p99_ms']:.1f} ms "
+    c[0].metric("ITL p50", f"{a['itl_p50_ms']:.1f} ms", f"p99 {a['itl_p99_ms']:.1f} ms "
                 f"({a['itl_p99_ms'] / a['itl_p50_ms']:.1f}x)" if a["itl_p50_ms"] else None,
                 delta_color="off", delta_arrow="off")
     c[1].metric("Tail samples (>= p99)", f"{a['tail_samples']}", f"of {a['itl_samples']} tokens",
@@ -247,27 +264,22 @@ def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.info("No paged-KV snapshots in this run (the runtime adapter reports them).")
         return
     st.subheader("Block vs token usage")
-    use = kv.melt(id_vars=["t_s", "rank"], value_vars=["block_usage", "token_usage"], var_name="kind")
-    st.altair_chart(alt.Chart(use).mark_line().encode(
-        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("value:Q", title="share of the cache",
-                                                             axis=alt.Axis(format="%")),
-        color="kind:N", strokeDash="rank:N"), width="stretch")
+    b = win["bucket_s"]
+    use = melt(kv, ["t_s", "rank"], ["block_usage", "token_usage"])
+    st.altair_chart(line(use, "value", "Share of the cache (%)", b, color="series", dash="rank", y_format="%"),
+                    width="stretch")
     explain("Block usage is what schedulers see; the gap to token usage is slack inside pages. Good: below ~90% "
             "with headroom, and the two lines close.")
     st.subheader("Fragmentation")
-    frag = kv.melt(id_vars=["t_s", "rank"], value_vars=["internal_fragmentation", "external_fragmentation"],
-                   var_name="kind")
-    st.altair_chart(alt.Chart(frag).mark_line().encode(
-        x=alt.X("t_s:Q", title="seconds since start"),
-        y=alt.Y("value:Q", title="fragmentation (share)", axis=alt.Axis(format="%")), color="kind:N",
-        strokeDash="rank:N"), width="stretch")
+    frag = melt(kv, ["t_s", "rank"], ["internal_fragmentation", "external_fragmentation"])
+    st.altair_chart(line(frag, "value", "Fragmentation (%)", b, color="series", dash="rank", y_format="%"),
+                    width="stretch")
     explain("Internal: slack inside used pages (page size too large for the lengths served). External: free pages "
             "scattered. Good: internal under ~10%; external matters only to allocators needing contiguous runs.")
     st.subheader("Churn")
-    churn = kv.melt(id_vars=["t_s", "rank"], value_vars=["allocated_per_s", "freed_per_s"], var_name="kind")
-    st.altair_chart(alt.Chart(churn).mark_line(point=True).encode(  # two lines, never stacked
-        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("value:Q", title="pages per second"),
-        color="kind:N", strokeDash="rank:N"), width="stretch")
+    churn = melt(kv, ["t_s", "rank"], ["allocated_per_s", "freed_per_s"])
+    st.altair_chart(line(churn, "value", "Pages per second", b, color="series", dash="rank", point=True),
+                    width="stretch")  # two lines, never stacked
     explain("Pages allocated and freed per second. Good: both track the request rate; a sawtooth with high "
             "external fragmentation means allocation granularity is fighting the workload.")
     st.subheader("Page-size what-if")
@@ -328,7 +340,8 @@ def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
     px, timeline, causes, residency = snap["rows"]
     c = st.columns(4)
     c[0].metric("Hit rate", pct(px["hit_rate"]))
-    c[1].metric("Hit / queried tokens", f"{px['hit_tokens'] or 0} / {px['queried_tokens'] or 0}")
+    c[1].metric("Hit tokens", f"{px['hit_tokens'] or 0:,}", f"of {px['queried_tokens'] or 0:,} queried",
+                delta_color="off", delta_arrow="off")
     c[2].metric("Recomputed tokens", f"{px['recomputed_tokens'] or 0}", f"{px['preemptions']} preemptions",
                 delta_color="off", delta_arrow="off")
     c[3].metric("Evicted pages", f"{px['evicted_blocks'] or 0}")
@@ -337,23 +350,25 @@ def page_prefix(reader: Any, run: str, win: dict[str, Any]) -> None:
     if tl.empty:
         st.info("No prefix-cache counters in this run.")
     else:
-        prefix_timeline_view(tl)
+        prefix_timeline_view(tl, win["bucket_s"])
     prefix_miss_view(causes)
     residency_view(residency)
 
 
-def prefix_timeline_view(tl: pd.DataFrame) -> None:
+def prefix_timeline_view(tl: pd.DataFrame, bucket_s: float) -> None:
     st.subheader("Hit rate over time")
-    st.altair_chart(alt.Chart(tl).mark_line(point=True).encode(
-        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("hit_rate:Q", axis=alt.Axis(format="%")),
-        tooltip=["t_s", "queried_tokens", "hit_tokens", "hit_rate"]), width="stretch")
+    st.altair_chart(line(tl, "hit_rate", "Hit rate (%)", bucket_s, y_format="%", point=True,
+                         tooltip=["queried_tokens", "hit_tokens"]), width="stretch")
     explain("Δhit / Δqueried tokens per interval. Good: steady and close to the share of prompts that is shared "
             "(system prompt); a collapse means evictions or prompts that put the variable part first.")
     st.subheader("Evictions and recomputation")
-    ev = tl.melt(id_vars=["t_s"], value_vars=["evicted_blocks", "recomputed_tokens"], var_name="kind")
-    st.altair_chart(alt.Chart(ev).mark_bar().encode(
-        x=alt.X("t_s:Q", title="seconds since start"), y=alt.Y("value:Q", title="pages evicted / tokens recomputed"),
-        color="kind:N", xOffset="kind:N"), width="stretch")
+    cols = st.columns(2)  # two units: one chart each
+    for col, key, title in ((cols[0], "evicted_blocks", "Pages evicted"), (cols[1], "recomputed_tokens",
+                                                                           "Tokens recomputed")):
+        col.altair_chart(alt.Chart(tl).mark_bar().encode(
+            x=time_x(), y=alt.Y(f"{key}:Q", title=f"{title} per interval"),
+            tooltip=[alt.Tooltip("t_s:Q", title=label("t_s"), format=".1f"),
+                     alt.Tooltip(f"{key}:Q", title=title, format=",")]), width="stretch")
     explain("Recomputation after preemption is counted apart, never as a hit. Good: near zero; steady evictions "
             "mean the cache is too small for the working set of prefixes.")
 
@@ -375,7 +390,8 @@ def prefix_miss_view(c: dict[str, Any]) -> None:
         x=alt.X("tokens:Q", title="missed prompt tokens"), y=alt.Y("cause:N", sort=list(MISS_CAUSE_DOC), title=None),
         tooltip=["cause", "tokens", "what"]), width="stretch")
     cols = st.columns(3)
-    cols[0].metric("Missed, per lookup (first admissions)", f"{c['missed_tokens']:,} of {c['queried_tokens']:,}")
+    cols[0].metric("Missed tokens, per lookup", f"{c['missed_tokens']:,}", f"of {c['queried_tokens']:,} queried "
+                   "(first admissions)", delta_color="off", delta_arrow="off")
     cols[1].metric("Eviction-to-reuse gap p50", "–" if c["evict_gap_ms_p50"] is None else f"{c['evict_gap_ms_p50']:.0f} ms")
     cols[2].metric("Page hashes dropped (table cap)", f"{c['table_dropped_pages'] or 0}")
     explain("Every missed token has one cause; they add up to queried − hit of the per-lookup records (first "
@@ -391,10 +407,12 @@ def residency_view(r: dict[str, Any]) -> None:
         return
     cols = st.columns(4)
     fmt = lambda v: "–" if v is None else f"{v:.0f} ms"  # noqa: E731
-    cols[0].metric("Page lifetime p50 / p90", f"{fmt(r['lifetime_ms_p50'])} / {fmt(r['lifetime_ms_p90'])}")
+    cols[0].metric("Page lifetime p50", fmt(r["lifetime_ms_p50"]), f"p90 {fmt(r['lifetime_ms_p90'])}",
+                   delta_color="off", delta_arrow="off")
     cols[1].metric("Idle before eviction p50", fmt(r["idle_before_evict_ms_p50"]))
-    cols[2].metric("Reuse gap p50 / p90", f"{fmt(r['reuse_gap_ms_p50'])} / {fmt(r['reuse_gap_ms_p90'])}")
-    cols[3].metric("Extra pages to keep evicted reuses", f"{r['extra_pages_needed']}",
+    cols[2].metric("Reuse gap p50", fmt(r["reuse_gap_ms_p50"]), f"p90 {fmt(r['reuse_gap_ms_p90'])}",
+                   delta_color="off", delta_arrow="off")
+    cols[3].metric("Extra pages needed", f"{r['extra_pages_needed']}",
                    f"{r['evicted_reuse_tokens']} tokens missed", delta_color="off", delta_arrow="off")
     explain(f"One page id in {r['sample_every']} followed ({r['dropped_events'] or 0} events over the cap dropped). "
             "Good: reuse gaps shorter than the idle time before eviction, and 0 extra pages needed.")
@@ -406,9 +424,13 @@ def page_ranks(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.info("One rank in this run: per-rank balance needs a tensor-parallel run (one probe per rank).")
     else:
         st.subheader("KV bytes per rank")
+        rk = rk.assign(kv_gib=rk["kv_bytes"] / 2**30)
         st.altair_chart(alt.Chart(rk).mark_rect().encode(
-            x=alt.X("t_s:O", title="seconds since start"), y="rank:O", color=alt.Color("kv_bytes:Q", title="KV bytes"),
-            tooltip=["t_s", "rank", "kv_bytes", "imbalance"]), width="stretch")
+            x=alt.X("t_s:O", title=label("t_s")), y=alt.Y("rank:O", title="Rank"),
+            color=alt.Color("kv_gib:Q", title="KV held (GiB)"),
+            tooltip=[alt.Tooltip("t_s:Q", title=label("t_s"), format=".1f"), alt.Tooltip("rank:O", title="Rank"),
+                     alt.Tooltip("kv_gib:Q", title="KV held (GiB)", format=",.3f"),
+                     alt.Tooltip("imbalance:Q", title="Imbalance (max/mean − 1)", format=".1%")]), width="stretch")
         explain("Good: one colour per column (every rank holds the same KV). A hot row is a rank holding more: "
                 "imbalance = max/mean − 1 over ranks.")
     steps = df(q(reader, "rank_steps", run_id=run))
@@ -417,8 +439,11 @@ def page_ranks(reader: Any, run: str, win: dict[str, Any]) -> None:
         st.caption("No step seen on two or more ranks.")
     else:
         st.altair_chart(alt.Chart(steps).mark_bar().encode(
-            x=alt.X("slowest_share:Q", title="share of steps where this rank was slowest", axis=alt.Axis(format="%")),
-            y="rank:O", tooltip=["rank", "p50_ms", "slowest_share", "skew_mean"]), width="stretch")
+            x=alt.X("slowest_share:Q", title="Steps where this rank was slowest (%)", axis=alt.Axis(format="%")),
+            y=alt.Y("rank:O", title="Rank"),
+            tooltip=[alt.Tooltip("rank:O", title="Rank"), alt.Tooltip("p50_ms:Q", title="Step p50 (ms)", format=",.2f"),
+                     alt.Tooltip("slowest_share:Q", title="Slowest in", format=".1%"),
+                     alt.Tooltip("skew_mean:Q", title="Mean step skew", format=".1%")]), width="stretch")
         explain("Good: shares near 1/ranks. One rank slowest most of the time is a straggler (step skew = max/median − 1).")
 
 
@@ -433,12 +458,15 @@ def page_hardware(reader: Any, run: str, win: dict[str, Any]) -> None:
         kv = mb["kv_budget_bytes"] or 0.0
         used = mb["gpu_used_bytes"] or 0.0
         act = max(used - weights - kv, 0.0)
-        rows = [dict(split="measured", part=p, share=v / total) for p, v in
-                (("weights", weights), ("kv cache", kv), ("activations", act), ("margin", max(total - used, 0.0)))]
-        rows += [dict(split="recommended", part=p, share=v) for p, v in RECOMMENDED_SPLIT.items()]
+        rows = [dict(split="Measured", part=p, share=v / total) for p, v in
+                (("Weights", weights), ("KV cache", kv), ("Activations", act), ("Margin", max(total - used, 0.0)))]
+        rows += [dict(split="Recommended", part=p.capitalize() if p != "kv cache" else "KV cache", share=v)
+                 for p, v in RECOMMENDED_SPLIT.items()]
         st.altair_chart(alt.Chart(df(rows)).mark_bar().encode(
-            x=alt.X("share:Q", stack="normalize", axis=alt.Axis(format="%")), y="split:N", color="part:N",
-            tooltip=["split", "part", "share"]), width="stretch")
+            x=alt.X("share:Q", stack="normalize", title="Share of GPU memory (%)", axis=alt.Axis(format="%")),
+            y=alt.Y("split:N", title=None), color=alt.Color("part:N", title="Part"),
+            tooltip=[alt.Tooltip("split:N", title="Split"), alt.Tooltip("part:N", title="Part"),
+                     alt.Tooltip("share:Q", title="Share", format=".1%")]), width="stretch")
         explain("Starting split: weights 30 / activations 20 / KV 45 / margin 5. Good: KV at or below ~80% of what "
                 "remains after weights; a thin margin risks OOM at activation peaks.")
     else:
@@ -447,10 +475,10 @@ def page_hardware(reader: Any, run: str, win: dict[str, Any]) -> None:
     g = df(q(reader, "gpu_timeline", run_id=run, bucket_s=win["bucket_s"]))
     if not g.empty:
         st.subheader("Utilisation and memory")
-        g["mem_share"] = g["mem_used_bytes"] / g["mem_total_bytes"]
-        m = g.melt(id_vars=["t_s", "gpu_index"], value_vars=["util_pct", "mem_share"], var_name="kind")
-        st.altair_chart(alt.Chart(m).mark_line().encode(x="t_s:Q", y="value:Q", color="kind:N",
-                                                        strokeDash="gpu_index:N"), width="stretch")
+        g = g.assign(mem_share=g["mem_used_bytes"] / g["mem_total_bytes"], util_share=g["util_pct"] / 100)
+        m = melt(g, ["t_s", "gpu_index"], ["util_share", "mem_share"])  # both shares: one unit (%)
+        st.altair_chart(line(m, "value", "Share (%)", win["bucket_s"], color="series", dash="gpu_index",
+                             y_format="%"), width="stretch")
         explain("Good: utilisation high while serving; memory flat (growth means leaks or an unbounded cache).")
     mbu = [f for f in found if "mbu" in str(f.get("evidence", {})).lower()]
     if mbu:
@@ -491,24 +519,29 @@ def host_part(reader: Any, run: str, win: dict[str, Any], found: list[dict[str, 
         return
     if not p.empty:
         st.subheader("Server process")
-        m = p.melt(id_vars=["t_s", "pid"], value_vars=["cpu_cores", "busiest_thread_cores", "busiest_thread_wait_ratio"],
-                   var_name="kind")
-        st.altair_chart(alt.Chart(m).mark_line().encode(
-            x="t_s:Q", y=alt.Y("value:Q", title="cores / share of time"), color="kind:N", strokeDash="pid:N",
-            tooltip=["t_s", "pid", "kind", "value"]), width="stretch")
-        explain("Good: the busiest thread well under 1.0 (one full core: a single Python thread is the limit) and "
-                "its run-queue wait near 0 (waiting means other work holds the CPU the engine wants).")
-        st.altair_chart(alt.Chart(p.assign(rss_gib=p["rss_bytes"] / 2**30)).mark_line().encode(
-            x="t_s:Q", y=alt.Y("rss_gib:Q", title="RSS, GiB"), strokeDash="pid:N",
-            tooltip=["t_s", "pid", "rss_gib", "open_fds", "threads"]), width="stretch")
+        b = win["bucket_s"]
+        cores = melt(p, ["t_s", "pid"], ["cpu_cores", "busiest_thread_cores"])
+        st.altair_chart(line(cores, "value", "CPU (cores)", b, color="series", dash="pid"), width="stretch")
+        wait = p.dropna(subset=["busiest_thread_wait_ratio"])
+        if not wait.empty:
+            st.altair_chart(line(wait, "busiest_thread_wait_ratio", "Busiest thread waiting for a CPU (%)", b,
+                                 dash="pid", y_format="%"), width="stretch")
+        explain("Good: the busiest thread well under 1.0 core (one full core: a single Python thread is the limit) "
+                "and its run-queue wait near 0% (waiting means other work holds the CPU the engine wants).")
+        st.altair_chart(line(p.assign(rss_gib=p["rss_bytes"] / 2**30), "rss_gib", "Resident memory (GiB)", b,
+                             dash="pid", tooltip=["open_fds", "threads"]), width="stretch")
         explain("Good: resident memory flat under steady load; a steady climb is a leak suspicion.")
     if not h.empty:
         st.subheader("Host / container")
+        b = win["bucket_s"]
         h = h.assign(cpu_busy=h["cpu_util_pct"] / 100, cpu_pressure=h["cpu_pressure_pct"] / 100)
-        m = h.melt(id_vars=["t_s"], value_vars=["cpu_busy", "load_per_cpu", "cpu_pressure", "throttled_ratio"],
-                   var_name="kind").dropna()
-        st.altair_chart(alt.Chart(m).mark_line().encode(
-            x="t_s:Q", y="value:Q", color="kind:N", tooltip=["t_s", "kind", "value"]), width="stretch")
+        shares = melt(h, ["t_s"], ["cpu_busy", "cpu_pressure", "throttled_ratio"])  # shares of time: one unit (%)
+        if not shares.empty:
+            st.altair_chart(line(shares, "value", "Share of time (%)", b, color="series", y_format="%"),
+                            width="stretch")
+        load = h.dropna(subset=["load_per_cpu"])
+        if not load.empty:  # a ratio that may pass 1: its own axis
+            st.altair_chart(line(load, "load_per_cpu", "Load per CPU (1-min load / CPUs)", b), width="stretch")
         explain("Good: CPU pressure (share of time a task waited for a CPU) and CFS throttling near 0, load per CPU "
                 "below 1; swap in/out none. Memory available: "
                 f"{gib(h['mem_available_bytes'].min())} at least of {gib(h['mem_total_bytes'].max())}.")
@@ -527,12 +560,8 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
     a = c[0].selectbox("Run A", ids, index=1)
     b = c[1].selectbox("Run B", ids, index=0)
     rows = q(reader, "run_compare", run_a=a, run_b=b)
-    keys = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "output_tokens_per_s", "finished", "aborted",
-            "preemptions")
-    table = pd.DataFrame({f"A {a}": [rows[0].get(k) for k in keys], f"B {b}": [rows[1].get(k) for k in keys]},
-                         index=list(keys))
-    table["B vs A"] = [(f"{(y - x) / x:+.1%}" if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x
-                        else "–") for x, y in zip(table.iloc[:, 0], table.iloc[:, 1])]
+    table = pd.DataFrame([compare_row(name, rows[0].get(k), rows[1].get(k), unit) for k, name, unit in COMPARE_ROWS],
+                         columns=["Metric", f"A {a}", f"B {b}", "B vs A"]).set_index("Metric")
     st.dataframe(table)
     la, lb = q(reader, "run_labels", run_id=a), q(reader, "run_labels", run_id=b)
     differ = {k: (la.get(k), lb.get(k)) for k in sorted(set(la) | set(lb))
@@ -555,6 +584,25 @@ def page_experiments(reader: Any, run: str, win: dict[str, Any]) -> None:
             "throughput and failures side by side.")
 
 
+# (request_summary key, human name, unit of its row: "s" rows are shown in ms unless either run is >= 10 s)
+COMPARE_ROWS = (("ttft_p50_s", "TTFT p50", "s"), ("ttft_p95_s", "TTFT p95", "s"), ("tpot_p50_s", "TPOT p50", "s"),
+                ("tpot_p95_s", "TPOT p95", "s"), ("output_tokens_per_s", "Throughput (tok/s)", "rate"),
+                ("requests", "Requests", "count"), ("finished", "Finished", "count"), ("aborted", "Aborted", "count"),
+                ("preemptions", "Preemptions", "count"))
+
+
+def compare_row(name: str, x: Any, y: Any, unit: str) -> list[Any]:
+    """One row of the Experiments table in one unit, with B's change against A."""
+    change = f"{(y - x) / x:+.1%}" if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x else "–"
+    if unit == "s":
+        in_s = any(v is not None and v >= 10 for v in (x, y))
+        shown = ["–" if v is None else f"{v:.2f}" if in_s else f"{v * 1e3:.1f}" for v in (x, y)]
+        return [f"{name} ({'s' if in_s else 'ms'})", *shown, change]
+    if unit == "rate":
+        return [name, *("–" if v is None else f"{v:,.0f}" for v in (x, y)), change]
+    return [name, *("–" if v is None else f"{int(v):,}" for v in (x, y)), change]
+
+
 def workload_of(summary: dict[str, Any]) -> dict[str, Any]:
     """A run's workload figures (analyzers.compare.WORKLOAD) from its request summary."""
     n = summary.get("requests") or 0
@@ -565,9 +613,10 @@ def workload_of(summary: dict[str, Any]) -> dict[str, Any]:
 def page_fleet(pattern: str) -> None:
     report = fleet_for(pattern)
     names = list(HOST_SQL)
+    heads = [f"{HOST_SQL[k][2][0].upper()}{HOST_SQL[k][2][1:]} ({HOST_SQL[k][1]})" for k in names] + ["Steps", "Runs"]
     table = pd.DataFrame({h: [m.get(k) for k in names + ["steps", "runs"]] for h, m in report["hosts"].items()},
-                         index=names + ["steps", "runs"]).T
-    table.index.name = "host"
+                         index=heads).T.astype(float).round(4)
+    table.index.name = "Host"
     st.dataframe(table)
     explain("The same figures on every host (more is worse for each); a host at 1.5x the fleet median or "
             "more is named below. Three hosts at least: two have no median to stand out from.")
@@ -575,7 +624,7 @@ def page_fleet(pattern: str) -> None:
     if not report["findings"]:
         st.success("No host stands out from the fleet.")
     for f in report["findings"]:
-        with st.expander(f"{SEVERITY_ICON.get(f['severity'], '⚪')} {f['title']}", expanded=True):
+        with st.expander(f"{badge(f['severity'])} · {f['title']}", expanded=True):
             st.markdown(f"**Suggestion:** {f['suggestion']}")
             st.markdown(f"**Expected effect:** {f['expected_effect']}")
             st.json(f["evidence"], expanded=False)
@@ -604,6 +653,20 @@ def render(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
         st.error(f"{reader.target} cannot be read: {' '.join(str(exc).split())[:300]}")
 
 
+def slug(name: str) -> str:
+    """A page's name in its link: 'KV cache' -> 'kv-cache'."""
+    return name.lower().replace(" ", "-")
+
+
+def linked(key: str, options: list[str] | tuple[str, ...]) -> int:
+    """The index of the option the page's link names (?page=kv-cache, ?run=..., ?host=...), else 0."""
+    want = st.query_params.get(key)
+    for i, option in enumerate(options):
+        if want is not None and want in (option, slug(option)):
+            return i
+    return 0
+
+
 def main() -> None:
     st.set_page_config(page_title="phasescope", layout="wide")
     target = target_from_argv(sys.argv)
@@ -617,13 +680,16 @@ def main() -> None:
         if not names:
             st.error(f"No Parquet exports (host=/date=/table=/*.parquet) under {target}.")
             return
-        host = st.sidebar.selectbox("Host", names, key="host")
+        host = st.sidebar.selectbox("Host", names, index=linked("host", names), key="host")
+        st.query_params["host"] = host
     try:
         reader = reader_for(target, host)
     except ReadError as exc:  # a missing, foreign, empty or held file; an agent that does not answer: one line
         st.error(str(exc))
         return
-    page = st.sidebar.radio("Page", PAGES + (("Fleet",) if pattern else ()), key="page")
+    pages = PAGES + (("Fleet",) if pattern else ())
+    page = st.sidebar.radio("Page", pages, index=linked("page", pages), key="page")
+    st.query_params["page"] = slug(page)  # every page has its own link: ?page=kv-cache&run=...
     if page == "Fleet":
         st.header(page)
         page_fleet(pattern)
@@ -637,8 +703,10 @@ def main() -> None:
         st.header(page)
         st.info("No runs yet. Attach a probe (phasescope.agent.attach) or run `phasescope demo`.")
         return
-    labels = {r["run_id"]: f"{r['run_id']} · {r['model']} · {r['runtime']}" for r in runs}
-    run = st.sidebar.selectbox("Run", list(labels), format_func=labels.get, key="run")
+    labels = {r["run_id"]: f"{r['runtime']} · {r['run_id']} · {r['model']}" for r in runs}  # the runtime first
+    run = st.sidebar.selectbox("Run", list(labels), index=linked("run", list(labels)), format_func=labels.get,
+                               key="run", help="runtime · run id · model")
+    st.query_params["run"] = run
     extent = q(reader, "run_span", run_id=run)
     span = max(1.0, float(extent["span_s"]))
     lo, hi = st.sidebar.slider("Time range (s since start)", 0.0, round(span + 1, 1), (0.0, round(span + 1, 1)),

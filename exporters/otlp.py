@@ -87,18 +87,60 @@ STEP_DURATION = "phasescope.step.duration"  # a HistogramStream fed a column at 
 
 
 class ExportCounts:
-    """Exports attempted and failed, per signal ("metrics", "traces")."""
+    """Exports attempted and failed, per signal ("metrics", "traces"). The first failure of a signal after a
+    success (or at start) is one phasescope log line, and so is its recovery: a missing collector is one line,
+    not the SDK's line per export."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoint: str = "") -> None:
         self._lock = threading.Lock()
+        self.endpoint = endpoint
         self.exports: dict[str, int] = {"metrics": 0, "traces": 0}
         self.failures: dict[str, int] = {"metrics": 0, "traces": 0}
+        self.failing: dict[str, bool] = {"metrics": False, "traces": False}
 
     def add(self, signal: str, ok: bool) -> None:
         with self._lock:
             self.exports[signal] += 1
             if not ok:
                 self.failures[signal] += 1
+            before = any(self.failing.values())
+            self.failing[signal] = not ok
+            after = any(self.failing.values())
+            failed = sum(self.failures.values())
+        if after and not before:
+            log.warning("OTLP export to %s failed (no collector answers, or it refused); phasescope keeps "
+                        "exporting, counts failures in phasescope_otlp_export_failures_total and says here when it "
+                        "recovers", self.endpoint or "the OTEL_EXPORTER_OTLP_* endpoint")
+        elif before and not after:
+            log.warning("OTLP exports to %s succeed again (%d failed meanwhile)", self.endpoint or "the collector",
+                        failed)
+
+
+class _QuietSdk(logging.Filter):
+    """Drops the OTLP SDK exporters' per-export failure lines; ExportCounts says it once instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("Failed to export" in text or "Transient error" in text or "exporting" in text.lower())
+
+
+SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.metric_exporter",
+               "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+               "opentelemetry.exporter.otlp.proto.http._common")
+
+
+def _quiet_sdk() -> None:
+    for name in SDK_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _QuietSdk) for f in logger.filters):
+            logger.addFilter(_QuietSdk())
+
+
+def _endpoint() -> str:
+    import os
+
+    return (os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+            or "http://localhost:4318")
 
 
 class _CountingSpanExporter(SpanExporter):
@@ -205,7 +247,8 @@ class OtlpExporter:
                     timeout=None if _env_timeout_set("metrics") else default_timeout_s)
             if span_exporter is None:
                 span_exporter = OTLPSpanExporter(timeout=None if _env_timeout_set("traces") else default_timeout_s)
-        self.counts = ExportCounts()
+            _quiet_sdk()
+        self.counts = ExportCounts(_endpoint())
         if registry is not None:
             registry.register(OtlpCountsCollector(self.counts))
         self.resource = resource or default_resource()

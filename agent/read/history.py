@@ -24,13 +24,19 @@ ROLLED_STEPS = "rollup_steps_1m"
 ROLLED_EVENTS = "rollup_request_events_1m"
 
 
+def _has(con: Any, name: str) -> bool:
+    """Whether a table or view `name` exists (asked, not tried: a failed query would abort a read transaction,
+    and every later query of a snapshot with it)."""
+    return bool(con.execute("SELECT count(*) FROM (SELECT table_name AS n FROM duckdb_tables() UNION ALL "
+                            "SELECT view_name FROM duckdb_views()) WHERE n = ?", [name]).fetchone()[0])
+
+
 def rolled_to(con: Any) -> tuple[str, str] | None:
     """(export folder, host) when retention rolled raw rows out of this store ('' as folder: no export), or
     None when it never did (or the store predates the note)."""
-    try:
-        meta = dict(con.execute("SELECT key, value FROM meta WHERE key IN ('export_dir', 'export_host')").fetchall())
-    except duckdb.Error:
+    if not _has(con, "meta"):
         return None
+    meta = dict(con.execute("SELECT key, value FROM meta WHERE key IN ('export_dir', 'export_host')").fetchall())
     if "export_dir" not in meta:
         return None
     return meta["export_dir"], meta.get("export_host", "")
@@ -82,28 +88,37 @@ def rolled_history(con: Any, run_id: str) -> dict[str, Any] | None:
     """What retention rolled out of `run_id` that `con` does not read back: rolled steps and request events
     (from the rollups), where they went (`export_dir`, '' none, `host`) and the rolled minutes (UTC); None when
     nothing of the run was rolled, or the connection reads the exports too."""
-    try:
-        reads = {s for (s,) in con.execute(f"SELECT source FROM {READ_FROM}").fetchall()}
-    except duckdb.Error:
-        reads = {"store"}
-    if "exports" in reads:
+    if _has(con, READ_FROM) and "exports" in {s for (s,) in con.execute(f"SELECT source FROM {READ_FROM}").fetchall()}:
         return None
     where = rolled_to(con)
-    if where is None:
+    if where is None or not (_has(con, ROLLED_STEPS) and _has(con, ROLLED_EVENTS)):
         return None
-    try:
-        steps, first, last = con.execute(
-            f"SELECT coalesce(sum(steps), 0), min(minute), max(minute) FROM {ROLLED_STEPS} WHERE run_id = ?",
-            [run_id]).fetchone()
-        events = con.execute(f"SELECT coalesce(sum(events), 0) FROM {ROLLED_EVENTS} WHERE run_id = ?",
-                             [run_id]).fetchone()[0]
-    except duckdb.Error:
-        return None
+    steps, first, last = con.execute(
+        f"SELECT coalesce(sum(steps), 0), min(minute), max(minute) FROM {ROLLED_STEPS} WHERE run_id = ?",
+        [run_id]).fetchone()
+    events = con.execute(f"SELECT coalesce(sum(events), 0) FROM {ROLLED_EVENTS} WHERE run_id = ?",
+                         [run_id]).fetchone()[0]
     if not steps and not events:
         return None
     return {"rolled_steps": int(steps), "rolled_request_events": int(events), "export_dir": where[0],
             "host": where[1], "first_minute": str(first) if first is not None else None,
             "last_minute": str(last) if last is not None else None}
+
+
+def read_line(con: Any, path: str) -> str:
+    """One line saying what a reader of `path` read: the store and its schema version, and the exports it read
+    with it (or where rolled rows went that it could not read)."""
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() if _has(con, "meta") else None
+    text = f"read {path}: phasescope store, schema version {row[0] if row else '?'}"
+    exports = ([loc for src, loc in con.execute(f"SELECT source, location FROM {READ_FROM}").fetchall()
+                if src == "exports"] if _has(con, READ_FROM) else [])
+    if exports:
+        return text + f", with the rows retention rolled out, from {exports[0]}"
+    where = rolled_to(con)
+    if where is not None:
+        return text + (f"; rows retention rolled out to {where[0]} are not here" if where[0] else
+                       "; rows retention rolled out were not exported")
+    return text
 
 
 def _quote(text: str) -> str:

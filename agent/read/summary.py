@@ -88,5 +88,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     h = summary.get("probe") or {}
     if h:
         console.print(f"probe: {h['records_total']} records, {h['dropped_total']} dropped, {h['errors_total']} errors")
+    if summary.get("read"):
+        console.print(summary["read"], style="dim", markup=False, highlight=False)
     if summary.get("elapsed_s") is not None:
         console.print(f"took {summary['elapsed_s']:.1f} s (measured, model build included)")

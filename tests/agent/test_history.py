@@ -74,3 +74,27 @@ def test_a_roll_without_export_is_critical_and_says_so(rolled, capsys):
     assert set(out) == {"history-rolled"}
     assert out["history-rolled"]["severity"] == "critical"
     assert "without --export-dir" in out["history-rolled"]["suggestion"]
+
+
+def test_readers_say_what_they_read(rolled, tmp_path, capsys):
+    exports = str(tmp_path / "exports")
+    assert _cli(["summary", rolled, "--json"], capsys)["read"] == f"read {rolled}: phasescope store, schema version 1"
+    _roll(rolled, exports)
+    read = _cli(["diagnose", rolled, "--json"], capsys)["read"]
+    assert read == (f"read {rolled}: phasescope store, schema version 1, with the rows retention rolled out, from "
+                    f"{os.path.abspath(exports)}/host=h1")
+    shutil.rmtree(exports)
+    assert _cli(["summary", rolled, "--json"], capsys)["read"].endswith(
+        f"rows retention rolled out to {os.path.abspath(exports)} are not here")
+
+
+def test_the_finding_survives_a_snapshot(rolled, tmp_path):
+    """Inside one read transaction (the dashboard's snapshot) too: a probing query that failed aborted the
+    transaction and the finding was lost, so the page said 'No findings' (seen in the browser test)."""
+    from phasescope.agent.read.reader import open_reader
+    from phasescope.analyzers.diagnose import diagnose
+
+    _roll(rolled, None)
+    reader = open_reader(rolled, findings=diagnose)
+    snap = reader.snapshot([("request_summary", {})], findings_run="")
+    assert [f["id"] for f in snap["findings"]] == ["history-rolled"]

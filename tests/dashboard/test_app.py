@@ -66,10 +66,11 @@ def test_overview_shows_the_run_figures_and_diagnose_findings(stores, name, monk
     assert [b.split(": ", 1)[1].split(". ", 1)[0] for b in banners] == [f["title"] for f in degraded]
     if name == "scenario:telemetry-silent":
         assert {f["id"] for f in degraded} >= {"telemetry-kv-snapshots-stopped", "telemetry-prefix-counters-stuck"}
-    # "<icon> <SEVERITY> · <title>": the severity is text too (fonts may lack the emoji)
+    # ":<colour>-badge[<SEVERITY>] · <title>": the severity is a text badge (no emoji: fonts may lack them)
     titles = [e.label.split(" · ", 1)[1] for e in at.expander]
     assert titles == [f.get("title", f.get("id")) for f in findings]  # same findings, same order
-    assert [e.label.split(" ", 2)[1] for e in at.expander] == [f["severity"].upper() for f in findings]
+    assert [e.label.split("[", 1)[1].split("]", 1)[0] for e in at.expander] == [f["severity"].upper() for f in findings]
+    assert all(e.label.startswith(":") and "-badge[" in e.label for e in at.expander)
     con = duckdb.connect(stores[name], read_only=True)
     try:
         direct = [f.title for f in diagnose(con, run_id=run)]
@@ -168,9 +169,10 @@ def test_prefix_page_shows_why_lookups_miss_and_kv_residency(stores, monkeypatch
     assert not at.exception
     subs = [s.value for s in at.subheader]
     assert "Why prefix lookups miss" in subs and "KV residency" in subs
-    metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Missed (first admissions)"] == "840 of 904"
-    assert metrics["Extra pages to keep evicted reuses"] == "4"
+    metrics = {m.label: m for m in at.metric}
+    missed = metrics["Missed tokens, per lookup"]
+    assert missed.value == "840" and missed.delta.startswith("of 904 queried")  # value and delta: never cut off
+    assert metrics["Extra pages needed"].value == "4"
     assert any("add up to queried − hit" in c.value for c in at.caption)
 
 
@@ -182,7 +184,7 @@ def test_requests_page_charges_the_itl_tail_to_its_causes(stores, monkeypatch):
     metrics = {m.label: m for m in at.metric}
     # the recorded run: 15 of 1457 tokens over the p99, all next to prompts of 1201-1473 tokens
     assert metrics["Tail samples (>= p99)"].value == "15"
-    assert metrics["ITL p50 / p99"].value == "9.6 ms"
+    assert metrics["ITL p50"].value == "9.6 ms"
     assert any("smaller per-step token budget" in c.value for c in at.caption)
 
 
@@ -264,3 +266,36 @@ def test_a_run_without_requests_says_how_to_get_them(tmp_path, monkeypatch):
     assert not at.exception
     assert any("No request records" in i.value and "GenerateRequests" in i.value and "phasescope run" in i.value
                for i in at.info)
+
+
+def test_pages_are_linkable(stores, monkeypatch):
+    """?page=kv-cache&run=RUN opens that page on that run, and the app keeps the link current (issue 23)."""
+    monkeypatch.setenv("PHASESCOPE_TARGET", stores["demo"])
+    at = AppTest.from_file(APP, default_timeout=120)
+    reader = open_reader(stores["demo"])
+    try:
+        runs = reader.query("runs")
+    finally:
+        reader.close()
+    older = runs[-1]["run_id"]
+    at.query_params["page"] = "kv-cache"
+    at.query_params["run"] = older
+    at.run()
+    assert not at.exception
+    assert at.header[0].value == "KV cache" and at.sidebar.selectbox(key="run").value == older
+    at.sidebar.radio(key="page").set_value("Prefix cache").run()
+    assert at.query_params["page"] == ["prefix-cache"] or at.query_params["page"] == "prefix-cache"
+    # the run picker shows the runtime first (it was cut off at the end)
+    assert at.sidebar.selectbox(key="run").format_func(older).startswith(f"{runs[-1]['runtime']} · ")
+
+
+def test_tables_read_like_a_product(stores, monkeypatch):
+    """Human column names with units, rounded figures (it showed p50_ms 102.9249)."""
+    at = _app(stores["demo"], monkeypatch)
+    at.sidebar.radio(key="page").set_value("Phases").run()
+    table = at.dataframe[0].value
+    assert list(table.columns)[:3] == ["Phase", "Steps", "Step p50 (ms)"]
+    assert all(round(v, 2) == v for v in table["Step p50 (ms)"])
+    at.sidebar.radio(key="page").set_value("Experiments").run()
+    rows = list(at.dataframe[0].value.index)
+    assert rows[0] in ("TTFT p50 (ms)", "TTFT p50 (s)") and "ttft_p50_s" not in rows

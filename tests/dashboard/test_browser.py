@@ -86,8 +86,11 @@ def _wait_settled(page, timeout_s: float) -> float:
     raise AssertionError(f"page did not settle within {timeout_s} s")
 
 
-def _visit_every_page(url: str, tag: str) -> dict[str, float]:
-    """Open each page, wait until it settles, screenshot it, fail on exception text; returns settle times."""
+def _visit_every_page(url: str, tag: str, texts: dict[str, list[str]] | None = None,
+                      absent: dict[str, list[str]] | None = None) -> dict[str, float]:
+    """Open each page, wait until it settles, screenshot it, fail on exception text; returns settle times.
+    `texts` / `absent`: page -> texts it must / must not show (issue 23's trust texts). No page shows
+    Streamlit's Deploy button, and the page's link (?page=...) opens it on its own."""
     playwright = pytest.importorskip("playwright.sync_api")
     os.makedirs(SHOTS, exist_ok=True)
     settle = {}
@@ -113,9 +116,19 @@ def _visit_every_page(url: str, tag: str) -> dict[str, float]:
                 assert page.locator('[data-testid="stException"]').count() == 0, (name, text[:2000])
                 for bad in ("Traceback", "Exception:", "Error:"):
                     assert bad not in text, (name, bad, text[:2000])
+                assert page.get_by_role("button", name="Deploy").count() == 0, name  # client.toolbarMode minimal
+                for want in (texts or {}).get(name, []):  # the page may still be computing (the analyzers)
+                    page.get_by_text(want).first.wait_for(state="attached", timeout=120_000)
+                text = page.inner_text("body")
+                for unwanted in (absent or {}).get(name, []):
+                    assert unwanted not in text, (name, unwanted, text[:3000])
+                assert f"page={name.lower().replace(' ', '-')}" in page.url, page.url  # linkable
             if tag == "live":  # after a refresh has come and gone, the page is settled again within 10 s
                 time.sleep(6.0)
                 settle["live-refresh"] = _wait_settled(page, SETTLE_S)
+            linked = browser.new_page(viewport={"width": 1400, "height": 1000})  # a link opens its page
+            linked.goto(url.rstrip("/") + "/?page=kv-cache", wait_until="domcontentloaded", timeout=60_000)
+            linked.get_by_role("heading", name="KV cache", exact=True).wait_for(timeout=120_000)
         finally:
             browser.close()
     return settle
@@ -131,7 +144,12 @@ def test_every_page_offline_and_the_file_stays_free(tmp_path):
     app, port = _dashboard([db])
     try:
         _wait_http(f"http://127.0.0.1:{port}/_stcore/health", 90)
-        _visit_every_page(f"http://127.0.0.1:{port}/", "offline")
+        # service-mix's findings, each with a text severity badge; a CPU run is not "100% GPU-timed"
+        _visit_every_page(f"http://127.0.0.1:{port}/", "offline",
+                          texts={"Overview": ["WARNING", "INFO", "host time only"],
+                                 "KV cache": ["the bar is the measured mean", "Internal fragmentation (%)"],
+                                 "Phases": ["Step p50 (ms)"]},
+                          absent={"Overview": ["GPU-timed share (min)\n100.0%", "No findings"]})
         # a second writer (another `phasescope demo`) can take the file while the dashboard is up
         con = duckdb.connect(db)
         con.execute("CREATE TABLE IF NOT EXISTS writer_was_here (x INTEGER)")
@@ -148,6 +166,39 @@ def test_every_page_offline_and_the_file_stays_free(tmp_path):
         if app.poll() is None:
             app.kill()
             app.wait(10)
+
+
+def test_a_rolled_run_reads_as_before_and_a_lost_one_says_where(tmp_path):
+    """After a retention roll: the pages read the run from its exports (the same findings); with the exports
+    gone, the Overview names where they went instead of a green 'No findings' (issue 23)."""
+    from builders import scenarios
+
+    from phasescope.agent.sidecar.retention import Retention, RetentionPolicy
+    from phasescope.agent.sidecar.store import Store
+
+    db = str(tmp_path / "rolled.duckdb")
+    scenarios.load(os.path.join(scenarios.DATA_DIR, "service-mix"), db)
+    store = Store(db)
+    Retention(store, RetentionPolicy(max_age_s=1e-3, export_dir=str(tmp_path / "exports"), host="h1")).roll()
+    store.close()
+    app, port = _dashboard([db])
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/_stcore/health", 90)
+        _visit_every_page(f"http://127.0.0.1:{port}/", "rolled", texts={"Overview": ["Long prefills stall decode"]},
+                          absent={"Overview": ["No findings", "rolled out of the store"]})
+    finally:
+        app.terminate()
+        app.wait(20)
+    shutil.rmtree(tmp_path / "exports")
+    app, port = _dashboard([db])
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/_stcore/health", 90)
+        _visit_every_page(f"http://127.0.0.1:{port}/", "rolled-lost",
+                          texts={"Overview": ["Part of this run was rolled out of the store", "WARNING"]},
+                          absent={"Overview": ["No findings"]})
+    finally:
+        app.terminate()
+        app.wait(20)
 
 
 def test_killing_the_dashboard_hard_still_stops_its_child(tmp_path):
@@ -201,7 +252,10 @@ def test_every_page_on_a_live_agent_settles(tiny_llama, short_tmp):
     try:
         _wait_http(f"http://127.0.0.1:{app_port}/_stcore/health", 90)
         rows_before = sc.stats.rows_written_total
-        settle = _visit_every_page(f"http://127.0.0.1:{app_port}/", "live")
+        # in flight is not failed: requests being served are never called failures
+        settle = _visit_every_page(f"http://127.0.0.1:{app_port}/", "live",
+                                   texts={"Overview": ["Every figure in this section is from one read"]},
+                                   absent={"Overview": ["Requests fail under load", "never finished"]})
         assert settle["live-refresh"] < SETTLE_S
         assert sc.stats.rows_written_total > rows_before
     finally:
