@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from phasescope.agent.records.kvmath import predicted_waste
+from phasescope.agent.records.kvmath import internal_fragmentation
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
@@ -108,9 +108,18 @@ INTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
            any_value(page_size_tokens) AS page_size
     FROM k"""
 
-# every length a sequence holds while it decodes: prompt + k tokens, k = 0 .. output - 1
-LENGTHS_SQL = """SELECT prompt_tokens + k AS tokens
-    FROM requests, range(greatest(output_tokens, 1)::BIGINT) AS r(k) WHERE run_id = $run AND prompt_tokens > 0"""
+# the lengths a sequence holds while it decodes, prompt + k tokens for k = 0 .. m - 1 (m = max(output, 1)), at page
+# size p, summed in closed form (never one row per length): live = m * prompt + m (m - 1) / 2 tokens, and
+# pages C(prompt + m - 1) - C(prompt - 1) with C(N) = sum of ceil(L / p) for L = 1 .. N = p q (q + 1) / 2 + r (q + 1),
+# N = p q + r. Exactly kvmath.predicted_waste's sums over every length.
+LENGTHS_SQL = """WITH r AS (SELECT CAST(prompt_tokens AS HUGEINT) AS a, CAST(greatest(output_tokens, 1) AS HUGEINT) AS m
+                   FROM requests WHERE run_id = $run AND prompt_tokens > 0),
+    c AS (SELECT pp.p, r.a, r.m, r.a + r.m - 1 AS hi, r.a - 1 AS lo
+          FROM r, (SELECT CAST(unnest($pages::BIGINT[]) AS HUGEINT) AS p) pp)
+    SELECT CAST(p AS BIGINT) AS page_size, sum(m * a + m * (m - 1) // 2) AS live_tokens,
+           sum((p * (hi // p) * (hi // p + 1) // 2 + (hi % p) * (hi // p + 1))
+               - (p * (lo // p) * (lo // p + 1) // 2 + (lo % p) * (lo // p + 1))) AS used_pages
+    FROM c GROUP BY p"""
 
 
 def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = T["max_internal_fragmentation"],
@@ -122,14 +131,15 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
     e = one(con, INTERNAL_SQL, run_id)
     if not e["snapshots"] or e["internal_fragmentation_mean"] < max_internal_fragmentation:
         return []
-    lengths = [r["tokens"] for r in rows(con, LENGTHS_SQL, run_id)]
     page = e["page_size"]
     candidates = []
     p = page // 2
     while p >= min_page_size:
         candidates.append(p)
         p //= 2
-    predicted = {p: predicted_waste(lengths, p) for p in [page] + candidates}
+    sums = {r["page_size"]: r for r in rows(con, LENGTHS_SQL, run_id, pages=[page] + candidates)}
+    predicted = {p: internal_fragmentation(int(sums[p]["live_tokens"]), int(sums[p]["used_pages"]), p) if p in sums
+                 else 0.0 for p in [page] + candidates}
     choice = next((p for p in candidates if predicted[p] <= target_fragmentation),
                   candidates[-1] if candidates else page)
     e["predicted_waste_by_page_size"] = predicted

@@ -56,8 +56,10 @@ def page_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
     return one(con, PAGE_SIZE, run_id)["page_size"]
 
 
-PREEMPTIONS = """SELECT count(*) AS preemptions, count(DISTINCT request_id) AS preempted_requests
-    FROM request_log WHERE run_id = $run AND event = 'preempted'"""
+# from the request rows: each preempted event belongs to exactly one request
+PREEMPTIONS = """SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) AS preemptions,
+           count(*) FILTER (WHERE preemptions > 0) AS preempted_requests
+    FROM requests WHERE run_id = $run"""
 
 PREFIX_TOTALS = """WITH last AS (
         SELECT p.source_id, max(queried_tokens_total) AS q, max(hit_tokens_total) AS h,
