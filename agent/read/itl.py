@@ -1,7 +1,7 @@
 """ITL tail attribution: which step made each inter-token gap long, over the store's `itl` gap rows.
 
 Each row of the `itl` view is a token event after a request's first: the gap since its previous token
-event, standing for `tokens` ITL samples of gap / tokens (DESIGN.md's ITL). It is tied to the steps of
+event, standing for `tokens` ITL samples of gap / tokens (README.md's ITL, "Definitions"). It is tied to the steps of
 the run's lowest rank that ended at or before it and at or before the previous token (ASOF joins; a
 token is handed out after the step that computed it ends), and gets one cause (analyzers/itl.py says
 which). Nothing here expands a gap into its samples: quantiles weight the gaps by their tokens and are
@@ -10,7 +10,9 @@ the order statistics on either side), tail counts and sums weight them the same 
 
 The gaps are computed once per call into a temp table of the connection (`_ps_itl_gaps`: temp tables
 are per connection and allowed on read-only ones) and the summary, tail, TPOT and chunk-size what-if
-queries read that, instead of re-deriving them from the steps and events each time.
+queries read that. When the store's gap rows carry their steps for everything it holds (the derived
+tables were refreshed since the last write: `derived.attribution_current`) they are read as they are;
+otherwise the gaps are joined to the steps here (`ITL_GAPS`): the same rows either way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import duckdb
 
+from ..records import derived
 from .queries import STEP_MS, _dicts, _one, latest_run, sql_text
 from .thresholds import T
 
@@ -29,6 +32,16 @@ LOWEST_RANK_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s 
                                         WHERE s2.run_id = $run)"""
 
 ITL_CAUSES = ("prefill", "preemption", "queueing", "host", "other", "unattributed")
+
+# a gap's cause, the first that holds (analyzers/itl.py): over its row `g` and its neighbours' step counts
+CAUSE = """CASE WHEN g.preempted THEN 'preemption'
+                    WHEN g.steps_in_gap IS NULL OR (g.steps_in_gap < 1 AND coalesce({prev_steps}, 0) < 2)
+                        THEN 'unattributed'
+                    WHEN g.steps_in_gap > g.tokens AND NOT (g.steps_in_gap = g.tokens + 1 AND {next_steps} = 0)
+                        THEN 'queueing'
+                    WHEN g.prefill_tokens >= $long THEN 'prefill'
+                    WHEN (g.ts_ns - g.prev_ns) / 1e6 >= $host_ratio * g.step_ms THEN 'host'
+                    ELSE 'other' END"""
 
 # one row per gap (a token event after a request's first): its steps and its cause. `gaps` has the columns
 # request_id, ts_ns, tokens, steps_in_gap, step_ms, prefill_tokens, decode_tokens, gap_ms, itl_ms, cause
@@ -52,14 +65,7 @@ ITL_GAPS = f"""st AS ({LOWEST_RANK_STEPS}),
     gaps AS (
         SELECT g.request_id, g.ts_ns, g.tokens, g.steps_in_gap, g.step_ms, g.prefill_tokens, g.decode_tokens,
                (g.ts_ns - g.prev_ns) / 1e6 AS gap_ms, (g.ts_ns - g.prev_ns) / 1e6 / g.tokens AS itl_ms,
-               CASE WHEN g.preempted THEN 'preemption'
-                    WHEN g.steps_in_gap IS NULL OR (g.steps_in_gap < 1 AND coalesce(pv.prev_steps, 0) < 2)
-                        THEN 'unattributed'
-                    WHEN g.steps_in_gap > g.tokens AND NOT (g.steps_in_gap = g.tokens + 1 AND nx.next_steps = 0)
-                        THEN 'queueing'
-                    WHEN g.prefill_tokens >= $long THEN 'prefill'
-                    WHEN (g.ts_ns - g.prev_ns) / 1e6 >= $host_ratio * g.step_ms THEN 'host'
-                    ELSE 'other' END AS cause
+               {CAUSE.format(prev_steps="pv.prev_steps", next_steps="nx.next_steps")} AS cause
         FROM g0 g LEFT JOIN nx USING (request_id, ts_ns) LEFT JOIN pv USING (request_id, ts_ns))"""
 
 
@@ -80,10 +86,12 @@ def weighted_quantiles(value: str, weight: str, source: str, qs: dict[str, str])
               FROM {source} WHERE {weight} > 0)"""
 
 
-# over `gaps`: the samples, their median and tail quantile
+# over `gaps`: the samples, their median and tail quantile; DuckDB's own quantile when every gap is one sample
 Q_SQL = f"q AS ({weighted_quantiles('itl_ms', 'tokens', 'gaps', {'p50': '0.5', 'p99': '$quantile'})})"
+Q_ONES_SQL = """q AS (SELECT n, p[1] AS p50, p[2] AS p99 FROM (
+        SELECT count(*) AS n, quantile_cont(itl_ms, [0.5, $quantile]) AS p FROM gaps))"""
 
-ITL_SUMMARY_SQL = f"""WITH {Q_SQL}
+ITL_SUMMARY_SQL = """WITH {q}
     SELECT q.n AS itl_samples, q.p50 AS itl_p50_ms, q.p99 AS itl_p99_ms,
            (SELECT count(*) FROM gaps) AS gaps,
            (SELECT coalesce(sum(tokens), 0) FROM gaps, q WHERE itl_ms >= q.p99) AS tail_samples,
@@ -105,6 +113,13 @@ ITL_TPOT_SQL = """WITH r AS (SELECT request_id, tpot_s, output_tokens FROM reque
     LEFT JOIN per ON per.request_id = r.request_id AND per.cause = c.cause
     GROUP BY c.cause ORDER BY c.cause"""
 
+# the same rows from the steps kept with the gaps (agent/records/derived.py), when they are current
+STORED_GAPS = f"""SELECT g.request_id, g.ts_ns, CAST(g.tokens AS BIGINT) AS tokens, g.steps_in_gap, g.step_ms,
+           g.prefill_tokens, g.decode_tokens, (g.ts_ns - g.prev_ns) / 1e6 AS gap_ms,
+           (g.ts_ns - g.prev_ns) / 1e6 / g.tokens AS itl_ms,
+           {CAUSE.format(prev_steps="g.prev_steps", next_steps="g.next_steps").replace("g.tokens + 1", "CAST(g.tokens AS BIGINT) + 1")} AS cause
+    FROM token_gaps g WHERE g.run_id = $run"""
+
 GAPS_TABLE = "_ps_itl_gaps"
 
 
@@ -117,15 +132,31 @@ class ItlGaps:
         self.params = {"long": int(long_prefill_tokens), "host_ratio": float(host_stall_ratio)}
 
     def __enter__(self) -> "ItlGaps":
-        self.con.execute(f"CREATE OR REPLACE TEMP TABLE {GAPS_TABLE} AS WITH {ITL_GAPS} SELECT * FROM gaps",
-                         {"run": self.run_id, **self.params})
+        if derived.attribution_current(self.con):  # the gap rows carry their steps: read them where they are
+            self.kind = "VIEW"
+            sql = STORED_GAPS.replace("$run", _literal(self.run_id)).replace("$long", _literal(self.params["long"])) \
+                .replace("$host_ratio", _literal(self.params["host_ratio"]))
+            self.con.execute(f"CREATE OR REPLACE TEMP VIEW {GAPS_TABLE} AS {sql}")
+        else:  # join them to the steps, once
+            self.kind = "TABLE"
+            self.con.execute(f"CREATE OR REPLACE TEMP TABLE {GAPS_TABLE} AS WITH {ITL_GAPS} SELECT * FROM gaps",
+                             {"run": self.run_id, **self.params})
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self.con.execute(f"DROP TABLE IF EXISTS temp.{GAPS_TABLE}")
+            self.con.execute(f"DROP {self.kind} IF EXISTS temp.{GAPS_TABLE}")
         except duckdb.Error:  # an interrupted or closed connection: its temp tables go with it
             pass
+
+
+def _literal(v: Any) -> str:
+    """`v` (str, int, float) as an SQL literal."""
+    if isinstance(v, str):
+        return "'" + v.replace("'", "''") + "'"
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"not a finite number: {v}")
+    return repr(v)
 
 
 def _over_gaps(body: str) -> str:
@@ -145,7 +176,8 @@ def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         run_id = latest_run(con)
     params = {"long": long_prefill_tokens, "host_ratio": host_stall_ratio, "quantile": quantile}
     with ItlGaps(con, run_id, long_prefill_tokens, host_stall_ratio):
-        e = _one(con, _over_gaps(ITL_SUMMARY_SQL), {"quantile": quantile})
+        ones = _one(con, _over_gaps("SELECT coalesce(max(tokens), 0) <= 1 AS ones FROM gaps"), {})["ones"]
+        e = _one(con, _over_gaps(ITL_SUMMARY_SQL.format(q=Q_ONES_SQL if ones else Q_SQL)), {"quantile": quantile})
         p = {"p50": e["itl_p50_ms"], "p99": e["itl_p99_ms"]}
         tail = {r["cause"]: r for r in _dicts(con, _over_gaps(ITL_TAIL_SQL), p)}
         viol = {r["cause"]: r for r in _dicts(con, _over_gaps(ITL_TPOT_SQL),
@@ -162,7 +194,7 @@ def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         e[f"tpot_violations_explained_{c}"] = viol.get(c, {}).get("explained", 0)
     e["causes"] = [{"cause": c, "tail_samples": e[f"tail_{c}_samples"], "tail_share": e[f"tail_{c}_share"],
                     "tpot_violations_explained": e[f"tpot_violations_explained_{c}"]} for c in ITL_CAUSES]
-    e["query"] = sql_text("WITH " + ITL_GAPS + ",\n" + ITL_SUMMARY_SQL[5:] + ";\n"
+    e["query"] = sql_text("WITH " + ITL_GAPS + ",\n" + ITL_SUMMARY_SQL.format(q=Q_SQL)[5:] + ";\n"
                           + ITL_TAIL_SQL.replace("$p50", "<itl_p50_ms>").replace("$p99", "<itl_p99_ms>") + ";\n"
                           + ITL_TPOT_SQL.replace("$p50", "<itl_p50_ms>"),
                           {**params, "slo_s": tpot_slo_s, "causes": str(list(ITL_CAUSES))})

@@ -59,6 +59,7 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("last_preempted_ns", "BIGINT", "last preempted event"),
         ("last_ts", "BIGINT", "its last event of any kind"),
         ("events", "BIGINT", "its events"),
+        ("first_wall_ns", "BIGINT", "its first event, wall clock (Unix ns): rows deleted before it leave it whole"),
     ],
     "token_gaps": [
         ("run_id", "VARCHAR", "sources.run_id"),
@@ -67,9 +68,22 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("prev_ns", "BIGINT", "the request's previous token event with tokens > 0"),
         ("tokens", "INTEGER", "tokens the event brought: the gap stands for this many ITL samples"),
         ("preempted", "BOOLEAN", "a preempted event of the request lies in (prev_ns, ts_ns]"),
+        # its steps (the run's lowest rank): what ITL attribution needs that no threshold changes
+        ("attributed", "BOOLEAN", "the columns below are those of the steps folded in (derived_state 'steps')"),
+        ("steps_in_gap", "BIGINT", "steps that ended in (prev_ns, ts_ns]: the step number of the last step ended by "
+         "ts_ns minus that of the last one ended by prev_ns (steps numbered by start); NULL: none ended by one"),
+        ("step_ms", "DOUBLE", "the last step ended by ts_ns: its time, ms (GPU time when timed, else host time)"),
+        ("prefill_tokens", "INTEGER", "the last step ended by ts_ns: its prefill tokens"),
+        ("decode_tokens", "INTEGER", "the last step ended by ts_ns: its decode tokens"),
+        ("next_steps", "BIGINT", "steps_in_gap of the request's next gap (it starts at ts_ns); NULL: none"),
+        ("prev_steps", "BIGINT", "steps_in_gap of the request's previous gap (it ends at prev_ns); NULL: none"),
+    ],
+    "gap_rank": [
+        ("run_id", "VARCHAR", "sources.run_id"),
+        ("rank", "SMALLINT", "the lowest rank of the run's steps, whose steps the run's gaps are tied to"),
     ],
     "derived_state": [
-        ("name", "VARCHAR PRIMARY KEY", "the raw table followed (request_events)"),
+        ("name", "VARCHAR PRIMARY KEY", "the raw table followed (request_events, steps)"),
         ("wm", "BIGINT", "every row with rowid <= wm is in the derived tables"),
         ("n", "BIGINT", "rows with rowid <= wm when they were made (fewer now: rows were deleted)"),
     ],
@@ -89,15 +103,21 @@ _CODE = ("CASE e.event WHEN 'arrival' THEN 0 WHEN 'scheduled' THEN 1 WHEN 'token
 #   redo   - stored request rows of keys recomputed from all their events (their gaps are redone too),
 #   gaps   - token gap rows to add.
 STAGES: list[tuple[str, str]] = [
-    ("ev_new", """SELECT s.run_id, r.request_id AS rid, r.ts_ns, r.event, r.tokens, r.cached_tokens
+    ("ev_new", """SELECT s.run_id, r.request_id AS rid, r.ts_ns, r.event, r.tokens, r.cached_tokens,
+               s.wall_minus_mono_ns AS wall
         FROM request_events r JOIN sources s USING (source_id) WHERE {new}"""),
     # keys (run, runtime id) touched, numbered (key_id) so the windows below partition by an integer
-    ("touched", """SELECT run_id, rid, min(ts_ns) AS first_new, row_number() OVER () AS key_id,
-               count(*) FILTER (WHERE event = 'arrival') AS arrivals, min(ts_ns) FILTER (WHERE event = 'arrival') AS arrival_ts
-        FROM ev_new GROUP BY run_id, rid"""),
+    # (and the keys `forced` names: recomputed from all their events, see `refresh`)
+    ("touched", """SELECT run_id, rid, min(first_new) AS first_new, row_number() OVER () AS key_id,
+               CAST(sum(arrivals) AS BIGINT) AS arrivals, min(arrival_ts) AS arrival_ts, bool_or(forced) AS forced
+        FROM (SELECT run_id, rid, min(ts_ns) AS first_new, count(*) FILTER (WHERE event = 'arrival') AS arrivals,
+                     min(ts_ns) FILTER (WHERE event = 'arrival') AS arrival_ts, false AS forced
+              FROM ev_new GROUP BY run_id, rid
+              UNION ALL SELECT run_id, rid, NULL, 0, NULL, true FROM forced)
+        GROUP BY run_id, rid"""),
     # per key touched: the latest stored arrival; in order when its new events all follow everything stored
     ("keys", """SELECT t.key_id, t.run_id, t.rid, t.arrivals, t.arrival_ts, coalesce(h.last_no, 0) AS base_no,
-               h.last_ts IS NULL OR t.first_new > h.last_ts AS in_order
+               NOT t.forced AND (h.last_ts IS NULL OR t.first_new > h.last_ts) AS in_order
         FROM touched t LEFT JOIN (
             SELECT q.run_id, q.runtime_request_id AS rid, max(q.arrival_no) AS last_no, max(q.last_ts) AS last_ts
             FROM request_rows q JOIN touched t ON q.run_id = t.run_id AND q.runtime_request_id = t.rid
@@ -111,17 +131,17 @@ STAGES: list[tuple[str, str]] = [
     ("named", f"""SELECT k.key_id,
                CASE WHEN k.arrivals = 1 AND (e.ts_ns > k.arrival_ts OR (e.ts_ns = k.arrival_ts AND e.event IN
                          ('arrival', 'scheduled'))) THEN k.base_no + 1 ELSE greatest(1, k.base_no) END AS arrival_no,
-               e.ts_ns, {_CODE} AS code, e.tokens, e.cached_tokens
+               e.ts_ns, {_CODE} AS code, e.tokens, e.cached_tokens, e.wall
         FROM ev_new e JOIN keys k ON k.run_id = e.run_id AND k.rid = e.rid WHERE k.in_order AND k.arrivals <= 1
         UNION ALL
         SELECT key_id, greatest(1, base_no + count(*) FILTER (WHERE code = 0) OVER (
                    PARTITION BY key_id ORDER BY ts_ns, CASE code WHEN 0 THEN 1 WHEN 1 THEN 2 ELSE 0 END
                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)),
-               ts_ns, code, tokens, cached_tokens
-        FROM (SELECT k.key_id, k.base_no, e.ts_ns, {_CODE} AS code, e.tokens, e.cached_tokens
+               ts_ns, code, tokens, cached_tokens, wall
+        FROM (SELECT k.key_id, k.base_no, e.ts_ns, {_CODE} AS code, e.tokens, e.cached_tokens, e.wall
               FROM ev_new e JOIN keys k ON k.run_id = e.run_id AND k.rid = e.rid WHERE k.in_order AND k.arrivals > 1
               UNION ALL
-              SELECT k.key_id, 0, e.ts_ns, {_CODE}, e.tokens, e.cached_tokens
+              SELECT k.key_id, 0, e.ts_ns, {_CODE}, e.tokens, e.cached_tokens, s.wall_minus_mono_ns
               FROM request_events e JOIN late k ON k.rid = e.request_id
               JOIN sources s ON s.source_id = e.source_id AND s.run_id = k.run_id)"""),
     ("part", """SELECT k.run_id, CASE WHEN a.arrival_no = 1 THEN k.rid ELSE k.rid || '#' || a.arrival_no END AS request_id,
@@ -139,7 +159,7 @@ STAGES: list[tuple[str, str]] = [
                      bool_or(code = 4) AS aborted, bool_or(code = 3) AS finished,
                      max(ts_ns) FILTER (WHERE code = 2 AND tokens > 0) AS last_gap_ns,
                      max(ts_ns) FILTER (WHERE code = 5) AS last_preempted_ns,
-                     max(ts_ns) AS last_ts, count(*) AS events
+                     max(ts_ns) AS last_ts, count(*) AS events, min(ts_ns + wall) AS first_wall_ns
               FROM named GROUP BY key_id, arrival_no) a JOIN keys k USING (key_id)"""),
     ("folded", """SELECT q.*, k.key_id FROM request_rows q
         JOIN (SELECT DISTINCT run_id, request_id FROM part) p ON p.run_id = q.run_id AND p.request_id = q.request_id
@@ -155,7 +175,7 @@ STAGES: list[tuple[str, str]] = [
                CAST(sum(preemptions) AS BIGINT) AS preemptions,
                bool_or(aborted) AS aborted, bool_or(finished) AS finished, max(last_gap_ns) AS last_gap_ns,
                max(last_preempted_ns) AS last_preempted_ns, max(last_ts) AS last_ts,
-               CAST(sum(events) AS BIGINT) AS events
+               CAST(sum(events) AS BIGINT) AS events, min(first_wall_ns) AS first_wall_ns
         FROM (SELECT * FROM part UNION ALL BY NAME SELECT * EXCLUDE (key_id) FROM folded)
         GROUP BY run_id, request_id"""),
     # per request: its new token events (tokens > 0) after the stored tail of the request it continues (its
@@ -185,13 +205,53 @@ STAGES: list[tuple[str, str]] = [
                         WINDOW w AS (PARTITION BY key_id, arrival_no ORDER BY ts_ns, is_token))
                       WHERE is_token)
         SELECT k.run_id, CASE WHEN g.arrival_no = 1 THEN k.rid ELSE k.rid || '#' || g.arrival_no END AS request_id,
-               g.ts_ns, g.prev_ns, g.tokens, g.preempted
+               g.ts_ns, g.prev_ns, g.tokens, g.preempted, false AS attributed, NULL::BIGINT AS steps_in_gap,
+               NULL::DOUBLE AS step_ms, NULL::INTEGER AS prefill_tokens, NULL::INTEGER AS decode_tokens,
+               NULL::BIGINT AS next_steps, NULL::BIGINT AS prev_steps
         FROM (SELECT key_id, arrival_no, ts_ns, prev_ns, tokens, preempted FROM plain
               UNION ALL SELECT key_id, arrival_no, ts_ns, prev_ns, tokens, preempted FROM mixed) g
         JOIN keys k USING (key_id)
         WHERE g.tokens IS NOT NULL AND g.prev_ns IS NOT NULL"""),
 ]
 DELTA = ",\n    ".join(f"{name} AS ({sql})" for name, sql in STAGES)
+
+# --- the steps of each gap (ITL attribution's join, agent/read/itl.py), kept with the gaps ---------------------
+#
+# A gap is tied to the steps of its run's lowest rank: the last step ended by its token (by end time,
+# ts_ns + host_ms: an ASOF join) and the last step ended by the previous token; the difference of their
+# numbers (steps numbered by start) is the steps that ended in the gap. A step that arrives later can
+# change that only for gaps at or after its start (steps end after they start; those before it keep their
+# matches and its number comes after theirs), so a refresh re-attributes the gaps from the earliest start of
+# the steps new since the last one (all of a run's gaps when its lowest rank changed, or steps were deleted),
+# the new gaps, and the neighbour counts (next_steps, prev_steps) of those and of the gap before each.
+
+STEP_MS = "CASE WHEN isnan(t.gpu_ms) THEN t.host_ms ELSE t.gpu_ms END"
+
+# over `todo` (run_id, request_id, ts_ns, prev_ns: the gaps to attribute). Only the steps from the start of
+# the step last ended by the earliest prev_ns on are numbered (steps_in_gap is a difference of numbers)
+ATTRIBUTE: list[tuple[str, str]] = [
+    ("lr", """SELECT s.run_id, min(t.rank) AS rank FROM steps t JOIN sources s USING (source_id)
+        WHERE s.run_id IN (SELECT DISTINCT run_id FROM todo) GROUP BY s.run_id"""),
+    ("e0", """SELECT lr.run_id, lr.rank, max(t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT))
+                 FILTER (WHERE t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) <= m.min_prev) AS e0
+        FROM lr JOIN (SELECT run_id, min(prev_ns) AS min_prev FROM todo GROUP BY run_id) m USING (run_id)
+        JOIN sources s ON s.run_id = lr.run_id JOIN steps t ON t.source_id = s.source_id AND t.rank = lr.rank
+        GROUP BY lr.run_id, lr.rank"""),
+    ("lo", """SELECT e0.run_id, e0.rank, min(t.ts_ns) FILTER (
+                 WHERE e0.e0 IS NULL OR t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) >= e0.e0) AS lo
+        FROM e0 JOIN sources s ON s.run_id = e0.run_id JOIN steps t ON t.source_id = s.source_id AND t.rank = e0.rank
+        GROUP BY e0.run_id, e0.rank"""),
+    ("ends", f"""SELECT lo.run_id, t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) AS end_ns, {STEP_MS} AS step_ms,
+               t.prefill_tokens, t.decode_tokens,
+               row_number() OVER (PARTITION BY lo.run_id ORDER BY t.ts_ns, t.step_id) AS step_no
+        FROM lo JOIN sources s ON s.run_id = lo.run_id
+        JOIN steps t ON t.source_id = s.source_id AND t.rank = lo.rank AND t.ts_ns >= lo.lo"""),
+    ("att", """SELECT a.run_id, a.request_id, a.ts_ns, a.prev_ns, a.step_no - p.step_no AS steps_in_gap, a.step_ms,
+               a.prefill_tokens, a.decode_tokens
+        FROM (SELECT d.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens
+              FROM todo d ASOF LEFT JOIN ends e ON e.run_id = d.run_id AND d.ts_ns >= e.end_ns) a
+        ASOF LEFT JOIN ends p ON p.run_id = a.run_id AND a.prev_ns >= p.end_ns"""),
+]
 
 # the stored rows still valid plus the delta's; `ok` raises when rows were deleted below the watermark
 STORED_REQUESTS = """SELECT q.* FROM request_rows q
@@ -221,13 +281,15 @@ REQUESTS_SELECT = """SELECT run_id, request_id, runtime_request_id, arrival_ns, 
            (last_token_ns - arrival_ns) / 1e9 AS e2e_s"""
 
 ITL_SELECT = """SELECT run_id, request_id, ts_ns, prev_ns, tokens, preempted,
-           (ts_ns - prev_ns) / 1e9 / tokens AS itl_s"""
+           (ts_ns - prev_ns) / 1e9 / tokens AS itl_s, attributed, steps_in_gap, step_ms, prefill_tokens, decode_tokens,
+           next_steps, prev_steps"""
 
 VIEW_DOCS = {
     "requests": "one row per request: queue, TTFT, prefill, decode, TPOT, E2E in seconds; cached tokens of the "
                 "first admission, re-admission reuse apart",
     "itl": "one row per token event after a request's first: the gap since the previous one (prev_ns) per token "
-           "it brought (itl_s, seconds); it stands for `tokens` ITL samples (weight by tokens, never expand)",
+           "it brought (itl_s, seconds); it stands for `tokens` ITL samples (weight by tokens, never expand); "
+           "with its steps when `attributed` (agent/read/itl.py)",
 }
 
 
@@ -253,7 +315,7 @@ def views(state: tuple[int, int] | None = None, rowids: bool = True) -> dict[str
             wm, n = str(int(state[0])), str(int(state[1]))
         new = f"r.rowid > {wm}"
         ok = OK_CTE
-    head = "WITH " + ok + "," + DELTA
+    head = "WITH " + ok + ", forced AS (SELECT NULL::VARCHAR AS run_id, NULL::VARCHAR AS rid WHERE false)," + DELTA
     return {
         "requests": _fill(f"""{head}
             {REQUESTS_SELECT}
@@ -276,9 +338,24 @@ def ddl(rowids: bool = True) -> list[str]:
     return out
 
 
-def state(con: Any) -> tuple[int, int] | None:
-    """(wm, n) of the derived tables, or None before the first refresh."""
-    row = con.execute("SELECT wm, n FROM derived_state WHERE name = 'request_events'").fetchone()
+def readable(con: Any) -> bool:
+    """Make a store written before the derived tables existed readable as it is (a read-only connection
+    may do it): temp, empty derived tables and temp views that derive everything from the raw events (exact,
+    at today's cost). Returns True when it had to."""
+    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'derived_state'").fetchone()[0]:
+        return False
+    for stmt in ddl(rowids=False):
+        if stmt.startswith("COMMENT"):
+            continue
+        con.execute(stmt.replace("CREATE TABLE IF NOT EXISTS", "CREATE TEMP TABLE IF NOT EXISTS")
+                    .replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
+    return True
+
+
+def state(con: Any, name: str = "request_events") -> tuple[int, int] | None:
+    """(wm, n) of the derived tables for raw table `name` (request_events, steps), or None before the first
+    refresh."""
+    row = con.execute("SELECT wm, n FROM derived_state WHERE name = ?", [name]).fetchone()
     return (int(row[0]), int(row[1])) if row else None
 
 
@@ -289,9 +366,123 @@ def install(con: Any) -> None:
         con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
 
 
+def attribution_current(con: Any) -> bool:
+    """Whether every gap's stored steps are those of the steps and events in the store now (nothing folded in
+    since, nothing deleted): then ITL attribution reads them instead of joining the gaps to the steps."""
+    ev, st = state(con), state(con, "steps")
+    if ev is None or st is None:
+        return False
+    for table, (wm, n) in (("request_events", ev), ("steps", st)):
+        below, above = con.execute(f"SELECT count(*) FILTER (WHERE rowid <= {wm}), count(*) FILTER (WHERE rowid > {wm}) "
+                                   f"FROM {table}").fetchone()
+        if below != n or above:
+            return False
+    return True
+
+
+def _temp(con: Any, stages: list[tuple[str, str]], new_filter: str = "") -> None:
+    for name, sql in stages:  # each stage once, as a temp table the later stages read by its name
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql.replace('{new}', new_filter)}")
+
+
+def _drop(con: Any, stages: list[tuple[str, str]]) -> None:
+    for name, _ in reversed(stages):
+        con.execute(f"DROP TABLE IF EXISTS temp.{name}")
+
+
+_KEY = "g.run_id = a.run_id AND g.request_id = a.request_id AND g.ts_ns = a.ts_ns AND g.prev_ns = a.prev_ns"
+
+
+def _attribute(con: Any, new_gaps: bool) -> None:
+    """Tie to their steps the gaps that are new (`new_gaps`: some may be), and those whose steps may have changed
+    since the last refresh (see ATTRIBUTE); then the neighbour counts of those and of the gap before each. In
+    the caller's transaction."""
+    st = state(con, "steps")
+    wm, n = st or (-1, 0)
+    top, total, below = con.execute(f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
+                                    "FROM steps").fetchone()
+    # each run's lowest rank now: a run whose lowest rank is not the one its gaps were tied to is done again
+    con.execute("""CREATE OR REPLACE TEMP TABLE rank_now AS SELECT s.run_id, min(t.rank) AS rank
+                   FROM steps t JOIN sources s USING (source_id) GROUP BY s.run_id""")
+    moved = ("EXISTS (SELECT 1 FROM rank_now r LEFT JOIN gap_rank o USING (run_id) WHERE r.run_id = g.run_id "
+             "AND o.rank IS DISTINCT FROM r.rank)")
+    conds = ["NOT g.attributed", moved]
+    if st is None:
+        conds = ["true"]
+    if below != n and st is not None:  # steps deleted, oldest first (retention): every deleted step started
+        # before the earliest one left (m), so ended before m + the longest step; a gap whose previous token
+        # came after a step left ended at or after that keeps both its steps and what lies between them
+        con.execute("""CREATE OR REPLACE TEMP TABLE kept AS
+            WITH m AS (SELECT r.run_id, r.rank, min(t.ts_ns) AS m FROM rank_now r JOIN sources s ON s.run_id = r.run_id
+                       JOIN steps t ON t.source_id = s.source_id AND t.rank = r.rank GROUP BY r.run_id, r.rank),
+                 longest AS (SELECT CAST(ceil(coalesce(max(host_ms), 0) * 1e6) AS BIGINT) + 1 AS ns FROM steps)
+            SELECT m.run_id, min(t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT))
+                       FILTER (WHERE t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) >= m.m + longest.ns) AS upto
+            FROM m, longest JOIN sources s ON s.run_id = m.run_id JOIN steps t ON t.source_id = s.source_id
+                 AND t.rank = m.rank GROUP BY m.run_id""")
+        conds.append("NOT EXISTS (SELECT 1 FROM kept k WHERE k.run_id = g.run_id AND g.prev_ns >= k.upto)")
+    if total > below:  # new steps: the gaps from the earliest start of each run's new steps on
+        con.execute(f"""CREATE OR REPLACE TEMP TABLE since AS SELECT s.run_id, min(t.ts_ns) AS since
+            FROM steps t JOIN sources s USING (source_id) WHERE t.rowid > {wm} GROUP BY s.run_id""")
+        conds.append("EXISTS (SELECT 1 FROM since x WHERE x.run_id = g.run_id AND g.ts_ns >= x.since)")
+    elif below == n and st is not None and not new_gaps:
+        con.execute("DROP TABLE temp.rank_now")
+        return  # nothing new, nothing deleted: every gap keeps its steps
+    todo = " OR ".join(f"({c})" for c in conds)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE todo AS SELECT run_id, request_id, ts_ns, prev_ns FROM token_gaps g "
+                f"WHERE {todo}")
+    if con.execute("SELECT count(*) FROM todo").fetchone()[0]:
+        _temp(con, ATTRIBUTE)
+        con.execute(f"""UPDATE token_gaps g SET attributed = true, steps_in_gap = a.steps_in_gap, step_ms = a.step_ms,
+                           prefill_tokens = a.prefill_tokens, decode_tokens = a.decode_tokens
+                        FROM (SELECT run_id, request_id, ts_ns, prev_ns, any_value(steps_in_gap) AS steps_in_gap,
+                                     any_value(step_ms) AS step_ms, any_value(prefill_tokens) AS prefill_tokens,
+                                     any_value(decode_tokens) AS decode_tokens
+                              FROM att GROUP BY ALL) a WHERE {_KEY}""")
+        # the neighbour counts: the gaps done and the gap before each (whose next gap may be new)
+        con.execute("""CREATE OR REPLACE TEMP TABLE nb AS
+            WITH a AS (SELECT run_id, request_id, ts_ns, prev_ns FROM todo
+                       UNION SELECT g.run_id, g.request_id, g.ts_ns, g.prev_ns FROM token_gaps g
+                       JOIN todo t ON t.run_id = g.run_id AND t.request_id = g.request_id AND g.ts_ns = t.prev_ns)
+            SELECT a.run_id, a.request_id, a.ts_ns, a.prev_ns, any_value(nx.steps_in_gap) AS next_steps,
+                   any_value(pv.steps_in_gap) AS prev_steps
+            FROM a LEFT JOIN token_gaps nx ON nx.run_id = a.run_id AND nx.request_id = a.request_id
+                                          AND nx.prev_ns = a.ts_ns
+                   LEFT JOIN token_gaps pv ON pv.run_id = a.run_id AND pv.request_id = a.request_id
+                                          AND pv.ts_ns = a.prev_ns
+            GROUP BY ALL""")
+        con.execute(f"UPDATE token_gaps g SET next_steps = a.next_steps, prev_steps = a.prev_steps FROM nb a WHERE {_KEY}")
+        _drop(con, ATTRIBUTE + [("nb", "")])
+    con.execute("DELETE FROM gap_rank")
+    con.execute("INSERT INTO gap_rank SELECT run_id, rank FROM rank_now")
+    for t in ("todo", "since", "kept", "rank_now"):
+        con.execute(f"DROP TABLE IF EXISTS temp.{t}")
+    con.execute("INSERT OR REPLACE INTO derived_state VALUES ('steps', ?, ?)", [top, total])
+
+
+def _fold(con: Any, wm: int, top: int) -> None:
+    """The delta of the events in (wm, top] (and of the keys in temp table `forced`) into the derived tables."""
+    _temp(con, STAGES, f"r.rowid > {wm} AND r.rowid <= {top}")
+    con.execute("DELETE FROM request_rows q USING (SELECT run_id, request_id FROM redo UNION ALL "
+                "SELECT run_id, request_id FROM folded) d WHERE d.run_id = q.run_id AND d.request_id = q.request_id")
+    con.execute("DELETE FROM token_gaps g USING redo d WHERE d.run_id = g.run_id AND d.request_id = g.request_id")
+    cols = ", ".join(c for c, _, _ in TABLES["request_rows"])
+    con.execute(f"INSERT INTO request_rows ({cols}) SELECT {cols} FROM merged")
+    cols = ", ".join(c for c, _, _ in TABLES["token_gaps"])
+    con.execute(f"INSERT INTO token_gaps ({cols}) SELECT {cols} FROM gaps")
+    _drop(con, STAGES)
+
+
+def _complete(con: Any) -> bool:
+    """Whether the request rows hold every raw event (of a known source) once."""
+    held, raw = con.execute("SELECT (SELECT coalesce(sum(events), 0) FROM request_rows), "
+                            "(SELECT count(*) FROM request_events r JOIN sources s USING (source_id))").fetchone()
+    return held == raw
+
+
 def refresh(con: Any) -> int:
-    """Write the delta into the derived tables and move the watermark, in one transaction; returns the raw
-    events folded in (0: nothing new). Rebuilds them from the raw rows when rows were deleted below the
+    """Write the delta into the derived tables and move the watermarks, in one transaction; returns the raw
+    request events folded in (0: nothing new). Rebuilds them from the raw rows when rows were deleted below a
     watermark. Needs a writable connection; concurrent refreshes of one database must be serialized by the
     caller (DuckDB reports a write-write conflict otherwise)."""
     con.execute("BEGIN")
@@ -301,29 +492,28 @@ def refresh(con: Any) -> int:
         top, total, below = con.execute(
             f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
             "FROM request_events").fetchone()
-        if below != n:  # rows deleted since: start over from what is left
-            con.execute("DELETE FROM request_rows")
-            con.execute("DELETE FROM token_gaps")
-            wm, below = -1, 0
+        deleted = below != n
+        forced = "SELECT NULL::VARCHAR AS run_id, NULL::VARCHAR AS rid WHERE false"
+        if deleted:  # rows deleted, oldest first (a retention roll): every key that had an event before the
+            # earliest one left is recomputed from what is left (its requests, its arrival numbers, its gaps)
+            left = con.execute("SELECT min(r.ts_ns + s.wall_minus_mono_ns) FROM request_events r "
+                               "JOIN sources s USING (source_id)").fetchone()[0]
+            forced = ("SELECT DISTINCT run_id, runtime_request_id AS rid FROM request_rows"
+                      + ("" if left is None else f" WHERE first_wall_ns < {int(left)}"))
+        con.execute(f"CREATE OR REPLACE TEMP TABLE forced AS {forced}")
         new = total - below
-        if new == 0 and st is not None and wm == st[0]:
-            con.execute("COMMIT")
-            return 0
-        new_filter = f"r.rowid > {wm} AND r.rowid <= {top}"
-        for name, sql in STAGES:  # each stage once, as a temp table the later stages read by its name
-            con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql.replace('{new}', new_filter)}")
-        con.execute("DELETE FROM request_rows q USING (SELECT run_id, request_id FROM redo UNION ALL "
-                    "SELECT run_id, request_id FROM folded) d WHERE d.run_id = q.run_id AND d.request_id = q.request_id")
-        con.execute("DELETE FROM token_gaps g USING redo d WHERE d.run_id = g.run_id AND d.request_id = g.request_id")
-        cols = ", ".join(c for c, _, _ in TABLES["request_rows"])
-        con.execute(f"INSERT INTO request_rows ({cols}) SELECT {cols} FROM merged")
-        cols = ", ".join(c for c, _, _ in TABLES["token_gaps"])
-        con.execute(f"INSERT INTO token_gaps ({cols}) SELECT {cols} FROM gaps")
-        con.execute("INSERT OR REPLACE INTO derived_state VALUES ('request_events', ?, ?)", [top, total])
-        for view, sql in views((top, total)).items():
-            con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
-        for name, _ in reversed(STAGES):
-            con.execute(f"DROP TABLE temp.{name}")
+        if new or deleted or st is None:
+            _fold(con, wm, top)
+            if deleted and not _complete(con):  # not oldest first after all: start over from what is left
+                con.execute("DELETE FROM request_rows")
+                con.execute("DELETE FROM token_gaps")
+                con.execute("DELETE FROM temp.forced")
+                _fold(con, -1, top)
+            con.execute("INSERT OR REPLACE INTO derived_state VALUES ('request_events', ?, ?)", [top, total])
+            for view, sql in views((top, total)).items():
+                con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
+        con.execute("DROP TABLE IF EXISTS temp.forced")
+        _attribute(con, new_gaps=bool(new) or deleted or st is None)
         con.execute("COMMIT")
         return new
     except BaseException:

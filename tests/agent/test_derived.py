@@ -126,20 +126,26 @@ def test_a_store_folds_in_at_close_and_its_views_stay_exact_in_between(tmp_path)
     store.close()
 
 
-def test_rows_deleted_under_the_watermark_are_loud_and_a_refresh_rebuilds(tmp_path):
-    """A retention roll deletes raw rows: the derived rows no longer describe them. A read says so (it never
-    answers from them silently); a writable connection's refresh rebuilds them from what is left."""
+def test_rows_deleted_under_the_watermark_are_loud_and_a_refresh_folds_the_deletion_in(tmp_path):
+    """A retention roll deletes the oldest raw rows: the derived rows no longer describe them. A read says so
+    (it never answers from them silently); a writable connection's refresh recomputes the keys that had events
+    before the earliest left, and rebuilds everything when rows went missing anywhere else."""
     path = str(tmp_path / "s.duckdb")
     store = Store(path)
     sid = store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
     store.append([(sid, _events(20))])
     store.refresh_derived()
     con = store.cursor()
-    con.execute("DELETE FROM request_events WHERE ts_ns < 500 * 1000000")  # the first 5 requests
+    con.execute("DELETE FROM request_events WHERE ts_ns < 520 * 1000000")  # oldest first, mid-request (r2 of #6)
     with pytest.raises(duckdb.Error, match="deleted from request_events"):
         con.execute("SELECT count(*) FROM requests").fetchall()
-    assert derived.refresh(con) == con.execute("SELECT count(*) FROM request_events").fetchone()[0]
-    assert current(con) == reference(con) and len(current(con)[0]) == 15
+    assert derived.refresh(con) == 0  # nothing new: the deletion folded in
+    assert current(con) == reference(con)
+    left = len(current(con)[0])
+    assert left < 20
+    con.execute("DELETE FROM request_events WHERE ts_ns BETWEEN 1200 * 1000000 AND 1300 * 1000000")  # not oldest
+    derived.refresh(con)
+    assert current(con) == reference(con) and len(current(con)[0]) < left
     store.close()
 
 
@@ -190,3 +196,100 @@ def test_the_read_api_folds_new_events_in_before_it_reads(tmp_path):
     finally:
         api.stop()
         store.close()
+
+
+# --- the steps kept with the gaps (ITL attribution) ----------------------------------------------------------
+
+ATTRIBUTION_FIXTURES = ["prefill-interference", "kv-pressure", "itl-spikes-vllm", "reused-ids", "telemetry-silent"]
+
+
+def attribution(con, run: str, stored: bool) -> list:
+    from phasescope.agent.read.itl import ITL_GAPS, STORED_GAPS
+
+    sql = STORED_GAPS if stored else f"WITH {ITL_GAPS} SELECT * FROM gaps"
+    rows = con.execute(f"SELECT request_id, ts_ns, tokens, steps_in_gap, step_ms, prefill_tokens, decode_tokens, cause "
+                       f"FROM ({sql})", {"run": run, "long": 128, "host_ratio": 2.0}).fetchall()
+    return sorted(rows, key=repr)
+
+
+@pytest.mark.parametrize("order", ["shuffled", "by time"])
+@pytest.mark.parametrize("name", ATTRIBUTION_FIXTURES)
+def test_the_steps_kept_with_the_gaps_are_the_steps_joined_at_read_time(tmp_path, name, order):
+    """Steps and events arriving in any order, folded in piecemeal: the gaps' stored steps (and so their causes)
+    equal what joining every gap to every step gives, after every refresh."""
+    path = str(tmp_path / "run.duckdb")
+    run = load(os.path.join(DATA_DIR, name), path)
+    con = duckdb.connect(path)
+    want = attribution(con, run, stored=False)
+    assert derived.attribution_current(con) and attribution(con, run, stored=True) == want
+    steps = con.execute("SELECT * FROM steps").fetchall()
+    events = con.execute("SELECT * FROM request_events").fetchall()
+    rng = random.Random(name)
+    rng.shuffle(steps)
+    rng.shuffle(events)
+    k = 5
+    if order == "by time":  # as a live store gets them: in time order, steps and tokens in separate batches
+        steps.sort(key=lambda r: r[1])
+        events.sort(key=lambda r: r[1])
+    con.execute("DELETE FROM steps")
+    con.execute("DELETE FROM request_events")
+    forget(con)
+    con.execute("DELETE FROM derived_state")
+    for i in range(k):
+        part = (slice(i * len(steps) // k, (i + 1) * len(steps) // k), slice(i * len(events) // k, (i + 1) * len(events) // k)) \
+            if order == "by time" else (slice(i, None, k), slice(i, None, k))
+        con.executemany("INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", steps[part[0]])
+        con.executemany("INSERT INTO request_events VALUES (?, ?, ?, ?, ?, ?, ?)", events[part[1]])
+        assert not derived.attribution_current(con)
+        derived.refresh(con)
+        assert derived.attribution_current(con)
+        assert attribution(con, run, stored=True) == attribution(con, run, stored=False), f"after part {i + 1}"
+    assert attribution(con, run, stored=True) == want
+    con.close()
+
+
+@pytest.mark.parametrize("name", ["prefill-interference", "kv-pressure", "reused-ids"])
+def test_a_retention_roll_keeps_requests_and_gaps_exact(tmp_path, name):
+    """Steps and events older than a cutoff deleted (what a retention roll does), folded in: requests, gaps and
+    their steps equal what the rows left give."""
+    path = str(tmp_path / "run.duckdb")
+    run = load(os.path.join(DATA_DIR, name), path)
+    con = duckdb.connect(path)
+    lo, hi = con.execute("SELECT min(t.ts_ns + s.wall_minus_mono_ns), max(t.ts_ns + s.wall_minus_mono_ns) "
+                         "FROM steps t JOIN sources s USING (source_id)").fetchone()
+    for frac in (0.2, 0.5):
+        cut = lo + int((hi - lo) * frac)
+        for t in ("steps", "request_events"):
+            con.execute(f"DELETE FROM {t} WHERE source_id IN (SELECT source_id FROM sources) AND "
+                        f"ts_ns + (SELECT wall_minus_mono_ns FROM sources s WHERE s.source_id = {t}.source_id) < ?",
+                        [cut])
+        derived.refresh(con)
+        assert current(con) == reference(con), frac
+        assert attribution(con, run, stored=True) == attribution(con, run, stored=False), frac
+    con.close()
+
+
+def test_a_store_from_before_the_derived_tables_reads_exactly(tmp_path):
+    """A file written before issue 30 has no derived tables and today's views: the file reader derives the
+    requests and gaps from its raw rows (temp views, read-only)."""
+    from phasescope.agent.read.reader import open_reader
+
+    path = str(tmp_path / "old.duckdb")
+    load(os.path.join(DATA_DIR, "reused-ids"), path)
+    con = duckdb.connect(path)
+    want = reference(con)
+    run = con.execute("SELECT run_id FROM sources LIMIT 1").fetchone()[0]
+    want_summary = queries.request_summary(con, run)
+    want_attr = queries.itl_attribution(con, run)
+    for v in ("requests", "itl"):
+        con.execute(f"DROP VIEW {v}")
+    for t in derived.TABLES:
+        con.execute(f"DROP TABLE {t}")
+    for name, sql in VIEWS.items():
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {sql}")
+    con.close()
+    reader = open_reader(path)
+    assert reader.query("request_summary", run_id=run) == want_summary
+    got = reader.query("itl_attribution", run_id=run)
+    assert {k: v for k, v in got.items() if k != "query"} == {k: v for k, v in want_attr.items() if k != "query"}
+    assert reader._run(current) == want
