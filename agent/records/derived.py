@@ -10,25 +10,33 @@ per output token). Now:
   gap since the previous one (`prev_ns`), the tokens it brought and whether the request
   was preempted inside it. A gap bringing k tokens stands for k ITL samples of gap / k:
   it is never expanded into k rows (`tokens` is a weight);
-- `derived_state` says how far they go: every `request_events` row with `rowid <= wm`
-  is in them, and there were `n` such rows when they were made.
+- each gap also keeps its steps (the run's lowest rank): how many ended in it, the last one
+  ended by its token, its neighbours' counts: what ITL attribution joins (agent/read/itl.py);
+- `derived_state` says how far they go: every `request_events` (`steps`) row with
+  `rowid <= wm` is in them, and there were `n` such rows when they were made.
 
 The views `requests` and `itl` are the stored rows plus the delta: the events past the
-watermark, folded into the stored rows of their requests (`DELTA` below). So every read
+watermark, folded into the stored rows of their requests (`STAGES` below). So every read
 is exact whatever the state (a fresh store's delta is everything; a stale file's delta is
 what its writer appended since the last refresh), and `refresh(con)` only moves work from
-reads to one place: it writes the delta into the tables and moves the watermark. The
+reads to one place: it writes the delta into the tables and moves the watermarks. The
 writable connections refresh: the sidecar's read API before each read, `Store.close`,
-the fixture loader and the benchmark; read-only readers only read.
+the fixture loader and the benchmark; read-only readers only read. ITL attribution uses the
+gaps' steps only when nothing was written since the refresh (`attribution_current`).
 
 Incremental by key: the events of a request id (a runtime label that runtimes reuse,
 numbered by arrival) continue in time order in the common case, so new events extend the
 key's latest stored request (its arrival number, aggregates, last token and last
 preemption). A key whose new events are not all later than everything stored for it (a
-late event) is recomputed from all its raw events. If rows were deleted from
-`request_events` (a retention roll) since the watermark, the count below it no longer
-matches: a read raises (the derived rows no longer describe the raw rows; a writable
-connection's `refresh` rebuilds them from what is left).
+late event) is recomputed from all its raw events. New steps re-tie only the gaps at or
+after their earliest start (`ATTRIBUTE`).
+
+Deletions: rows deleted from `request_events` since the watermark make a read raise (the
+derived rows no longer describe the raw rows). A writable connection's `refresh` folds in a
+deletion of the oldest rows (what a retention roll does): the keys with an event before the
+earliest one left are recomputed from what is left, the gaps whose steps may have gone are
+re-tied; when the request rows then do not hold every raw event once (rows were deleted
+elsewhere) it rebuilds them all.
 
 Pure SQL over a connection the caller passes; imports nothing of ours.
 """
