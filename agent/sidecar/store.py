@@ -349,13 +349,22 @@ class Store:
             except Exception as exc:  # noqa: BLE001 - a broken connection: the writer reopens it
                 log.warning("could not set DuckDB memory_limit to %s: %r", limit, exc)
 
-    def refresh_derived(self) -> int:
-        """Fold the request events written since the last refresh into the derived tables (`derived.py`), under
-        the read memory limit; returns the events folded in. A failure is logged, never raised: the views stay
-        exact without it (they fold the rest in at each read), only slower."""
+    def refresh_derived(self, timeout_s: float | None = None) -> int:
+        """Fold the request events and steps written since the last refresh into the derived tables
+        (`records/derived.py`), under the read memory limit, within `timeout_s` (None: the read time limit);
+        returns the events folded in. A failure or a timeout is logged, never raised, and leaves them as they
+        were: the views stay exact without it (they fold the rest in at each read), only slower."""
         try:
             with self.reading() as con:
-                return derived.refresh(con)
+                timer = threading.Timer(timeout_s, con.interrupt) if timeout_s else None
+                if timer is not None:
+                    timer.daemon = True
+                    timer.start()
+                try:
+                    return derived.refresh(con)
+                finally:
+                    if timer is not None:
+                        timer.cancel()
         except Exception as exc:  # noqa: BLE001 - an optimisation; the raw rows are what counts
             log.warning("could not refresh the derived tables: %r", exc)
             return 0
@@ -375,7 +384,7 @@ class Store:
         deadline = time.monotonic() + wait_reads_s
         while self.interrupt_reads() and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.refresh_derived()
+        self.refresh_derived(timeout_s=10.0)  # a file at rest reads fast; never holds a shutdown long
         with self._lock:
             try:
                 self.con.execute("CHECKPOINT")
