@@ -32,6 +32,7 @@ from .queueing import ttft_queueing
 from .telemetry import telemetry_degraded
 from .reliability import preemption_recompute, probe_dropping, survival_rate
 from .runinfo import read_run_info, with_flag_values
+from .sql import OnceConnection
 from .tp import tp_kv_head_replication, tp_kv_imbalance, tp_straggler
 
 Analyzer = Callable[..., list[Finding]]
@@ -85,10 +86,11 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
     gpu = gpu or lookup(labels.get("gpu_name"))
     context = {"model": model, "gpu": gpu, "labels": labels, "now_ns": now_ns}
     findings: list[Finding] = []
+    once = OnceConnection(con)  # a figure several rules read is read once
     for fn in ANALYZERS:
         params = inspect.signature(fn).parameters
         kw = {k: v for k, v in {**overrides, **context}.items() if k in params}
-        findings.extend(fn(con, run_id, **kw))
+        findings.extend(fn(once, run_id, **kw))
     findings = reconcile(findings)
     if labels.get("runtime") == "vllm":  # name vLLM's flags with this run's values
         findings = [dataclasses.replace(f, suggestion=with_flag_values(f.suggestion, labels)) for f in findings]

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from phasescope.agent.read.queries import ITL_GAPS, itl_attribution, sql_text
+from phasescope.agent.read.itl import LADDER_N_SQL, LADDER_TOP_SQL, p99_by_budget
+from phasescope.agent.read.queries import itl_attribution, sql_text
 from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
@@ -56,24 +57,9 @@ FIT_SQL = f"""WITH st AS ({RUN_STEPS}),
            regr_intercept(ms, prefill_tokens) AS ols_intercept_ms, regr_r2(ms, prefill_tokens) AS ols_r2
     FROM st WHERE decode_tokens > 0"""
 
-# the p99 ITL had each step's prefill been capped at max($budget - decode_tokens, 1) tokens per step
-PREDICT_SQL = f"""WITH {ITL_GAPS},
-    s AS (SELECT *, greatest($budget - decode_tokens, 1) AS c,
-                 cause NOT IN ('preemption', 'queueing', 'unattributed') AND prefill_tokens > $budget - decode_tokens
-                     AS split
-          FROM samples),
-    -- what a gap holds besides its step (sampling, scheduling) when nothing else happens: pure decode gaps
-    o AS (SELECT coalesce(quantile_cont(gap_ms - step_ms, 0.5)
-                          FILTER (WHERE steps_in_gap = 1 AND prefill_tokens = 0 AND cause = 'other'), 0) AS ovh
-          FROM gaps),
-    pred AS (
-        SELECT itl_ms FROM s WHERE NOT split
-        UNION ALL
-        SELECT (CASE WHEN j = 0 THEN gap_ms - step_ms ELSE (SELECT ovh FROM o) END
-                + $base_ms + ($slope + (step_ms - $base_ms - $slope * prefill_tokens) / prefill_tokens)
-                * least(c, prefill_tokens - j * c)) / tokens
-        FROM s, range(CAST(ceil(prefill_tokens / c) AS BIGINT)) AS r(j) WHERE split)
-    SELECT quantile_cont(itl_ms, $quantile) AS itl_p99_ms, count(*) AS itl_samples FROM pred"""
+# the p99 ITL had each step's prefill been capped at max($budget - decode_tokens, 1) tokens per step, for every
+# budget of the ladder at once, over the gaps computed once (agent/read/itl.py: exact, nothing expanded)
+PREDICT_SQL = LADDER_N_SQL + ";\n" + LADDER_TOP_SQL
 
 
 def prefill_fit(con: Any, run_id: str, fit_min_prefill_tokens: int = int(T["fit_min_prefill_tokens"])) -> dict:
@@ -89,9 +75,19 @@ def predict_p99(con: Any, run_id: str, budget_tokens: int, ms_per_prefill_token:
                 host_stall_ratio: float = T["host_stall_ratio"], quantile: float = 0.99) -> float | None:
     """Predicted p99 ITL (ms) of this run had every step held at most `budget_tokens` tokens (prefill chunks
     of max(budget - decode tokens, 1)), at `ms_per_prefill_token`; see the module doc."""
-    r = one(con, PREDICT_SQL, run_id, long=long_prefill_tokens, host_ratio=host_stall_ratio, quantile=quantile,
-            budget=int(budget_tokens), slope=float(ms_per_prefill_token), base_ms=float(pure_decode_ms))
-    return r["itl_p99_ms"]
+    return predict_p99_ladder(con, run_id, [budget_tokens], ms_per_prefill_token, pure_decode_ms,
+                              long_prefill_tokens=long_prefill_tokens, host_stall_ratio=host_stall_ratio,
+                              quantile=quantile)[int(budget_tokens)]
+
+
+def predict_p99_ladder(con: Any, run_id: str, budgets: list[int], ms_per_prefill_token: float,
+                       pure_decode_ms: float, *, long_prefill_tokens: int = int(T["long_prefill_tokens"]),
+                       host_stall_ratio: float = T["host_stall_ratio"],
+                       quantile: float = 0.99) -> dict[int, float | None]:
+    """`predict_p99` of every budget, from one pass over the gaps (not one per candidate)."""
+    return p99_by_budget(con, run_id, budgets, ms_per_prefill_token, pure_decode_ms,
+                         long_prefill_tokens=long_prefill_tokens, host_stall_ratio=host_stall_ratio,
+                         quantile=quantile)
 
 
 LADDER = (64, 128, 256, 512, 1024, 2048)  # token budgets the evidence predicts p99 ITL for
@@ -165,9 +161,10 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
     slope = max(fit["ms_per_prefill_token"] or 0.0, 0.0)
     chunked, budget = chunked_prefill(labels)
     kw = {"long_prefill_tokens": long, "host_stall_ratio": th["host_stall_ratio"]}
-    predicted = predict_p99(con, run_id, chunk, slope, base, **kw)
-    ladder = {b: predict_p99(con, run_id, b, slope, base, **kw)
-              for b in LADDER if b < (stall["max_prefill_tokens_per_step"] or 0)}
+    rungs = [b for b in LADDER if b < (stall["max_prefill_tokens_per_step"] or 0)]
+    by_budget = predict_p99_ladder(con, run_id, rungs + [chunk], slope, base, **kw)
+    predicted = by_budget[chunk]
+    ladder = {b: by_budget[b] for b in rungs}
     e.update({k: v for k, v in fit.items() if k != "query"})
     e.update({"page_size": page, "suggested_chunk_tokens": chunk, "budget_tokens": budget,
               "chunked_prefill": chunked, "max_prefill_tokens_per_step": stall["max_prefill_tokens_per_step"],
@@ -175,8 +172,9 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
               "predicted_saving_ms": e["itl_p99_ms"] - predicted if predicted is not None else None,
               "predicted_itl_p99_ms_by_budget": ladder})
     e["query"] = e["query"] + ";\n" + fit["query"] + ";\n" + sql_text(PREDICT_SQL, {
-        "long": long, "host_ratio": th["host_stall_ratio"], "quantile": 0.99, "budget": chunk,
-        "slope": slope, "base_ms": base})
+        "quantile": 0.99, "budgets": str(sorted(set(rungs + [chunk]))), "bmin": min(rungs + [chunk]),
+        "slope": slope, "base_ms": base, "top": "<the most samples above any budget's p99>",
+        "r_lo": "<ranks from the top>", "r_hi": "<ranks from the top>"})
     effect = (head + f"ran next to a prefill of >= {long} tokens (the largest {e['tail_max_prefill_tokens']})." + slo
               + f" Fit from {fit['fit_steps']} steps: {slope:.3f} ms per prefill token over a "
               f"{base:.1f} ms pure decode step; with at most {chunk} tokens per step the p99 ITL would have been "

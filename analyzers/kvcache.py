@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from phasescope.agent.records.kvmath import predicted_waste
+from phasescope.agent.records.kvmath import internal_fragmentation
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
@@ -17,11 +17,27 @@ USAGE_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
     SELECT count(*) AS snapshots, max(used_pages / total_pages) AS block_usage_max,
            quantile_cont(used_pages / total_pages, 0.95) AS block_usage_p95,
            avg(used_pages / total_pages) AS block_usage_mean,
-           count(*) FILTER (WHERE used_pages / total_pages >= $near) / count(*) AS near_cap_share,
            max(total_pages) AS total_pages, any_value(page_size_tokens) AS page_size,
            max(kv_bytes / nullif(used_pages, 0)) AS bytes_per_page, any_value(kv_dtype) AS kv_dtype,
            max(num_seqs) AS max_seqs, max(live_tokens) AS max_live_tokens
     FROM k"""
+
+# the share of snapshots at or above a usage: apart from USAGE_SQL, which two rules read at two usages (one pass)
+NEAR_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
+    SELECT count(*) FILTER (WHERE used_pages / total_pages >= $near) / count(*) AS near_cap_share FROM k"""
+
+
+def _usage(con, run_id: str, near: float) -> dict:
+    """USAGE_SQL's row with NEAR_SQL's share at `near` after block_usage_mean (the evidence's order)."""
+    u = one(con, USAGE_SQL, run_id)
+    share = one(con, NEAR_SQL, run_id, near=near)["near_cap_share"]
+    out = {}
+    for k, v in u.items():
+        out[k] = v
+        if k == "block_usage_mean":
+            out["near_cap_share"] = share
+    return out
+
 
 SEQ_LEN_SQL = """SELECT quantile_disc(prompt_tokens + output_tokens, 0.95) AS seq_tokens_p95,
            max(prompt_tokens + output_tokens) AS seq_tokens_max, count(*) AS requests
@@ -37,7 +53,7 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
                 **_: object) -> list[Finding]:
     """Fires when block usage reaches `near_cap` (fraction of pages) and >= `min_preemptions` requests
     were preempted."""
-    e = one(con, USAGE_SQL, run_id, near=near_cap)
+    e = _usage(con, run_id, near_cap)
     if not e["snapshots"] or e["block_usage_max"] < near_cap:
         return []
     pre = one(con, PREEMPTIONS, run_id)
@@ -55,7 +71,7 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
     e["capacity_tokens_fp8"] = int(cap_tokens * gains["fp8"]) if "fp8" in gains else cap_tokens
     fit_now = cap_tokens // seq["seq_tokens_p95"] if seq["seq_tokens_p95"] else None
     e["max_seqs_without_preemption"] = fit_now
-    e["query"] = USAGE_SQL.replace("$near", str(near_cap)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
+    e["query"] = USAGE_SQL + ";\n" + NEAR_SQL.replace("$near", str(near_cap)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
     parts = []
     if gains:
         g = gains["fp8"]
@@ -108,9 +124,18 @@ INTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
            any_value(page_size_tokens) AS page_size
     FROM k"""
 
-# every length a sequence holds while it decodes: prompt + k tokens, k = 0 .. output - 1
-LENGTHS_SQL = """SELECT prompt_tokens + k AS tokens
-    FROM requests, range(greatest(output_tokens, 1)::BIGINT) AS r(k) WHERE run_id = $run AND prompt_tokens > 0"""
+# the lengths a sequence holds while it decodes, prompt + k tokens for k = 0 .. m - 1 (m = max(output, 1)), at page
+# size p, summed in closed form (never one row per length): live = m * prompt + m (m - 1) / 2 tokens, and
+# pages C(prompt + m - 1) - C(prompt - 1) with C(N) = sum of ceil(L / p) for L = 1 .. N = p q (q + 1) / 2 + r (q + 1),
+# N = p q + r. Exactly kvmath.predicted_waste's sums over every length.
+LENGTHS_SQL = """WITH r AS (SELECT CAST(prompt_tokens AS HUGEINT) AS a, CAST(greatest(output_tokens, 1) AS HUGEINT) AS m
+                   FROM requests WHERE run_id = $run AND prompt_tokens > 0),
+    c AS (SELECT pp.p, r.a, r.m, r.a + r.m - 1 AS hi, r.a - 1 AS lo
+          FROM r, (SELECT CAST(unnest($pages::BIGINT[]) AS HUGEINT) AS p) pp)
+    SELECT CAST(p AS BIGINT) AS page_size, sum(m * a + m * (m - 1) // 2) AS live_tokens,
+           sum((p * (hi // p) * (hi // p + 1) // 2 + (hi % p) * (hi // p + 1))
+               - (p * (lo // p) * (lo // p + 1) // 2 + (lo % p) * (lo // p + 1))) AS used_pages
+    FROM c GROUP BY p"""
 
 
 def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = T["max_internal_fragmentation"],
@@ -122,14 +147,15 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
     e = one(con, INTERNAL_SQL, run_id)
     if not e["snapshots"] or e["internal_fragmentation_mean"] < max_internal_fragmentation:
         return []
-    lengths = [r["tokens"] for r in rows(con, LENGTHS_SQL, run_id)]
     page = e["page_size"]
     candidates = []
     p = page // 2
     while p >= min_page_size:
         candidates.append(p)
         p //= 2
-    predicted = {p: predicted_waste(lengths, p) for p in [page] + candidates}
+    sums = {r["page_size"]: r for r in rows(con, LENGTHS_SQL, run_id, pages=[page] + candidates)}
+    predicted = {p: internal_fragmentation(int(sums[p]["live_tokens"]), int(sums[p]["used_pages"]), p) if p in sums
+                 else 0.0 for p in [page] + candidates}
     choice = next((p for p in candidates if predicted[p] <= target_fragmentation),
                   candidates[-1] if candidates else page)
     e["predicted_waste_by_page_size"] = predicted
@@ -228,7 +254,7 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
 def kv_headroom_low(con, run_id: str, *, headroom_usage: float = 0.7, **_: object) -> list[Finding]:
     """Fires (info) when block usage peaked at >= `headroom_usage` of the pages but nothing was preempted
     yet (with preemptions, `kv-near-cap` fires instead)."""
-    e = one(con, USAGE_SQL, run_id, near=headroom_usage)
+    e = _usage(con, run_id, headroom_usage)
     if not e["snapshots"] or e["block_usage_max"] < headroom_usage:
         return []
     if one(con, PREEMPTIONS, run_id)["preemptions"] > 0:
@@ -239,7 +265,8 @@ def kv_headroom_low(con, run_id: str, *, headroom_usage: float = 0.7, **_: objec
     fit = cap_tokens // seq["seq_tokens_p95"] if seq["seq_tokens_p95"] else None
     e["capacity_tokens"] = cap_tokens
     e["p95_sequences_that_fit"] = fit
-    e["query"] = USAGE_SQL.replace("$near", str(headroom_usage)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
+    e["query"] = (USAGE_SQL + ";\n" + NEAR_SQL.replace("$near", str(headroom_usage)) + ";\n" + PREEMPTIONS + ";\n"
+                  + SEQ_LEN_SQL)
     cur = _dtype_bytes(e["kv_dtype"]) or 2.0
     return [Finding(
         id="kv-headroom-low",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phasescope.agent.read.queries import MISS_CAUSES, MISS_CAUSES_SQL, smaller_page_saving
+from phasescope.agent.read.queries import MISS_CAUSES, MISS_CAUSES_SQL, smaller_page_savings
 from phasescope.agent.read.queries import prefix_miss_causes as prefix_miss_causes_query
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
@@ -79,9 +79,10 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
     if c["sub-page"] and share("sub-page") >= prefix_miss_cause_share \
             and c["sub-page"] / max(c["sub_page_lookups"], 1) >= min_sub_page_tokens:
         best, saved = None, 0
+        savings = smaller_page_savings(con, run_id, [p for p in (8, 4, 2, 1) if p < page])  # one pass, all sizes
         for p in (8, 4, 2, 1):
             if p < page:
-                s = smaller_page_saving(con, run_id, p)
+                s = savings[p]
                 if s > saved:
                     best, saved = p, s
                 if s >= c["sub-page"] * 0.75:

@@ -22,6 +22,47 @@ RUN_KV = """SELECT k.* FROM kv_snapshots k JOIN sources s USING (source_id) WHER
 RUN_REQUESTS = "SELECT * FROM requests WHERE run_id = $run"
 
 
+class _Rows:
+    """A finished result: what a cursor gives (description, fetchone, fetchall), from memory."""
+
+    def __init__(self, description: Any, rows: list[tuple]) -> None:
+        self.description, self._rows, self._at = description, rows, 0
+
+    def fetchone(self) -> tuple | None:
+        if self._at >= len(self._rows):
+            return None
+        self._at += 1
+        return self._rows[self._at - 1]
+
+    def fetchall(self) -> list[tuple]:
+        out, self._at = self._rows[self._at:], len(self._rows)
+        return out
+
+
+class OnceConnection:
+    """A connection for one `diagnose`: a read it has answered already (the same SQL text and parameters) is
+    answered again from memory, not run again. Several rules read the same figures (KV usage, sequence lengths,
+    preemptions, prefix totals, the world size); one diagnose reads one snapshot, so the answer is the same.
+    Statements that write, and reads of temp tables (which a rule may have replaced), always run."""
+
+    def __init__(self, con: Any) -> None:
+        self._con = con
+        self._seen: dict[tuple[str, str], tuple[Any, list[tuple]]] = {}
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        read = sql.lstrip()[:6].upper().startswith(("SELECT", "WITH")) and "_ps_" not in sql
+        if not read or "temp." in sql.lower():
+            return self._con.execute(sql) if params is None else self._con.execute(sql, params)
+        key = (sql, repr(params))
+        if key not in self._seen:
+            cur = self._con.execute(sql) if params is None else self._con.execute(sql, params)
+            self._seen[key] = (cur.description, cur.fetchall())
+        return _Rows(*self._seen[key])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)
+
+
 def one(con: duckdb.DuckDBPyConnection, sql: str, run_id: str, **params: Any) -> dict[str, Any]:
     """Run `sql` (which may use $run and the named params) and return its single row as a dict."""
     cur = con.execute(sql, {"run": run_id, **params})
@@ -56,8 +97,10 @@ def page_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:
     return one(con, PAGE_SIZE, run_id)["page_size"]
 
 
-PREEMPTIONS = """SELECT count(*) AS preemptions, count(DISTINCT request_id) AS preempted_requests
-    FROM request_log WHERE run_id = $run AND event = 'preempted'"""
+# from the request rows: each preempted event belongs to exactly one request
+PREEMPTIONS = """SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) AS preemptions,
+           count(*) FILTER (WHERE preemptions > 0) AS preempted_requests
+    FROM requests WHERE run_id = $run"""
 
 PREFIX_TOTALS = """WITH last AS (
         SELECT p.source_id, max(queried_tokens_total) AS q, max(hit_tokens_total) AS h,

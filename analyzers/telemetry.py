@@ -36,17 +36,27 @@ KV_STOPPED_SQL = f"""WITH kv AS (SELECT max({_WALL}) AS last_kv_s, count(*) AS s
            (SELECT count(*) FROM st WHERE t > kv.last_kv_s) AS steps_after
     FROM kv"""
 
-PREFIX_STUCK_SQL = f"""WITH p AS (SELECT {_WALL} AS t, x.queried_tokens_total AS q
+_PREFIX_STUCK = f"""WITH p AS (SELECT {_WALL} AS t, x.queried_tokens_total AS q
                         FROM prefix_counters x JOIN sources s USING (source_id) WHERE s.run_id = $run),
-        moved AS (SELECT max(t) AS last_move_s FROM
-                    (SELECT t, q, lag(q) OVER (ORDER BY t) AS prev FROM p) WHERE prev IS NULL OR q > prev),
+        pc AS (SELECT count(*) AS n, max(q) AS qmax FROM p),
+        {{moved}},
         pre AS (SELECT {_WALL} AS t, x.prefill_tokens FROM steps x JOIN sources s USING (source_id)
                 WHERE s.run_id = $run AND x.prefill_tokens > 0)
-    SELECT (SELECT count(*) FROM p) AS counter_records, (SELECT max(q) FROM p) AS queried_tokens_total,
-           moved.last_move_s, (SELECT max(t) FROM pre) AS last_prefill_s,
-           (SELECT count(*) FROM pre WHERE t > moved.last_move_s) AS prefill_steps_after,
-           (SELECT coalesce(sum(prefill_tokens), 0) FROM pre WHERE t > moved.last_move_s) AS prefill_tokens_after
-    FROM moved"""
+    SELECT any_value(pc.n) AS counter_records, any_value(pc.qmax) AS queried_tokens_total,
+           any_value(moved.last_move_s) AS last_move_s, max(pre.t) AS last_prefill_s,
+           count(pre.t) FILTER (WHERE pre.t > moved.last_move_s) AS prefill_steps_after,
+           coalesce(sum(pre.prefill_tokens) FILTER (WHERE pre.t > moved.last_move_s), 0) AS prefill_tokens_after
+    FROM moved, pc LEFT JOIN pre ON true"""
+# the last time the queried counter grew over the record before it (time order)
+PREFIX_STUCK_SQL = _PREFIX_STUCK.format(moved="""moved AS (SELECT max(t) AS last_move_s FROM
+                    (SELECT t, q, lag(q) OVER (ORDER BY t) AS prev FROM p) WHERE prev IS NULL OR q > prev)""")
+# the same over the latest records only (no sort of them all): when one of them grew over the one before, the
+# last that did is the answer; when none did (or the first of them is the run's first) the whole is needed
+PREFIX_TAIL = 1024
+PREFIX_STUCK_TAIL_SQL = _PREFIX_STUCK.format(moved=f"""moved AS (SELECT max(t) AS last_move_s FROM
+                    (SELECT t, q, lag(q) OVER (ORDER BY t) AS prev, row_number() OVER (ORDER BY t) AS i
+                     FROM (SELECT t, q FROM p ORDER BY t DESC LIMIT {PREFIX_TAIL + 1}))
+                    WHERE (i > 1 AND q > prev) OR (i = 1 AND (SELECT n FROM pc) <= {PREFIX_TAIL + 1}))""")
 
 GPU_STOPPED_SQL = f"""WITH st AS (SELECT x.source_id, {_WALL} AS t, NOT isnan(x.gpu_ms) AS timed
                         FROM steps x JOIN sources s USING (source_id) WHERE s.run_id = $run),
@@ -92,7 +102,9 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
                                  f"{kv['snapshots']} KV snapshots; every KV figure since is missing."),
                 reference=ref("Probe health"), run_id=run_id, thresholds=th))
 
-    px = one(con, PREFIX_STUCK_SQL, run_id)
+    px = one(con, PREFIX_STUCK_TAIL_SQL, run_id)
+    if px["last_move_s"] is None and (px["counter_records"] or 0) > PREFIX_TAIL + 1:
+        px = one(con, PREFIX_STUCK_SQL, run_id)
     if px["counter_records"] and px["last_move_s"] is not None and px["last_prefill_s"] is not None:
         stuck = px["last_prefill_s"] - px["last_move_s"]
         if stuck >= telemetry_stale_s and px["prefill_steps_after"] >= min_stale_steps // 4:

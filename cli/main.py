@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 
+from phasescope.agent.records.derived import VIEW_DOCS as _DERIVED_VIEW_DOCS
 from phasescope.agent.records.errors import PhasescopeError
 
 from .errors import CliError, UsageError
@@ -378,9 +379,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 VIEW_DOCS = {
     "request_log": "every request event keyed by arrival (request_id unique per arrival; runtime_request_id the "
                    "runtime's label)",
-    "requests": "one row per request: queue, TTFT, prefill, decode, TPOT, E2E in seconds; cached tokens of the "
-                "first admission, re-admission reuse apart",
-    "itl": "one row per output token after the first: the inter-token latency in seconds",
+    **_DERIVED_VIEW_DOCS,  # requests, itl (agent/records/derived.py)
 }
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import duckdb
 
+from ..records import derived
 from ..records.schema import RUN_INFO_DDL, TABLES, VIEWS
 
 HIVE = re.compile(r"(?:^|/)host=(?P<host>[^/]+)/date=(?P<date>[^/]+)/table=(?P<table>[^/]+)/[^/]+\.parquet$")
@@ -92,6 +93,8 @@ def open_host(pattern: str, host: str) -> duckdb.DuckDBPyConnection:
         con.execute(RUN_INFO_DDL)
     for view, sql in VIEWS.items():
         con.execute(f"CREATE VIEW {view} AS {sql}")
+    for stmt in derived.ddl(rowids=False):  # no row ids in files: the views derive every request from them
+        con.execute(stmt)
     return con
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import duckdb
 
+from ..records import derived
 from ..records.schema import TABLES, VIEWS
 from .exports import list_files
 
@@ -65,6 +66,8 @@ def open_with_history(path: str, export_dir: str, host: str) -> duckdb.DuckDBPyC
         tables = [n for (n,) in con.execute(
             "SELECT table_name FROM duckdb_tables() WHERE database_name = 'store'").fetchall()]
         for t in tables:
+            if t in derived.TABLES:  # made from the store's rows alone: made again below from the whole history
+                continue
             paths = files.get(t)
             if paths:
                 names = ", ".join(n for n, _, _ in TABLES[t])
@@ -76,6 +79,8 @@ def open_with_history(path: str, export_dir: str, host: str) -> duckdb.DuckDBPyC
                 con.execute(f"CREATE VIEW {t} AS SELECT * FROM store.main.{t}")
         for view, sql in VIEWS.items():
             con.execute(f"CREATE VIEW {view} AS {sql}")
+        for stmt in derived.ddl(rowids=False):  # requests and gaps of the whole history, from its raw rows
+            con.execute(stmt)
         con.execute(f"CREATE VIEW {READ_FROM} AS SELECT * FROM (VALUES ('store', {_quote(path)}), "
                     f"('exports', {_quote(os.path.join(export_dir, f'host={host}'))})) AS t(source, location)")
     except BaseException:

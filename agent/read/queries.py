@@ -139,8 +139,8 @@ def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) ->
     ).fetchone()
     queried, hit, recomputed, evicted = (int(v) if v is not None else None for v in row)
     preempted = con.execute(
-        f"""SELECT count(*) FROM request_events r JOIN sources s USING (source_id)
-            WHERE r.event = 'preempted' {where}""", params).fetchone()[0]
+        f"""SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) FROM requests s WHERE true {where}""",
+        params).fetchone()[0]
     return {"queried_tokens": queried, "hit_tokens": hit,
             "hit_rate": hit / queried if queried else None,
             "recomputed_tokens": recomputed, "evicted_blocks": evicted, "preemptions": preempted}
@@ -224,21 +224,13 @@ LATENCY_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": 
 
 def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None, metric: str = "ttft",
                       bins: int = 30) -> list[dict[str, Any]]:
-    """Log-spaced histogram of a per-request latency (ttft, tpot, e2e, queue) or of ITL (itl), seconds."""
+    """Log-spaced histogram of a per-request latency (ttft, tpot, e2e, queue) or of ITL (itl: one count per
+    output token after a request's first, README.md's ITL), seconds."""
+    weight = "1"
     if metric == "itl":
-        # ITL needs a window over every token event; above ~1M events, a deterministic sample of
-        # requests (all tokens of each sampled request) keeps it under a second
-        run = "" if run_id is None else " AND s.run_id = $run_id"
-        p: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
-        n = con.execute(f"""SELECT count(*) FROM request_events r JOIN sources s USING (source_id)
-                            WHERE r.event = 'token'{run}""", p).fetchone()[0]
-        k = max(1, -(-n // 1_000_000))
-        # request_log: gaps are taken within one arrival of a request id, never across two reuses of it
-        src = f"""(SELECT s.run_id, (s.ts_ns - lag(s.ts_ns) OVER w) / 1e9 / s.tokens AS itl_s
-                   FROM request_log s, range(s.tokens) AS k(i)
-                   WHERE s.event = 'token' AND s.tokens > 0 AND hash(s.runtime_request_id) % {k} = 0{run}
-                   WINDOW w AS (PARTITION BY s.run_id, s.request_id ORDER BY s.ts_ns))"""
-        col = "itl_s"
+        # one row per gap, standing for `tokens` samples of itl_s (the `itl` view): counted by weight, never
+        # expanded, so a gap of 2^31 tokens costs what any gap costs
+        src, col, weight = "itl", "itl_s", "tokens"
     elif metric in LATENCY_METRICS:
         src, col = "requests", LATENCY_METRICS[metric]
     else:
@@ -246,10 +238,10 @@ def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     where = "" if run_id is None else " AND run_id = $run_id"
     named: dict[str, Any] = {"bins": bins} if run_id is None else {"bins": bins, "run_id": run_id}
     return _rows(con, f"""
-        WITH v AS (SELECT {col} AS x FROM {src} WHERE {col} > 0{where}),
+        WITH v AS (SELECT {col} AS x, {weight} AS w FROM {src} WHERE {col} > 0{where}),
              b AS (SELECT ln(min(x)) AS lo, greatest(ln(max(x)) - ln(min(x)), 1e-9) AS span FROM v),
-             k AS (SELECT least(floor((ln(x) - lo) / span * $bins), $bins - 1) AS i FROM v, b)
-        SELECT exp(lo + i * span / $bins) AS lo_s, exp(lo + (i + 1) * span / $bins) AS hi_s, count(*)
+             k AS (SELECT least(floor((ln(x) - lo) / span * $bins), $bins - 1) AS i, w FROM v, b)
+        SELECT exp(lo + i * span / $bins) AS lo_s, exp(lo + (i + 1) * span / $bins) AS hi_s, CAST(sum(w) AS BIGINT)
         FROM k, b GROUP BY i, lo, span ORDER BY i""", named, ("lo_s", "hi_s", "count"))
 
 
@@ -539,6 +531,14 @@ SMALLER_PAGE_SQL = """WITH l AS (
                                              hit_tokens))), 0) AS saved_tokens
     FROM l"""
 
+SMALLER_PAGES_SQL = """WITH l AS (
+        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
+        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
+    SELECT pp.p, coalesce(sum(greatest(0, least(s2 // pp.p * pp.p, (prompt_tokens - 1) // pp.p * pp.p)
+                                        - greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens),
+                                                   hit_tokens))), 0) AS saved_tokens
+    FROM l, (SELECT unnest($pages::BIGINT[]) AS p) pp GROUP BY pp.p"""
+
 RESIDENCY_SQL = """SELECT count(*) AS page_events, max(sample_every) AS sample_every, max(dropped_total) AS dropped_events,
            count(*) FILTER (WHERE event = 'evicted') AS evictions,
            count(*) FILTER (WHERE event = 'reused') AS reuses,
@@ -588,8 +588,14 @@ def prefix_miss_causes(con: duckdb.DuckDBPyConnection, run_id: str | None = None
 def smaller_page_saving(con: duckdb.DuckDBPyConnection, run_id: str, page: int) -> int:
     """Prompt tokens pages of `page` tokens would have served from the cache on top of today's hits
     (sub-page misses only; the same pages assumed cached)."""
-    sql = SMALLER_PAGE_SQL.replace("$p", str(int(page)))
-    return int(con.execute(sql, {"run": run_id}).fetchone()[0] or 0)
+    return smaller_page_savings(con, run_id, [page])[int(page)]
+
+
+def smaller_page_savings(con: duckdb.DuckDBPyConnection, run_id: str, pages: list[int]) -> dict[int, int]:
+    """`smaller_page_saving` of every page size in `pages`, in one pass over the lookups."""
+    pages = sorted({int(p) for p in pages})
+    got = dict(con.execute(SMALLER_PAGES_SQL, {"run": run_id, "pages": pages}).fetchall())
+    return {p: int(got.get(p) or 0) for p in pages}
 
 
 def extra_pages_needed(intervals: list[tuple[int, int, int]]) -> int:
@@ -627,100 +633,18 @@ def kv_residency(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> d
     return out
 
 
-# --- ITL tail attribution: which step made each inter-token gap long (analyzers/itl.py) ---
-
-# steps of one run on its lowest rank, with `ms` the step time (GPU time when timed, else host time)
-_LOWEST_RANK_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
-    WHERE s.run_id = $run AND t.rank = (SELECT min(t2.rank) FROM steps t2 JOIN sources s2 USING (source_id)
-                                        WHERE s2.run_id = $run)"""
-
-ITL_CAUSES = ("prefill", "preemption", "queueing", "host", "other", "unattributed")
-
-# one row per token event after a request's first: the gap, its steps and its cause
-ITL_GAPS = f"""st AS ({_LOWEST_RANK_STEPS}),
-    ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns, ms AS step_ms, prefill_tokens, decode_tokens,
-                    row_number() OVER (ORDER BY ts_ns, step_id) AS step_no FROM st),
-    tok AS (SELECT request_id, ts_ns, tokens FROM request_log
-            WHERE run_id = $run AND event = 'token' AND tokens > 0),
-    ts AS (SELECT t.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens
-           FROM tok t ASOF LEFT JOIN ends e ON t.ts_ns >= e.end_ns),
-    g0 AS (SELECT *, lag(ts_ns) OVER w AS prev_ns, step_no - lag(step_no) OVER w AS steps_in_gap
-           FROM ts WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
-    -- a token stamped after the next step already ended (vLLM's frontend stamps tokens as it receives them)
-    -- gives a gap of one step too many and then one of none: that pair is its steps' doing, not queueing
-    g AS (SELECT *, lead(steps_in_gap) OVER w AS next_steps, lag(steps_in_gap) OVER w AS prev_steps
-          FROM g0 WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
-    pre AS (SELECT request_id, ts_ns FROM request_log WHERE run_id = $run AND event = 'preempted'),
-    gaps AS (
-        SELECT g.request_id, g.ts_ns, g.tokens, g.steps_in_gap, g.step_ms, g.prefill_tokens, g.decode_tokens,
-               (g.ts_ns - g.prev_ns) / 1e6 AS gap_ms, (g.ts_ns - g.prev_ns) / 1e6 / g.tokens AS itl_ms,
-               CASE WHEN EXISTS (SELECT 1 FROM pre p WHERE p.request_id = g.request_id
-                                 AND p.ts_ns > g.prev_ns AND p.ts_ns <= g.ts_ns) THEN 'preemption'
-                    WHEN g.steps_in_gap IS NULL OR (g.steps_in_gap < 1 AND coalesce(g.prev_steps, 0) < 2)
-                        THEN 'unattributed'
-                    WHEN g.steps_in_gap > g.tokens AND NOT (g.steps_in_gap = g.tokens + 1 AND g.next_steps = 0)
-                        THEN 'queueing'
-                    WHEN g.prefill_tokens >= $long THEN 'prefill'
-                    WHEN (g.ts_ns - g.prev_ns) / 1e6 >= $host_ratio * g.step_ms THEN 'host'
-                    ELSE 'other' END AS cause
-        FROM g WHERE g.prev_ns IS NOT NULL),
-    samples AS (SELECT gaps.* FROM gaps, range(gaps.tokens)),
-    q AS (SELECT count(*) AS n, quantile_cont(itl_ms, 0.5) AS p50, quantile_cont(itl_ms, $quantile) AS p99
-          FROM samples)"""
-
-ITL_SUMMARY_SQL = f"""WITH {ITL_GAPS}
-    SELECT q.n AS itl_samples, q.p50 AS itl_p50_ms, q.p99 AS itl_p99_ms,
-           (SELECT count(*) FROM gaps) AS gaps,
-           (SELECT count(*) FROM samples, q WHERE itl_ms >= q.p99) AS tail_samples,
-           (SELECT sum(itl_ms - q.p50) FROM samples, q WHERE itl_ms >= q.p99) AS tail_excess_ms
-    FROM q"""
-
-ITL_TAIL_SQL = f"""WITH {ITL_GAPS}
-    SELECT cause, count(*) AS samples, sum(itl_ms - q.p50) AS excess_ms, max(prefill_tokens) AS max_prefill_tokens
-    FROM samples, q WHERE itl_ms >= q.p99 GROUP BY cause ORDER BY cause"""
-
-# per request over the TPOT SLO: its TPOT with one cause's excess removed (its gaps brought to the median)
-ITL_TPOT_SQL = f"""WITH {ITL_GAPS},
-    r AS (SELECT request_id, tpot_s, output_tokens FROM requests WHERE run_id = $run AND tpot_s > $slo_s),
-    per AS (SELECT gaps.request_id, cause, sum(greatest(gap_ms - q.p50 * tokens, 0)) AS excess_ms
-            FROM gaps JOIN r USING (request_id), q GROUP BY ALL)
-    SELECT c.cause, count(DISTINCT r.request_id) AS violations,
-           count(DISTINCT r.request_id) FILTER (
-               WHERE r.tpot_s - coalesce(per.excess_ms, 0) / 1e3 / (r.output_tokens - 1) <= $slo_s) AS explained
-    FROM r CROSS JOIN (SELECT unnest($causes) AS cause) c
-    LEFT JOIN per ON per.request_id = r.request_id AND per.cause = c.cause
-    GROUP BY c.cause ORDER BY c.cause"""
-
-
+# --- ITL tail attribution: which step made each inter-token gap long (agent/read/itl.py) ---
 
 def itl_attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
                     long_prefill_tokens: int = int(T["long_prefill_tokens"]),
                     host_stall_ratio: float = T["host_stall_ratio"], tpot_slo_s: float = T["tpot_slo_s"],
                     quantile: float = 0.99) -> dict[str, Any]:
-    """The ITL tail of a run (default: the latest) and its causes, ms: p50 / p99 ITL; per cause (`ITL_CAUSES`,
-    defined in analyzers/itl.py) the tail samples (>= p99) and their share of the tail's excess over the
-    median; TPOT-SLO violations and how many each cause explains alone."""
-    params = {"long": long_prefill_tokens, "host_ratio": host_stall_ratio, "quantile": quantile}
-    if run_id is None:
-        run_id = latest_run(con)
-    e = _one(con, ITL_SUMMARY_SQL, {"run": run_id, **params})
-    tail = {r["cause"]: r for r in _dicts(con, ITL_TAIL_SQL, {"run": run_id, **params})}
-    total = e["tail_excess_ms"] or 0.0
-    for c in ITL_CAUSES:
-        r = tail.get(c, {})
-        e[f"tail_{c}_samples"] = r.get("samples", 0)
-        e[f"tail_{c}_share"] = (r.get("excess_ms") or 0.0) / total if total > 0 else 0.0
-    e["tail_max_prefill_tokens"] = max((r["max_prefill_tokens"] or 0 for r in tail.values()), default=0)
-    viol = {r["cause"]: r for r in _dicts(con, ITL_TPOT_SQL, {"run": run_id, **params, "slo_s": tpot_slo_s,
-                                                                "causes": list(ITL_CAUSES)})}
-    e["tpot_violations"] = max((r["violations"] for r in viol.values()), default=0)
-    for c in ITL_CAUSES:
-        e[f"tpot_violations_explained_{c}"] = viol.get(c, {}).get("explained", 0)
-    e["causes"] = [{"cause": c, "tail_samples": e[f"tail_{c}_samples"], "tail_share": e[f"tail_{c}_share"],
-                    "tpot_violations_explained": e[f"tpot_violations_explained_{c}"]} for c in ITL_CAUSES]
-    e["query"] = sql_text(ITL_SUMMARY_SQL + ";\n" + ITL_TAIL_SQL + ";\n" + ITL_TPOT_SQL,
-                          {**params, "slo_s": tpot_slo_s, "causes": str(list(ITL_CAUSES))})
-    return e
+    """The ITL tail of a run (default: the latest) and its causes, ms: p50 / p99 ITL; per cause the tail
+    samples (>= p99) and their share of the tail's excess over the median; TPOT-SLO violations and how many
+    each cause explains alone (`itl.attribution`)."""
+    from .itl import attribution
+
+    return attribution(con, run_id, long_prefill_tokens, host_stall_ratio, tpot_slo_s, quantile)
 
 
 def _one(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> dict[str, Any]:

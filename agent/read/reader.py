@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 
 import duckdb
 
+from ..records import derived
 from ..records.errors import ReadError
 from .exports import export_glob, hosts, open_host
 from .history import open_with_history, rolled_to
@@ -61,6 +62,7 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
             from None
     try:
         check_readable(con, path)  # one line for an empty or foreign file, another schema version, missing columns
+        derived.readable(con)  # a store from before the derived tables: temp views over its raw rows
     except BaseException:
         con.close()
         raise

@@ -2,10 +2,13 @@
 
 Raw tables are append-only and hold what the records say (timestamps in
 monotonic ns of the producing host; `sources.wall_minus_mono_ns` converts them).
-Views derive the per-request metrics exactly as README.md ("Definitions") defines them.
+Views derive the per-request metrics exactly as README.md ("Definitions") defines them: `requests` and
+`itl` over the derived tables kept incrementally (`derived.py`), `request_log` over the raw events.
 """
 
 from __future__ import annotations
+
+from . import derived
 
 SCHEMA_VERSION = 1
 
@@ -229,51 +232,6 @@ VIEWS: dict[str, str] = {
                runtime_request_id, arrival_no, event, ts_ns, tokens, cached_tokens
         FROM e
     """,
-    # per request, exactly as README.md ("Definitions") defines; seconds. `cached_tokens` are those of the request's
-    # first admission; prefix reuse at a re-admission after preemption (recomputation avoided) is
-    # `readmit_cached_tokens`, never part of the request's cache hits
-    "requests": """
-        WITH agg AS (
-            SELECT run_id, request_id, any_value(runtime_request_id) AS runtime_request_id,
-                min(ts_ns) FILTER (WHERE event = 'arrival') AS arrival_ns,
-                min(ts_ns) FILTER (WHERE event = 'scheduled') AS scheduled_ns,
-                min(ts_ns) FILTER (WHERE event = 'token') AS first_token_ns,
-                max(ts_ns) FILTER (WHERE event = 'token') AS last_token_ns,
-                coalesce(sum(tokens) FILTER (WHERE event = 'token'), 0) AS output_tokens,
-                max(tokens) FILTER (WHERE event = 'arrival') AS prompt_tokens,
-                arg_min(cached_tokens, ts_ns) FILTER (WHERE event = 'scheduled') AS cached_tokens,
-                coalesce(sum(cached_tokens) FILTER (WHERE event = 'scheduled'), 0)
-                    - coalesce(arg_min(cached_tokens, ts_ns) FILTER (WHERE event = 'scheduled'), 0)
-                    AS readmit_cached_tokens,
-                count(*) FILTER (WHERE event = 'preempted') AS preemptions,
-                CASE WHEN bool_or(event = 'aborted') THEN 'aborted'
-                     WHEN bool_or(event = 'finished') THEN 'finished'
-                     ELSE 'running' END AS status
-            FROM request_log GROUP BY run_id, request_id
-        )
-        SELECT *,
-            (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
-            (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
-            (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
-            (last_token_ns - first_token_ns) / 1e9 AS decode_s,
-            CASE WHEN output_tokens > 1
-                 THEN (last_token_ns - first_token_ns) / 1e9 / (output_tokens - 1) END AS tpot_s,
-            (last_token_ns - arrival_ns) / 1e9 AS e2e_s
-        FROM agg
-    """,
-    # one row per output token after the first token event: a chunk of k tokens
-    # arriving `gap` after the previous one gives k samples of gap / k
-    "itl": """
-        WITH t AS (
-            SELECT run_id, request_id, ts_ns, tokens,
-                   lag(ts_ns) OVER (PARTITION BY run_id, request_id ORDER BY ts_ns) AS prev_ns
-            FROM request_log
-            WHERE event = 'token' AND tokens > 0
-        )
-        SELECT run_id, request_id, ts_ns, (ts_ns - prev_ns) / 1e9 / tokens AS itl_s
-        FROM t, range(tokens) AS k(i)
-        WHERE prev_ns IS NOT NULL
-    """,
 }
 
 
@@ -293,6 +251,7 @@ def ddl() -> list[str]:
         out.append(f"COMMENT ON COLUMN run_info.{name} IS '{doc}'")
     for view, sql in VIEWS.items():
         out.append(f"CREATE OR REPLACE VIEW {view} AS {sql}")
+    out.extend(derived.ddl())  # request_rows, token_gaps and the views over them: requests, itl
     out.append(
         "INSERT INTO meta VALUES ('schema_version', '%d') ON CONFLICT (key) DO NOTHING" % SCHEMA_VERSION
     )

@@ -35,6 +35,7 @@ from urllib.parse import parse_qsl, urlparse
 
 import duckdb
 
+from ..records import derived
 from ..records.address import host_header_allowed
 from ..read.jsonsafe import to_json
 from ..read.queries import QUERIES, run_named
@@ -61,6 +62,7 @@ class ReadAPI:
         """`reading`: a context giving a cursor for one read (`Store.reading`); `findings`: the analyzers'
         diagnose, injected by the caller (the sidecar never imports analyzers)."""
         self._reading = reading
+        self._fold_lock = threading.Lock()  # one refresh of the derived tables at a time
         self._findings_fn = findings
         self._health = health or (lambda: {})
         self._probes = {"healthz": live, "readyz": ready}  # agent/sidecar/health.py: {"ok": bool, "checks": ...}
@@ -109,6 +111,7 @@ class ReadAPI:
                     body, status = {"error": f"unknown query {parts[3]!r}", "queries": sorted(QUERIES)}, 404
                 else:
                     with self._reading() as con:  # no run_id: the latest run, as the command line reads
+                        self._fold(con)
                         params = with_latest_run(con, parts[3], params)
                         body = {"rows": run_named(con, parts[3], params)}
                         if "run_id" in params:
@@ -148,4 +151,20 @@ class ReadAPI:
         if self._findings_fn is None:
             return {"findings": [], "error": "this agent serves no findings (started without analyzers)"}
         with self._reading() as con:
+            self._fold(con)
             return {"findings": self._findings_fn(con, run_id)}
+
+    def _fold(self, con: Any) -> None:
+        """Fold the request events written since the last read into the derived tables (records/derived.py),
+        so this read and the next find them there. One read folds at a time; the others go on (the views fold
+        the rest in themselves: exact either way). A failure is logged, never answered."""
+        if not self._fold_lock.acquire(blocking=False):
+            return
+        try:
+            derived.refresh(con)
+        except duckdb.InterruptException:
+            raise  # past the read time limit: this read is over too
+        except Exception as exc:  # noqa: BLE001 - an optimisation; the read itself is exact without it
+            log.warning("could not fold new request events into the derived tables: %r", exc)
+        finally:
+            self._fold_lock.release()

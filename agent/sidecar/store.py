@@ -24,6 +24,7 @@ import numpy as np
 
 from ..records.events import Hello, Record, RunLabel
 from . import columnar
+from ..records import derived
 from ..records.schema import SCHEMA_VERSION, TABLES, ddl
 from ..read.storefile import check_writable
 
@@ -142,6 +143,7 @@ class Store:
         path = self.path
         for stmt in ddl():
             self.con.execute(stmt)
+        derived.install(self.con)  # the views over the derived tables, with their state written in
         version = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
         if int(version) != SCHEMA_VERSION:
             self.con.close()
@@ -347,6 +349,26 @@ class Store:
             except Exception as exc:  # noqa: BLE001 - a broken connection: the writer reopens it
                 log.warning("could not set DuckDB memory_limit to %s: %r", limit, exc)
 
+    def refresh_derived(self, timeout_s: float | None = None) -> int:
+        """Fold the request events and steps written since the last refresh into the derived tables
+        (`records/derived.py`), under the read memory limit, within `timeout_s` (None: the read time limit);
+        returns the events folded in. A failure or a timeout is logged, never raised, and leaves them as they
+        were: the views stay exact without it (they fold the rest in at each read), only slower."""
+        try:
+            with self.reading() as con:
+                timer = threading.Timer(timeout_s, con.interrupt) if timeout_s else None
+                if timer is not None:
+                    timer.daemon = True
+                    timer.start()
+                try:
+                    return derived.refresh(con)
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+        except Exception as exc:  # noqa: BLE001 - an optimisation; the raw rows are what counts
+            log.warning("could not refresh the derived tables: %r", exc)
+            return 0
+
     def checkpoint(self) -> None:
         with self._lock:
             try:
@@ -362,6 +384,7 @@ class Store:
         deadline = time.monotonic() + wait_reads_s
         while self.interrupt_reads() and time.monotonic() < deadline:
             time.sleep(0.01)
+        self.refresh_derived(timeout_s=10.0)  # a file at rest reads fast; never holds a shutdown long
         with self._lock:
             try:
                 self.con.execute("CHECKPOINT")

@@ -35,6 +35,7 @@ from typing import Any, Iterator
 
 import duckdb
 
+from phasescope.agent.records import derived
 from phasescope.analyzers.runinfo import RUN_INFO_DDL, record_run_info
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # tests/data
@@ -546,6 +547,7 @@ def load(scenario_dir: str, db_path: str) -> str:
             if os.path.exists(path):
                 # by name: columns added since the fixture was recorded take their defaults
                 con.execute(f"INSERT INTO {t} BY NAME SELECT * FROM read_parquet(?)", [path])
+        derived.refresh(con)  # per-request rows and token gaps, as the sidecar leaves them in a file it wrote
         con.execute("CHECKPOINT")
     finally:
         con.close()

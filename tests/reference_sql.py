@@ -1,0 +1,201 @@
+"""Today's SQL (before issue 30), verbatim: the reference the new reads must equal.
+
+Each string is the query it was, over the views it had: `reference_views(con)` puts today's
+`request_log`, `requests` and `itl` on a connection as temp views, which hide the store's own
+(temp objects come first in DuckDB's search path), so these strings run unchanged.
+"""
+
+from __future__ import annotations
+
+import duckdb
+
+REF_ORDER = "CASE r.event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 ELSE 0 END"
+
+VIEWS = {
+    "request_log": f"""
+        WITH e AS (
+            SELECT r.source_id, s.run_id, r.rank, r.request_id AS runtime_request_id, r.event, r.ts_ns,
+                   r.tokens, r.cached_tokens,
+                   greatest(1, count(*) FILTER (WHERE r.event = 'arrival') OVER (
+                       PARTITION BY s.run_id, r.request_id ORDER BY r.ts_ns, {REF_ORDER}
+                       ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS arrival_no
+            FROM request_events r JOIN sources s USING (source_id)
+        )
+        SELECT source_id, run_id, rank,
+               CASE WHEN arrival_no = 1 THEN runtime_request_id
+                    ELSE runtime_request_id || '#' || arrival_no END AS request_id,
+               runtime_request_id, arrival_no, event, ts_ns, tokens, cached_tokens
+        FROM e""",
+    "requests": """
+        WITH agg AS (
+            SELECT run_id, request_id, any_value(runtime_request_id) AS runtime_request_id,
+                min(ts_ns) FILTER (WHERE event = 'arrival') AS arrival_ns,
+                min(ts_ns) FILTER (WHERE event = 'scheduled') AS scheduled_ns,
+                min(ts_ns) FILTER (WHERE event = 'token') AS first_token_ns,
+                max(ts_ns) FILTER (WHERE event = 'token') AS last_token_ns,
+                coalesce(sum(tokens) FILTER (WHERE event = 'token'), 0) AS output_tokens,
+                max(tokens) FILTER (WHERE event = 'arrival') AS prompt_tokens,
+                arg_min(cached_tokens, ts_ns) FILTER (WHERE event = 'scheduled') AS cached_tokens,
+                coalesce(sum(cached_tokens) FILTER (WHERE event = 'scheduled'), 0)
+                    - coalesce(arg_min(cached_tokens, ts_ns) FILTER (WHERE event = 'scheduled'), 0)
+                    AS readmit_cached_tokens,
+                count(*) FILTER (WHERE event = 'preempted') AS preemptions,
+                CASE WHEN bool_or(event = 'aborted') THEN 'aborted'
+                     WHEN bool_or(event = 'finished') THEN 'finished'
+                     ELSE 'running' END AS status
+            FROM request_log GROUP BY run_id, request_id
+        )
+        SELECT *,
+            (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
+            (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
+            (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
+            (last_token_ns - first_token_ns) / 1e9 AS decode_s,
+            CASE WHEN output_tokens > 1
+                 THEN (last_token_ns - first_token_ns) / 1e9 / (output_tokens - 1) END AS tpot_s,
+            (last_token_ns - arrival_ns) / 1e9 AS e2e_s
+        FROM agg""",
+    # one row per output token after the first token event: a chunk of k tokens
+    # arriving `gap` after the previous one gives k samples of gap / k
+    "itl": """
+        WITH t AS (
+            SELECT run_id, request_id, ts_ns, tokens,
+                   lag(ts_ns) OVER (PARTITION BY run_id, request_id ORDER BY ts_ns) AS prev_ns
+            FROM request_log
+            WHERE event = 'token' AND tokens > 0
+        )
+        SELECT run_id, request_id, ts_ns, (ts_ns - prev_ns) / 1e9 / tokens AS itl_s
+        FROM t, range(tokens) AS k(i)
+        WHERE prev_ns IS NOT NULL""",
+}
+
+
+def reference_views(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """`con` with today's views in front of the store's (temp views, this connection only)."""
+    for name, sql in VIEWS.items():
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS {sql}")
+    return con
+
+
+# --- agent/read/queries.py: the ITL tail attribution --------------------------------------------------------
+
+STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
+
+LOWEST_RANK_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+    WHERE s.run_id = $run AND t.rank = (SELECT min(t2.rank) FROM steps t2 JOIN sources s2 USING (source_id)
+                                        WHERE s2.run_id = $run)"""
+
+# one row per token event after a request's first: the gap, its steps and its cause
+ITL_GAPS = f"""st AS ({LOWEST_RANK_STEPS}),
+    ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns, ms AS step_ms, prefill_tokens, decode_tokens,
+                    row_number() OVER (ORDER BY ts_ns, step_id) AS step_no FROM st),
+    tok AS (SELECT request_id, ts_ns, tokens FROM request_log
+            WHERE run_id = $run AND event = 'token' AND tokens > 0),
+    ts AS (SELECT t.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens
+           FROM tok t ASOF LEFT JOIN ends e ON t.ts_ns >= e.end_ns),
+    g0 AS (SELECT *, lag(ts_ns) OVER w AS prev_ns, step_no - lag(step_no) OVER w AS steps_in_gap
+           FROM ts WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
+    -- a token stamped after the next step already ended (vLLM's frontend stamps tokens as it receives them)
+    -- gives a gap of one step too many and then one of none: that pair is its steps' doing, not queueing
+    g AS (SELECT *, lead(steps_in_gap) OVER w AS next_steps, lag(steps_in_gap) OVER w AS prev_steps
+          FROM g0 WINDOW w AS (PARTITION BY request_id ORDER BY ts_ns)),
+    pre AS (SELECT request_id, ts_ns FROM request_log WHERE run_id = $run AND event = 'preempted'),
+    gaps AS (
+        SELECT g.request_id, g.ts_ns, g.tokens, g.steps_in_gap, g.step_ms, g.prefill_tokens, g.decode_tokens,
+               (g.ts_ns - g.prev_ns) / 1e6 AS gap_ms, (g.ts_ns - g.prev_ns) / 1e6 / g.tokens AS itl_ms,
+               CASE WHEN EXISTS (SELECT 1 FROM pre p WHERE p.request_id = g.request_id
+                                 AND p.ts_ns > g.prev_ns AND p.ts_ns <= g.ts_ns) THEN 'preemption'
+                    WHEN g.steps_in_gap IS NULL OR (g.steps_in_gap < 1 AND coalesce(g.prev_steps, 0) < 2)
+                        THEN 'unattributed'
+                    WHEN g.steps_in_gap > g.tokens AND NOT (g.steps_in_gap = g.tokens + 1 AND g.next_steps = 0)
+                        THEN 'queueing'
+                    WHEN g.prefill_tokens >= $long THEN 'prefill'
+                    WHEN (g.ts_ns - g.prev_ns) / 1e6 >= $host_ratio * g.step_ms THEN 'host'
+                    ELSE 'other' END AS cause
+        FROM g WHERE g.prev_ns IS NOT NULL),
+    samples AS (SELECT gaps.* FROM gaps, range(gaps.tokens)),
+    q AS (SELECT count(*) AS n, quantile_cont(itl_ms, 0.5) AS p50, quantile_cont(itl_ms, $quantile) AS p99
+          FROM samples)"""
+
+ITL_SUMMARY_SQL = f"""WITH {ITL_GAPS}
+    SELECT q.n AS itl_samples, q.p50 AS itl_p50_ms, q.p99 AS itl_p99_ms,
+           (SELECT count(*) FROM gaps) AS gaps,
+           (SELECT count(*) FROM samples, q WHERE itl_ms >= q.p99) AS tail_samples,
+           (SELECT sum(itl_ms - q.p50) FROM samples, q WHERE itl_ms >= q.p99) AS tail_excess_ms
+    FROM q"""
+
+ITL_TAIL_SQL = f"""WITH {ITL_GAPS}
+    SELECT cause, count(*) AS samples, sum(itl_ms - q.p50) AS excess_ms, max(prefill_tokens) AS max_prefill_tokens
+    FROM samples, q WHERE itl_ms >= q.p99 GROUP BY cause ORDER BY cause"""
+
+# per request over the TPOT SLO: its TPOT with one cause's excess removed (its gaps brought to the median)
+ITL_TPOT_SQL = f"""WITH {ITL_GAPS},
+    r AS (SELECT request_id, tpot_s, output_tokens FROM requests WHERE run_id = $run AND tpot_s > $slo_s),
+    per AS (SELECT gaps.request_id, cause, sum(greatest(gap_ms - q.p50 * tokens, 0)) AS excess_ms
+            FROM gaps JOIN r USING (request_id), q GROUP BY ALL)
+    SELECT c.cause, count(DISTINCT r.request_id) AS violations,
+           count(DISTINCT r.request_id) FILTER (
+               WHERE r.tpot_s - coalesce(per.excess_ms, 0) / 1e3 / (r.output_tokens - 1) <= $slo_s) AS explained
+    FROM r CROSS JOIN (SELECT unnest($causes) AS cause) c
+    LEFT JOIN per ON per.request_id = r.request_id AND per.cause = c.cause
+    GROUP BY c.cause ORDER BY c.cause"""
+
+
+
+
+# --- analyzers/itl.py: the chunk-size what-if, one budget per run of it -----------------------------------
+
+PREDICT_SQL = f"""WITH {ITL_GAPS},
+    s AS (SELECT *, greatest($budget - decode_tokens, 1) AS c,
+                 cause NOT IN ('preemption', 'queueing', 'unattributed') AND prefill_tokens > $budget - decode_tokens
+                     AS split
+          FROM samples),
+    -- what a gap holds besides its step (sampling, scheduling) when nothing else happens: pure decode gaps
+    o AS (SELECT coalesce(quantile_cont(gap_ms - step_ms, 0.5)
+                          FILTER (WHERE steps_in_gap = 1 AND prefill_tokens = 0 AND cause = 'other'), 0) AS ovh
+          FROM gaps),
+    pred AS (
+        SELECT itl_ms FROM s WHERE NOT split
+        UNION ALL
+        SELECT (CASE WHEN j = 0 THEN gap_ms - step_ms ELSE (SELECT ovh FROM o) END
+                + $base_ms + ($slope + (step_ms - $base_ms - $slope * prefill_tokens) / prefill_tokens)
+                * least(c, prefill_tokens - j * c)) / tokens
+        FROM s, range(CAST(ceil(prefill_tokens / c) AS BIGINT)) AS r(j) WHERE split)
+    SELECT quantile_cont(itl_ms, $quantile) AS itl_p99_ms, count(*) AS itl_samples FROM pred"""
+
+# --- the rest that changed ------------------------------------------------------------------------------
+
+PREEMPTIONS = """SELECT count(*) AS preemptions, count(DISTINCT request_id) AS preempted_requests
+    FROM request_log WHERE run_id = $run AND event = 'preempted'"""
+
+PREFIX_PREEMPTED = """SELECT count(*) FROM request_events r JOIN sources s USING (source_id)
+            WHERE r.event = 'preempted' AND s.run_id = ?"""
+
+LENGTHS_SQL = """SELECT prompt_tokens + k AS tokens
+    FROM requests, range(greatest(output_tokens, 1)::BIGINT) AS r(k) WHERE run_id = $run AND prompt_tokens > 0"""
+
+SMALLER_PAGE_SQL = """WITH l AS (
+        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
+        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
+    SELECT coalesce(sum(greatest(0, least(s2 // $p * $p, (prompt_tokens - 1) // $p * $p)
+                                  - greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens),
+                                             hit_tokens))), 0) AS saved_tokens
+    FROM l"""
+
+
+def latency_histogram_sql(metric: str) -> str:
+    """Today's latency_histogram SQL for one run ($run_id, $bins); the ITL one sampled requests above 1M
+    token events (never in the fixtures: k = 1)."""
+    if metric == "itl":
+        src = """(SELECT s.run_id, (s.ts_ns - lag(s.ts_ns) OVER w) / 1e9 / s.tokens AS itl_s
+                   FROM request_log s, range(s.tokens) AS k(i)
+                   WHERE s.event = 'token' AND s.tokens > 0 AND hash(s.runtime_request_id) % 1 = 0 AND s.run_id = $run_id
+                   WINDOW w AS (PARTITION BY s.run_id, s.request_id ORDER BY s.ts_ns))"""
+        col = "itl_s"
+    else:
+        src, col = "requests", {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": "queue_s"}[metric]
+    return f"""
+        WITH v AS (SELECT {col} AS x FROM {src} WHERE {col} > 0 AND run_id = $run_id),
+             b AS (SELECT ln(min(x)) AS lo, greatest(ln(max(x)) - ln(min(x)), 1e-9) AS span FROM v),
+             k AS (SELECT least(floor((ln(x) - lo) / span * $bins), $bins - 1) AS i FROM v, b)
+        SELECT exp(lo + i * span / $bins) AS lo_s, exp(lo + (i + 1) * span / $bins) AS hi_s, count(*)
+        FROM k, b GROUP BY i, lo, span ORDER BY i"""
