@@ -48,6 +48,17 @@ NEEDS_TABLE = {"prefix-miss-": "prefix_lookups", "kv-evicted-before-reuse": "pag
                "host-bound": "process_samples"}
 
 
+def _queue_p90(con_or_path, run_id: str) -> float:
+    """p90 of the run's requests' queue time (s): how far the engine fell behind the arrivals."""
+    con = duckdb.connect(con_or_path, read_only=True) if isinstance(con_or_path, str) else con_or_path
+    try:
+        return con.execute("SELECT quantile_cont(queue_s, 0.9) FROM requests WHERE run_id = ?",
+                           [run_id]).fetchone()[0] or 0.0
+    finally:
+        if isinstance(con_or_path, str):
+            con.close()
+
+
 def _not_shown(name: str, found: set[str], allowed: set[str]) -> set[str]:
     """Findings of a rebuild of `name` that are not allowed, less those whose input table its fixture lacks."""
     unrecorded = [fid for fid, table in NEEDS_TABLE.items()
@@ -83,6 +94,13 @@ def test_real_rebuild_fires(name, tmp_path, scenario):
             # busy shared CI machine it truly is), not on the scenario's configuration; the committed
             # fixtures pin it (test_host_rules.py)
             found.discard("host-bound")
+        if "itl-spikes-queueing" in found and _queue_p90(path, run_id) > 2 * _queue_p90(
+                fixture_con, fixture_run):
+            # measured in this very run: requests waited over twice as long as when the fixture was recorded
+            # (the arrival rate is fixed in wall time, a slower engine falls behind it), so requests also sit
+            # out steps and queueing may be the larger part of the ITL tail
+            found.discard("itl-spikes-queueing")
+            expect = expect - {"itl-spikes-prefill"}
         if "itl-spikes-host" in found:
             # measured in this very run: host stalls (gaps far over their step's compute: the machine's load)
             # are the larger part of the ITL tail, so the ITL finding names them instead of the prefills
