@@ -73,8 +73,9 @@ READERS = [("v99.duckdb", "schema version 99"), ("v0.duckdb", "schema version 0"
            ("damaged.duckdb", "damaged"), ("text.duckdb", "not a DuckDB file")]
 
 
-@pytest.mark.parametrize("name,word", READERS)
-@pytest.mark.parametrize("cmd", ["summary", "diagnose", "retention"])
+# retention writes the store: it adds the column old.duckdb lacks (test_the_writer_adds_the_columns_...)
+@pytest.mark.parametrize("cmd,name,word", [(c, n, w) for c in ("summary", "diagnose", "retention")
+                                           for n, w in READERS if (c, n) != ("retention", "old.duckdb")])
 def test_readers_say_what_they_found_in_one_line(files, capsys, cmd, name, word):
     path = str(files / name)
     before = md5(path)
@@ -83,7 +84,7 @@ def test_readers_say_what_they_found_in_one_line(files, capsys, cmd, name, word)
     assert md5(path) == before
 
 
-@pytest.mark.parametrize("name,word", [(n, w) for n, w in READERS if n != "text.duckdb"]
+@pytest.mark.parametrize("name,word", [(n, w) for n, w in READERS if n not in ("text.duckdb", "old.duckdb")]
                          + [("text.duckdb", "not a DuckDB file")])
 def test_the_agent_refuses_a_file_not_its_own_untouched(files, tmp_path, capsys, name, word):
     path = str(files / name)
@@ -130,3 +131,24 @@ def test_an_agent_refused_for_a_taken_socket_leaves_no_new_store(tmp_path, capsy
         assert not new.exists() and not (tmp_path / "second.duckdb.wal").exists()
     finally:
         first.stop()
+
+
+def test_the_writer_adds_the_columns_an_older_build_left_out(files, tmp_path, capsys):
+    """A store of this schema version written before a column was added: readers say so in one line, the
+    store's writer adds the column (NULL for the old rows, every old row kept) and then the readers read it."""
+    import shutil
+
+    path = str(tmp_path / "old.duckdb")
+    shutil.copy(files / "old.duckdb", path)
+    con = duckdb.connect(path, read_only=True)
+    before = con.execute("SELECT count(*) FROM probe_health").fetchone()[0]
+    steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
+    con.close()
+    code, err = _one_line(["summary", path], capsys)
+    assert code == 1 and "phasescope agent --db" in err, err
+    Store(path).close()
+    con = duckdb.connect(path, read_only=True)
+    assert con.execute("SELECT count(*), count(captured_total) FROM probe_health").fetchone() == (before, 0)
+    assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == steps
+    con.close()
+    assert main(["summary", path]) in (0, None)

@@ -31,9 +31,10 @@ class StoreInfo:
     version: int | None = None
     missing: dict[str, list[str]] = field(default_factory=dict)  # table -> columns this build needs it lacks
 
-    def problem(self, path: str) -> str | None:
+    def problem(self, path: str, writing: bool = False) -> str | None:
         """One line saying why this build cannot use the file, or None when it can (a store of this version
-        with every column, or an empty file)."""
+        with every column, or an empty file). `writing`: the store's writer adds the columns a store of this
+        version lacks (columns only ever get added), so only a reader is stopped by them."""
         if self.kind == "foreign":
             return (f"{path} is a DuckDB file of something else (no phasescope meta table); phasescope leaves it "
                     "untouched: give a new path or a file phasescope agent or demo wrote")
@@ -42,10 +43,11 @@ class StoreInfo:
             return (f"{path} is a phasescope store of schema version {self.version}; this phasescope reads and "
                     f"writes version {SCHEMA_VERSION}"
                     + ("; upgrade phasescope to read it" if newer else "; record a new store with this version"))
-        if self.missing:
+        if self.missing and not writing:
             what = "; ".join(f"{t}: {', '.join(c)}" for t, c in sorted(self.missing.items()))
             return (f"{path} is a phasescope store (schema version {self.version}) without columns this build "
-                    f"needs ({what}); it was written by an older build: record a new store")
+                    f"needs ({what}); it was written by an older build: open it once with phasescope agent --db "
+                    f"{path} (it adds the columns, empty for the old rows; nothing else is rewritten)")
         return None
 
 
@@ -112,6 +114,6 @@ def check_writable(path: str) -> None:
         info = inspect(con)
     finally:
         con.close()
-    problem = info.problem(path)
+    problem = info.problem(path, writing=True)
     if problem:
         raise StoreFileError(problem)

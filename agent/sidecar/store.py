@@ -141,6 +141,7 @@ class Store:
 
     def _init_schema(self) -> None:
         path = self.path
+        self._add_missing_columns()
         for stmt in ddl():
             self.con.execute(stmt)
         derived.install(self.con)  # the views over the derived tables, with their state written in
@@ -160,6 +161,19 @@ class Store:
         self._run_of: dict[int, str] = {**getattr(self, "_run_of", {}), **run_of}
         self.progress: dict[int, tuple[int, int, int]] = {
             n: (q, s, r) for n, q, s, r in self.con.execute("SELECT * FROM ingest_progress").fetchall()}
+
+    def _add_missing_columns(self) -> None:
+        """An existing store of this schema version written by an older build: add the columns it lacks
+        (NULL for its old rows). Columns are only ever added within a schema version; check_writable refused
+        any other version before the file was opened."""
+        have = set(self.con.execute("SELECT table_name, column_name FROM duckdb_columns() "
+                                    "WHERE database_name = current_database()").fetchall())
+        tables = {t for t, _ in have}
+        for table, cols in TABLES.items():
+            if table in tables:
+                for name, typ, _ in cols:
+                    if (table, name) not in have:
+                        self.con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {typ}")
 
     @staticmethod
     def open_readonly(path: str) -> duckdb.DuckDBPyConnection:
