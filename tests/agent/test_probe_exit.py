@@ -1,0 +1,105 @@
+"""Issue 25: nothing lost at exit. A probed process stopped the way vLLM stops its engine and workers
+(SIGTERM, then SIGKILL soon after) has every step it recorded in the store of a real sidecar process.
+
+The probes flush only every 60 s here, so what the store holds was shipped by the exit hooks alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import duckdb
+import pytest
+
+CHILD = textwrap.dedent('''
+    import os, signal, sys, time
+    import torch
+    from phasescope.agent import attach
+    mode, sock, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    probe = None
+    if mode == "host-handler":  # installed before attach, as vLLM's EngineCore and workers do
+        def host_handler(signum, frame):
+            with open(out + ".count", "w") as f:
+                f.write(str(probe.steps))
+            while True:  # a slow shutdown: the parent kills us
+                time.sleep(1)
+        signal.signal(signal.SIGTERM, host_handler)
+    probe = attach(torch.nn.Identity(), address="unix:" + sock, flush_interval_s=60, run_id=mode[:16])
+    assert probe.exit_hooked
+    for i in range(300):
+        with probe.step(decode_tokens=1, num_seqs=1, context_tokens=i):
+            time.sleep(0.001)
+    if mode == "atexit":
+        sys.exit(0)  # through Python: atexit ships
+    open(out + ".ready", "w").close()
+    if mode == "default":
+        while True:
+            time.sleep(1)  # SIGTERM's default action, after our hook, ends us
+    while True:  # steps go on until the signal
+        with probe.step(decode_tokens=1, num_seqs=1):
+            time.sleep(0.001)
+''')
+
+
+def _wait_file(path: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else proc.returncode
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+@pytest.fixture()
+def agent(short_tmp):
+    db, sock = os.path.join(short_tmp, "x.duckdb"), os.path.join(short_tmp, "agent.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "phasescope.cli", "agent", "--db", db, "--listen",
+                             f"unix:{sock}", "--no-api", "--no-metrics", "--checkpoint-s", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    assert "listening" in line, line
+    yield db, sock, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _stored_steps(db: str, proc: subprocess.Popen, run: str) -> list[int]:
+    proc.send_signal(signal.SIGTERM)  # the sidecar commits what it received and checkpoints
+    assert proc.wait(60) == 0
+    with duckdb.connect(db, read_only=True) as con:
+        return [r[0] for r in con.execute(
+            "SELECT s.step_id FROM steps s JOIN sources USING (source_id) WHERE sources.run_id = ? "
+            "ORDER BY s.step_id", [run]).fetchall()]
+
+
+@pytest.mark.parametrize("mode", ["host-handler", "default", "atexit"])
+def test_every_recorded_step_is_stored_after_sigterm_then_sigkill(agent, short_tmp, mode):
+    db, sock, sidecar = agent
+    out = os.path.join(short_tmp, "child")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, mode, sock, out], stderr=subprocess.PIPE, text=True)
+    try:
+        if mode == "atexit":
+            assert child.wait(120) == 0, child.stderr.read()
+            recorded = 300
+        else:
+            _wait_file(out + ".ready", child)
+            child.send_signal(signal.SIGTERM)
+            if mode == "host-handler":
+                _wait_file(out + ".count", child)  # the host's handler ran (ours before it): kill at once
+                child.kill()
+                assert child.wait(30) == -signal.SIGKILL
+                recorded = int(open(out + ".count").read())
+            else:
+                # ours ran, then SIGTERM's default action ended the process as it would have without us
+                assert child.wait(30) == -signal.SIGTERM, child.stderr.read()
+                recorded = 300
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert recorded >= 300
+    assert _stored_steps(db, sidecar, mode[:16]) == list(range(recorded))
