@@ -64,6 +64,10 @@ NAN = float("nan")
 # records per frame, so one frame always stays under MAX_FRAME_BYTES
 _MAX_RECORD_BYTES = max(record_size(c) for c in (Hello, Step, RequestEvent, ProbeHealth)) + 32
 FRAME_RECORDS = min(8192, MAX_FRAME_BYTES // _MAX_RECORD_BYTES)
+# records encoded per frame by the background thread, which lets the GIL go between frames: a wake holds
+# the GIL for one chunk's encode at most (~0.1-1 ms), not for the whole ring's, so a host thread that
+# returns from its sync into a busy wake waits for one chunk
+WAKE_CHUNK_RECORDS = min(FRAME_RECORDS, 512)
 
 # the one piece of global state: which models have a probe attached
 _REGISTRY: dict[int, "Probe"] = {}
@@ -223,7 +227,9 @@ class Probe:
         self.cost = CostMeter()
         # held by whoever does background work: the background thread's wake, or an exit hook's ship
         self._bg_lock = threading.Lock()
-        self._interval_s = flush_interval_s  # the background thread's current wake interval
+        # the background thread's current wake interval; the first wake comes early, so the sampler
+        # measures the step period (and leaves its initial min_rate) soon after attach
+        self._interval_s = min(poll_interval_s, flush_interval_s)
         self._closed = False
         pre, post = _compiler_opaque(self._pre_hook), _compiler_opaque(self._post_hook)
         self._handles = [
@@ -242,6 +248,7 @@ class Probe:
     ) -> None:
         """Record one request lifecycle event (see events.REQUEST_EVENTS). Never raises."""
         try:
+            t = self._perf()
             self._push(
                 RequestEvent(
                     self._clock_ns() if ts_ns is None else ts_ns,
@@ -252,6 +259,7 @@ class Probe:
                     cached_tokens,
                 )
             )
+            self.sampler.other_ns += self._perf() - t  # counted in the probe's cost (cost.py)
         except Exception as exc:  # noqa: BLE001 - the host must never see our errors
             self._error(exc)
 
@@ -264,7 +272,9 @@ class Probe:
 
     def emit(self, record: Record) -> None:
         """Queue any record (adapters and collectors use this). Never raises."""
+        t = self._perf()
         self._push(record)
+        self.sampler.other_ns += self._perf() - t
 
     def begin_step(self, phase: int | None = None, num_seqs: int = 0, prefill_tokens: int = 0,
                    decode_tokens: int = 0, context_tokens: int = 0) -> None:
@@ -713,15 +723,16 @@ class Probe:
                     ring.clear()
                     self.dropped += n
                 return  # keep records in the ring until a sidecar appears
-            batch: list[Record] = []
-            while ring and len(batch) < FRAME_RECORDS:
-                batch.append(ring.popleft())
+            pop = ring.popleft
+            batch: list[Record] = [pop() for _ in range(min(len(ring), WAKE_CHUNK_RECORDS))]
             frame = encode_frame(batch)
             if sender.send(frame):
                 self.frames_sent += 1
             else:
                 self.dropped += len(batch)
                 return
+            if ring:
+                time.sleep(0)  # let the GIL go: a host thread waiting for it runs before the next chunk
 
     def _error(self, exc: BaseException) -> None:
         self.errors += 1

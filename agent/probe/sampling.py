@@ -11,7 +11,8 @@ period it measures, per phase:
 where `period_us[p]` is the mean time between the starts of consecutive steps of
 phase p, `untimed_cost_us` the probe's measured cost of an untimed step (its hook
 bodies), `background_us` the background thread's CPU time per step that is not
-event polling (encode, send, acks, sampler: see `cost.py`) and `extra_cost_us` what
+event polling (encode, send, acks, sampler: see `cost.py`) plus the host-thread time
+of records made outside steps (request events, adapters' snapshots) and `extra_cost_us` what
 timing adds (hook bodies on timed steps plus the poll work per event). So the
 budget bounds everything the probe does, not only its hooks. Decisions are Bernoulli draws at `rate[p]` from a private
 PRNG, independent of the step's duration: within a phase every step has the same
@@ -47,7 +48,7 @@ class BudgetSampler:
     __slots__ = ("budget", "min_rate", "smoothing", "rates", "draw", "period_ns", "period_n",
                  "untimed_ns", "untimed_n", "timed_ns", "timed_n", "poll_ns", "poll_n", "period_cap_ns",
                  "_last", "est_period_us", "est_untimed_us", "est_extra_us", "est_background_us", "timed_total",
-                 "steps_total", "_bg_last")
+                 "steps_total", "_bg_last", "other_ns")
 
     def __init__(self, budget: float | None = 0.005, min_rate: float = 0.001, seed: int | None = None,
                  smoothing: float = 0.3) -> None:
@@ -58,7 +59,10 @@ class BudgetSampler:
         self.budget = budget
         self.min_rate = min_rate
         self.smoothing = smoothing
-        self.rates = [1.0] * N_PHASES  # read by the host thread on every step
+        # read by the host thread on every step; until the first update() has measured a period, a budgeted
+        # sampler times at min_rate: at rate 1 the first interval's steps cost what timing costs (~60 us
+        # each on an H200 host), which was most of the cost measured from attach() (issue 25)
+        self.rates = [1.0 if budget is None else min_rate] * N_PHASES
         self.draw = random.Random(seed).random
         # accumulators: written by the host thread (period, hook costs) and the poller (poll costs)
         self.period_ns = [0] * N_PHASES
@@ -67,13 +71,14 @@ class BudgetSampler:
         self.untimed_ns = self.untimed_n = 0
         self.timed_ns = self.timed_n = 0
         self.poll_ns = self.poll_n = 0
+        self.other_ns = 0  # host-thread time of records made outside steps (request events, adapters' emits)
         self.timed_total = self.steps_total = 0
         self._last: tuple = ()
         self.est_period_us: list[float | None] = [None] * N_PHASES
         self.est_untimed_us: float | None = None
         self.est_extra_us: float | None = None
         self.est_background_us: float | None = None  # background CPU per step, poll work excluded
-        self._bg_last: tuple[int, int, int] = (0, 0, 0)  # (background ns, poll ns, steps) at the last update
+        self._bg_last: tuple[int, int, int, int] = (0, 0, 0, 0)  # (background, poll, other ns, steps) at the last update
 
     # --- host thread ------------------------------------------------------
 
@@ -105,8 +110,8 @@ class BudgetSampler:
     # --- flush thread -----------------------------------------------------
 
     def hooks_ns(self) -> int:
-        """The hook bodies' cumulative time on the host thread (ns)."""
-        return self.untimed_ns + self.timed_ns
+        """The probe's cumulative time on the host's threads (ns): hook bodies and records made outside steps."""
+        return self.untimed_ns + self.timed_ns + self.other_ns
 
     def update(self, background_ns: int | None = None) -> list[float]:
         """Fold the accumulators since the last call into the estimates and new rates.
@@ -139,10 +144,10 @@ class BudgetSampler:
             self.est_extra_us = mix(self.est_extra_us, max(hook_us + poll_us - untimed, 0.1))
         if background_ns is not None:
             steps = self.untimed_n + self.timed_n
-            b0, p0, s0 = self._bg_last
-            self._bg_last = (background_ns, self.poll_ns, steps)
+            b0, p0, o0, s0 = self._bg_last
+            self._bg_last = (background_ns, self.poll_ns, self.other_ns, steps)
             if steps > s0:
-                fixed = max(0, (background_ns - b0) - (self.poll_ns - p0)) / (steps - s0) / 1e3
+                fixed = max(0, (background_ns - b0) - (self.poll_ns - p0) + (self.other_ns - o0)) / (steps - s0) / 1e3
                 self.est_background_us = mix(self.est_background_us, fixed)
         if self.budget is None:
             return self.rates
