@@ -231,6 +231,7 @@ class Probe:
         # measures the step period (and leaves its initial min_rate) soon after attach
         self._interval_s = min(poll_interval_s, flush_interval_s)
         self._closed = False
+        self._pid = os.getpid()  # a forked child inherits this object, not its thread or its connection
         pre, post = _compiler_opaque(self._pre_hook), _compiler_opaque(self._post_hook)
         self._handles = [
             model.register_forward_pre_hook(pre, with_kwargs=True),
@@ -389,6 +390,8 @@ class Probe:
         """
         if self._closed:
             return not self._ring and not self._pending
+        if os.getpid() != self._pid:  # a forked child: the socket is the parent's, never write to it
+            return False
         deadline = time.monotonic() + timeout_s
         if not self._bg_lock.acquire(timeout=timeout_s):
             return False

@@ -165,3 +165,25 @@ def test_a_vllm_engine_killed_after_sigterm_has_every_recorded_step_stored(agent
     assert len(steps) >= 4 * 16 // 4  # 4 requests of 16 tokens, at most 4 at once
     assert steps == list(range(len(steps)))
     assert snaps in (len(steps), len(steps) + 1)  # a scheduler step whose worker step was in flight at the signal
+
+
+def test_a_forked_child_never_ships_its_parents_probe():
+    """A child forked from a probed process inherits the probe object and the exit hooks, not the probe's
+    thread: shipping from it would write into the parent's connection. It ships nothing."""
+    import torch
+
+    from phasescope.agent import attach
+
+    got = []
+    probe = attach(torch.nn.Identity(), sink=got.extend, flush_interval_s=60)
+    try:
+        with probe.step(decode_tokens=1, num_seqs=1):
+            pass
+        pid = os.fork()
+        if pid == 0:  # the child: what its SIGTERM handler or atexit would call
+            os._exit(0 if probe.flush_now() is False and len(probe._ring) == 1 else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert probe.flush_now() is True and any(type(r).__name__ == "Step" for r in got)
+    finally:
+        probe.close()
