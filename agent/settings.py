@@ -480,10 +480,12 @@ class ProbeSettings:
                            env=None)
     buffer_records: int = setting(65536, "records the ring holds before it drops the oldest (counted)", lo=16,
                                   hi=1 << 26)
-    flush_interval_s: float = setting(0.1, "how often the sender ships the ring", unit="s", lo=0.001, hi=60)
+    flush_interval_s: float = setting(0.1, "longest interval between the background thread's wakes (poll, ship, acks)",
+                                     unit="s", lo=0.001, hi=60)
     cuda_timing: bool = setting(True, "time forwards with CUDA events (sampled under gpu_budget); 0: host only")
     event_pool_size: int = setting(256, "pre-created CUDA event pairs", lo=1, hi=1 << 16)
-    poll_interval_s: float = setting(0.02, "how often the poller completes CUDA events", unit="s", lo=0.001, hi=10)
+    poll_interval_s: float = setting(0.02, "shortest interval between wakes (the first one; a high step rate)",
+                                    unit="s", lo=0.001, hi=10)
     gpu_budget: float | None = setting(0.005, "share of GPU time CUDA-event timing may cost (none: time every "
                                               "forward)", unit="fraction", lo=0, lo_open=True, hi=1)
     gpu_min_rate: float = setting(0.001, "share of forwards timed whatever the budget", unit="fraction", lo=0,

@@ -6,6 +6,9 @@ the per-step step time the probe measured.
 
     python benchmarks/cb_overhead.py                 # CPU
     python benchmarks/cb_overhead.py --device cuda   # a GPU (bf16)
+
+The probe ships to a real `phasescope agent` process (benchmarks/agent_proc.py); `--sink` hands the records
+to an in-process list instead, which hides encode, send and acks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from phasescope.agent import attach
 from phasescope.agent.probe.adapters.hf_cb import HFContinuousBatching, cb_config
 from phasescope.agent.records.events import PHASES, KVSnapshot, Step
 
+from agent_proc import AgentProcess, target
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +39,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--json")
+    ap.add_argument("--sink", action="store_true",
+                    help="records to an in-process list, not a real sidecar (hides encode, send and acks)")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -49,10 +56,12 @@ def main() -> None:
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1)
     cbc = cb_config(32, 512, 512)
 
-    def run(with_probe: bool, sink: list) -> tuple[float, dict]:
+    agent = None if args.sink else AgentProcess()
+
+    def run(with_probe: bool, sink: list, run_id: str = "") -> tuple[float, dict]:
         probe = adapter = None
         if with_probe:
-            probe = attach(model, sink=sink.extend, runtime="hf-cb")
+            probe = attach(model, runtime="hf-cb", **target(agent, sink.extend, run_id))
             adapter = HFContinuousBatching(probe).instrument_model(model)
         t0 = time.perf_counter()
         out = model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cbc,
@@ -69,14 +78,24 @@ def main() -> None:
     for r in range(args.rounds):
         for with_probe in ((False, True) if r % 2 == 0 else (True, False)):
             sink: list = []
-            dt, toks = run(with_probe, sink)
+            dt, toks = run(with_probe, sink, f"cb-{r}")
             (probed if with_probe else base).append(dt)
             if with_probe:
                 records, probed_toks = sink, toks
             else:
                 base_toks = toks
-    steps = [x for x in records if type(x) is Step]
-    snaps = [x for x in records if type(x) is KVSnapshot]
+    if agent is None:
+        steps = [x for x in records if type(x) is Step]
+        snaps = [x for x in records if type(x) is KVSnapshot]
+    else:  # the last probed round's records, as the store holds them
+        last = f"cb-{args.rounds - 1}"
+        steps = agent.steps(last)
+        import duckdb
+
+        with duckdb.connect(agent.db, read_only=True) as con:
+            snaps = con.execute("SELECT count(*) FROM kv_snapshots JOIN sources USING (source_id) WHERE run_id = ?",
+                                [last]).fetchone()[0] * [None]
+        agent.close()
     by_phase: dict[str, list[Step]] = {}
     for s in steps:
         by_phase.setdefault(PHASES[s.phase], []).append(s)
@@ -85,6 +104,7 @@ def main() -> None:
                without_s=statistics.median(base), with_s=statistics.median(probed),
                ratio=statistics.median(probed) / statistics.median(base), steps=len(steps), kv_snapshots=len(snaps),
                same_tokens=probed_toks == base_toks,
+               transport="in-process sink (no encode, send, acks)" if args.sink else "real sidecar process",
                phases={p: dict(steps=len(v), gpu_ms_p50=statistics.median(
                    [s.gpu_ms for s in v if not math.isnan(s.gpu_ms)] or [math.nan]),
                    host_ms_p50=statistics.median(s.host_ms for s in v)) for p, v in by_phase.items()})

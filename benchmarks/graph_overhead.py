@@ -17,6 +17,11 @@
 
     python benchmarks/graph_overhead.py --json benchmarks/results/graph_overhead_h200.json
     python benchmarks/graph_overhead.py --dry      # CPU: checks the script's shapes only
+
+In (b) the probes ship to a real `phasescope agent` process (benchmarks/agent_proc.py) and the step
+counts and GPU times are read back from its store; `--sink` hands records to an in-process list, which
+hides encode, send and acks (the results files up to issue 25 were measured so).
+benchmarks/sidecar_overhead.py measures (b) from attach() and in steady state, sink apart.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import torch.nn.functional as F
 from phasescope.agent import attach
 from phasescope.agent.records.events import PHASE_DECODE, Step
 from phasescope.agent.probe.phases import StepShape
+
+from agent_proc import AgentProcess, target
 
 GEOMETRY = dict(hidden=2048, inter=5632, layers=22, heads=32, kv_heads=4, head_dim=64, vocab=32000)
 
@@ -185,7 +192,8 @@ def captures(n: int, device: torch.device, dtype: torch.dtype, dry: bool) -> dic
 
 # --- (b) cost of a replayed ~1 ms decode ---------------------------------------------------------
 
-def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype: torch.dtype, dry: bool) -> dict:
+def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype: torch.dtype, dry: bool,
+                agent: AgentProcess | None = None) -> dict:
     torch.manual_seed(0)
     layers = 2 if dry else GEOMETRY["layers"]
     stack = DecodeStack(batch, 16 if dry else 512, layers, device, dtype)
@@ -208,8 +216,8 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
     sink: list[Step] = []
     keep = lambda recs: sink.extend(r for r in recs if type(r) is Step)  # noqa: E731
     dev_opt = "cuda" if device.type == "cuda" else None
-    p_mod = attach(hooked, sink=keep, device=dev_opt)
-    p_api = attach(torch.nn.Identity(), sink=keep, device=dev_opt)
+    p_mod = attach(hooked, device=dev_opt, **target(agent, keep, f"go-{batch}-mod"))
+    p_api = attach(torch.nn.Identity(), device=dev_opt, **target(agent, keep, f"go-{batch}-api"))
 
     def sync() -> None:
         if device.type == "cuda":
@@ -277,8 +285,12 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
             ref.append(e0.elapsed_time(e1))
         hooked.ref_events = None
     p_mod.flush(10)
-    got = {s.step_id - first: s.gpu_ms for s in sink if s.step_id >= first}
-    rel = [abs(got[i] - ref[i]) / ref[i] for i in range(len(ref)) if i in got and not math.isnan(got[i])]
+    deferred = None
+    if agent is None:
+        got = {s.step_id - first: s.gpu_ms for s in sink if s.step_id >= first}
+        rel = [abs(got[i] - ref[i]) / ref[i] for i in range(len(ref)) if i in got and not math.isnan(got[i])]
+    else:  # read back from the store once the agent has stopped (main)
+        deferred, rel = (first, ref, recorded_before), []
 
     # fixed cost of an untimed step: the registered hooks (compiler-disabled wrappers) in a loop
     pre = next(iter(hooked._forward_pre_hooks.values()))
@@ -323,14 +335,27 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
         res[f"overhead_{cond}_pct"] = 100 * (med(blocks[cond]) / med(blocks["off"]) - 1)
         res[f"overhead_{cond}_us"] = med(blocks[cond]) - med(blocks["off"])
         res[f"overhead_{cond}_pct_mean_ci95"] = (100 * m, 100 * hw)
-    res.update(steps_run=steps_run, steps_recorded=recorded, step_records=records,
+    res.update(steps_run=steps_run, steps_recorded=recorded, step_records=records if agent is None else None,
+               transport="in-process sink (no encode, send, acks)" if agent is None else "real sidecar process",
                sample_rate_module=rate_mod, sample_rate_api=rate_api,
                sampler_untimed_us=s_mod.est_untimed_us, sampler_extra_us=s_mod.est_extra_us,
                sampler_period_us=s_mod.est_period_us[PHASE_DECODE],
                gpu_vs_ref_rel_p50=med(rel), gpu_vs_ref_rel_max=max(rel) if rel else math.nan,
                gpu_compared=len(rel), fixed_hook_us=med(fixed), noop_disabled_hook_pair_us=med(noop),
-               capture_check_us=med(cap), probe_errors=errors)
+               capture_check_us=med(cap), probe_errors=errors, _deferred=deferred)
     return res
+
+
+def from_store(agent: AgentProcess, res: dict) -> None:
+    """Fill a replay result's step count and GPU-vs-reference errors from the stopped agent's store."""
+    first, ref, recorded_before = res.pop("_deferred")
+    batch = res["batch"]
+    mod, api = agent.steps(f"go-{batch}-mod"), agent.steps(f"go-{batch}-api")
+    # the rounds' steps: those after the warm-up, before the accuracy pass
+    res["step_records"] = sum(1 for s in mod if s.step_id < first) + len(api) - recorded_before
+    got = {s.step_id - first: s.gpu_ms for s in mod if s.step_id >= first}
+    rel = [abs(got[i] - ref[i]) / ref[i] for i in range(len(ref)) if i in got and not math.isnan(got[i])]
+    res.update(gpu_vs_ref_rel_p50=med(rel), gpu_vs_ref_rel_max=max(rel) if rel else math.nan, gpu_compared=len(rel))
 
 
 # --- (c) torch.compile(mode="reduce-overhead") -------------------------------------------------
@@ -367,14 +392,24 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--dry", action="store_true", help="CPU, tiny: check the script runs")
     ap.add_argument("--json")
+    ap.add_argument("--sink", action="store_true",
+                    help="records to an in-process list, not a real sidecar (hides encode, send and acks)")
     args = ap.parse_args()
     dry = args.dry or not torch.cuda.is_available()
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
     res = dict(device="cpu (dry)" if dry else torch.cuda.get_device_name(), torch=torch.__version__)
     res["captures"] = captures(args.captures, device, dtype, dry)
-    res["replay"] = [replay_cost(int(b), 2 if dry else args.rounds, 20 if dry else args.block, device, dtype, dry)
-                     for b in args.batches.split(",")]
+    agent = None if args.sink else AgentProcess()
+    res["replay"] = [replay_cost(int(b), 2 if dry else args.rounds, 20 if dry else args.block, device, dtype, dry,
+                                 agent) for b in args.batches.split(",")]
+    if agent is not None:
+        for r in res["replay"]:
+            from_store(agent, r)
+        agent.close()
+    else:
+        for r in res["replay"]:
+            r.pop("_deferred")
     res["compile"] = compiled(device, dtype, 30, dry)
 
     c = res["captures"]

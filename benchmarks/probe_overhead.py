@@ -7,6 +7,9 @@ GPU, host time on CPU), end-to-end `generate` time without and with the probe
 
     python benchmarks/probe_overhead.py                       # CPU, tiny model
     python benchmarks/probe_overhead.py --device cuda --model 1b   # ~1.1B bf16 on a GPU
+
+The probes ship to a real `phasescope agent` process (benchmarks/agent_proc.py); `--sink` hands the
+records to an in-process list instead, which hides encode, send and acks (reported as such).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from phasescope.agent import attach
+
+from agent_proc import AgentProcess, target
 from phasescope.agent.records.events import PHASES, Step
 
 MODELS = {
@@ -115,7 +120,7 @@ class _Front(torch.nn.Module):
         return self.model(**kw)
 
 
-def decode_loop_blocks(model, ids, mask, device, rounds: int, steps: int) -> dict:
+def decode_loop_blocks(model, ids, mask, device, rounds: int, steps: int, agent=None) -> dict:
     """Decode steps of HF's forward in a plain greedy loop, alternating probed/unprobed step by step.
 
     On a shared VM the host's speed switches between regimes (step medians of 13 and 26 ms
@@ -129,7 +134,7 @@ def decode_loop_blocks(model, ids, mask, device, rounds: int, steps: int) -> dic
     from transformers import DynamicCache
 
     plain, probed = _Front(model), _Front(model)
-    probe = attach(probed, sink=lambda recs: None)
+    probe = attach(probed, **target(agent, lambda recs: None, "po-loop"))
     rows = []
     try:
         with torch.inference_mode():
@@ -178,6 +183,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="alternating with/without-probe rounds")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--sink", action="store_true",
+                    help="records to an in-process list, not a real sidecar (hides encode, send and acks)")
     ap.add_argument("--loop-rounds", type=int, default=0,
                     help="also time decode steps in a plain loop, probe on/off in this many interleaved rounds")
     ap.add_argument("--cpus", help="pin this process to these CPUs (e.g. 2,3): less host-clock noise")
@@ -193,11 +200,13 @@ def main() -> None:
     ids, mask = batch(device, args.batch, model.config.vocab_size)
     timed_generate(model, ids, mask, 4, device)  # warm-up
 
+    agent = None if args.sink else AgentProcess()
     base, probed, steps = [], [], []
     for r in range(args.rounds):
         for with_probe in ((False, True) if r % 2 == 0 else (True, False)):
             if with_probe:
-                probe = attach(model, sink=lambda recs: steps.extend(x for x in recs if type(x) is Step))
+                probe = attach(model, **target(agent, lambda recs: steps.extend(x for x in recs if type(x) is Step),
+                                                f"po-gen-{r}"))
                 try:
                     dt, out = timed_generate(model, ids, mask, args.new_tokens, device)
                 finally:
@@ -214,6 +223,11 @@ def main() -> None:
     tokens_equal = bool(torch.equal(out, ref))
 
     with_t, without_t = hook_cost_us(model, ids, mask, device, iters=2000)
+    lp = decode_loop_blocks(model, ids, mask, device, args.loop_rounds, args.new_tokens, agent) if args.loop_rounds \
+        else None
+    if agent is not None:  # the generate rounds' steps, as the store holds them
+        steps = agent.steps("po-gen-")
+        agent.close()
     by_phase: dict[str, list[Step]] = {}
     for s in steps:
         by_phase.setdefault(PHASES[s.phase], []).append(s)
@@ -233,9 +247,10 @@ def main() -> None:
                generate_s_without=statistics.median(base), generate_s_with=statistics.median(probed),
                ratio=statistics.median(probed) / statistics.median(base),
                hook_us_per_step_with_cuda_events=with_t, hook_us_per_step_host_only=without_t, phases=rows,
-               tokens_equal_with_probe=tokens_equal, baseline_deterministic=baseline_deterministic)
+               tokens_equal_with_probe=tokens_equal, baseline_deterministic=baseline_deterministic,
+               transport="in-process sink (no encode, send, acks)" if args.sink else "real sidecar process")
     print(f"\n{res['device']} · {name} Llama ({params / 1e6:.1f} M params) · batch {args.batch} · "
-          f"{args.new_tokens} new tokens · {args.rounds} alternating rounds")
+          f"{args.new_tokens} new tokens · {args.rounds} alternating rounds · {res['transport']}")
     print(f"{'phase':8} {'steps':>6} {'tok/step':>9} {'gpu_ms p50':>11} {'timed':>6} {'host_ms p50':>12}")
     for r in rows:
         g = "-" if r["gpu_ms_p50"] is None else f"{r['gpu_ms_p50']:.3f}"
@@ -247,8 +262,7 @@ def main() -> None:
     print(f"probe cost per step (pre+post hooks, median): {with_t:.1f} us with CUDA events, "
           f"{without_t:.1f} us host-only")
     print(f"tokens with probe == without: {tokens_equal} (baseline run-to-run identical: {baseline_deterministic})")
-    if args.loop_rounds:
-        lp = decode_loop_blocks(model, ids, mask, device, args.loop_rounds, args.new_tokens)
+    if lp is not None:
         res["decode_loop"] = lp
         print(f"decode loop, median step: without {lp['step_ms_off']:.3f} ms, with {lp['step_ms_on']:.3f} ms, "
               f"ratio {lp['ratio']:.4f}; paired blocks {lp['pair_pct_mean']:+.3f}% +- "

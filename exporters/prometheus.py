@@ -566,6 +566,15 @@ class _SnapshotCollector(Collector):
             (CounterMetricFamily("phasescope_probe_captured_forwards",
                                  "Forwards inside a CUDA-graph capture (not recorded as steps).",
                                  labels=labels), "captured_total"),
+            (CounterMetricFamily("phasescope_probe_cpu_seconds",
+                                 "CPU time of everything the probe does: hooks and its background thread.",
+                                 labels=labels), "probe_cpu_s_total"),
+            (CounterMetricFamily("phasescope_probe_gil_wait_estimated_seconds",
+                                 "Estimated host wait for the GIL held by the probe's background thread.",
+                                 labels=labels), "gil_wait_est_s_total"),
+            (GaugeMetricFamily("phasescope_probe_cost_ratio",
+                               "Probe CPU time / wall time over the probe's last interval (budgeted by gpu_budget).",
+                               labels=labels), "cost_share"),
         ]
         yield from _per_model_rank(fams, rows)
 

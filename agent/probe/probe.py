@@ -5,8 +5,14 @@ Hot path (every forward): two hook calls that read tensor shapes, take
 `maxlen` (drop-oldest; appends are atomic under the GIL, so no lock the host
 could contend). On CUDA, sampled steps also record two pre-created events (see
 `sampling.py`: the rate keeps the probe's host cost under `gpu_budget` of the step
-time); a poller thread completes them with `Event.query()`. A flush thread
-encodes the ring into frames every `flush_interval_s` and sends them to the sidecar.
+time). One background thread wakes once per interval and does all the background
+work: it completes the events with `Event.query()`, updates the sampler, encodes
+the ring into frames, sends them and reads the sidecar's acks. The interval is
+`flush_interval_s`, shortened (not below `poll_interval_s`) when the step rate
+would fill a quarter of the event pool or the ring before the next wake. What that
+thread costs (its CPU time per wake, read with a per-thread clock) is added to the
+hooks' time, and the sampler budgets the sum (`cost.py`). On SIGTERM and at exit
+the buffer is shipped on the exiting thread (`exit.py`).
 
 Runtimes that replay CUDA graphs call no module: they time their step call with
 `probe.step(...)` (or `begin_step`/`end_step`, or `time_replays(graph, ...)`),
@@ -47,6 +53,8 @@ from ..records.events import (
 )
 from .phases import StepShape, classify_packed, classify_padded, phase_of
 from ..records.address import Address, parse_address
+from . import exit as exit_hooks
+from .cost import CostMeter
 from .sampling import BudgetSampler
 from .sender import Sender
 
@@ -56,6 +64,10 @@ NAN = float("nan")
 # records per frame, so one frame always stays under MAX_FRAME_BYTES
 _MAX_RECORD_BYTES = max(record_size(c) for c in (Hello, Step, RequestEvent, ProbeHealth)) + 32
 FRAME_RECORDS = min(8192, MAX_FRAME_BYTES // _MAX_RECORD_BYTES)
+# records encoded per frame by the background thread, which lets the GIL go between frames: a wake holds
+# the GIL for one chunk's encode at most (~0.1-1 ms), not for the whole ring's, so a host thread that
+# returns from its sync into a busy wake waits for one chunk
+WAKE_CHUNK_RECORDS = min(FRAME_RECORDS, 512)
 
 # the one piece of global state: which models have a probe attached
 _REGISTRY: dict[int, "Probe"] = {}
@@ -212,17 +224,23 @@ class Probe:
         self._sink = sink
         self._sender = Sender(self.addr, self._hello_frame) if connect and sink is None else None
         self._threads: list[threading.Thread] = []
+        self.cost = CostMeter()
+        # held by whoever does background work: the background thread's wake, or an exit hook's ship
+        self._bg_lock = threading.Lock()
+        # the background thread's current wake interval; the first wake comes early, so the sampler
+        # measures the step period (and leaves its initial min_rate) soon after attach
+        self._interval_s = min(poll_interval_s, flush_interval_s)
+        self._closed = False
+        self._pid = os.getpid()  # a forked child inherits this object, not its thread or its connection
         pre, post = _compiler_opaque(self._pre_hook), _compiler_opaque(self._post_hook)
         self._handles = [
             model.register_forward_pre_hook(pre, with_kwargs=True),
             model.register_forward_hook(post, with_kwargs=True, always_call=True),
         ]
-        self._threads.append(threading.Thread(target=self._flush_loop, name="phasescope-flush", daemon=True))
-        if self._pool is not None:
-            self._threads.append(threading.Thread(target=self._poll_loop, name="phasescope-poll", daemon=True))
+        self._threads.append(threading.Thread(target=self._wake_loop, name="phasescope-flush", daemon=True))
         for t in self._threads:
             t.start()
-        self._closed = False
+        self.exit_hooked = exit_hooks.register(self)  # ship at SIGTERM (chained) and at exit
 
     # --- public API -------------------------------------------------------
 
@@ -231,6 +249,7 @@ class Probe:
     ) -> None:
         """Record one request lifecycle event (see events.REQUEST_EVENTS). Never raises."""
         try:
+            t = self._perf()
             self._push(
                 RequestEvent(
                     self._clock_ns() if ts_ns is None else ts_ns,
@@ -241,6 +260,7 @@ class Probe:
                     cached_tokens,
                 )
             )
+            self.sampler.other_ns += self._perf() - t  # counted in the probe's cost (cost.py)
         except Exception as exc:  # noqa: BLE001 - the host must never see our errors
             self._error(exc)
 
@@ -253,7 +273,9 @@ class Probe:
 
     def emit(self, record: Record) -> None:
         """Queue any record (adapters and collectors use this). Never raises."""
+        t = self._perf()
         self._push(record)
+        self.sampler.other_ns += self._perf() - t
 
     def begin_step(self, phase: int | None = None, num_seqs: int = 0, prefill_tokens: int = 0,
                    decode_tokens: int = 0, context_tokens: int = 0) -> None:
@@ -345,6 +367,10 @@ class Probe:
             self.sampler.timed_total,
             self.sampler.overall_rate() if self._pool is not None else 1.0,
             self.captured,
+            (self.sampler.hooks_ns() + self.cost.bg_cpu_ns) / 1e9,
+            self.cost.bg_cpu_ns / 1e9,
+            self.cost.gil_wait_ns / 1e9,
+            self.cost.share,
         )
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -356,11 +382,47 @@ class Probe:
             time.sleep(0.005)
         return not self._ring and not self._pending
 
+    def flush_now(self, timeout_s: float = 1.0) -> bool:
+        """Ship what is buffered now, on the calling thread (exit hooks: SIGTERM, atexit). Never raises.
+
+        Waits (up to `timeout_s`) for the device to finish the timed steps still pending, records
+        them, and hands every record to the socket. True if nothing is left behind.
+        """
+        if self._closed:
+            return not self._ring and not self._pending
+        if os.getpid() != self._pid:  # a forked child: the socket is the parent's, never write to it
+            return False
+        deadline = time.monotonic() + timeout_s
+        if not self._bg_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            guard = self._guard
+            while self._pending:
+                if guard is None or self._pool is None:
+                    self._complete()
+                elif guard.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    try:
+                        if not guard.depth:
+                            self._complete()
+                    finally:
+                        guard.lock.release()
+                if not self._pending or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.001)
+            self._push(self.health())
+            self._flush_once()
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+        finally:
+            self._bg_lock.release()
+        return not self._ring and not self._pending
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Remove the hooks, finish pending GPU timings, send what is left, stop threads."""
         if self._closed:
             return
         self._closed = True
+        exit_hooks.unregister(self)
         for h in self._handles:
             h.remove()
         for restore in self._restores:
@@ -469,7 +531,6 @@ class Probe:
         t0, mono, shape, slot, pre_cost, timed = opened
         host_ms = (t1 - t0) / 1e6
         step_id = self.steps
-        self.steps = step_id + 1
         if slot is not None:
             slot.end.record()
             self._pending.append((mono, step_id, host_ms, shape, slot))
@@ -483,8 +544,8 @@ class Probe:
         else:  # a deferred decode (padded_rel): the poller resolves it after the prefill it follows
             phase = 1
             self._pending.append((mono, step_id, host_ms, shape, None))
-        if self._pool is None:
-            return  # no GPU timing to budget (CPU, or cuda_timing=False): nothing to account
+        # counted once queued: an exit hook (SIGTERM) running between the two bytecodes ships the step anyway
+        self.steps = step_id + 1
         last, self._last_mono = self._last_mono, mono
         self.sampler.account(phase, mono - last if last else 0, pre_cost + self._perf() - t1, timed)
 
@@ -565,16 +626,6 @@ class Probe:
         n = shape[1]
         return classify_packed(vals[:n], vals[n : 2 * n] if shape[2] else None)
 
-    def _poll_loop(self) -> None:
-        guard = self._guard
-        while True:
-            with guard.lock:  # a capture cannot begin while we query; we do not query while one is open
-                if not guard.depth:
-                    self._complete()
-            if self._stop.is_set() and not self._pending:
-                return
-            time.sleep(self._poll_interval_s)
-
     def _complete(self) -> None:
         """Turn finished timed steps (and deferred untimed ones behind them) into records, in order."""
         pending, pool, sampler = self._pending, self._pool, self.sampler
@@ -608,21 +659,56 @@ class Probe:
         now = self._clock_ns()
         return encode_frame([hello] + [RunLabel(now, k, v) for k, v in self.labels.items()])
 
-    def _flush_loop(self) -> None:
+    def _wake_loop(self) -> None:
+        """The one background thread: a wake per interval does poll, sampler, health, encode, send, acks."""
         next_health = 0.0
+        meter = self.cost
+        last = (time.monotonic(), 0, 0, 0)  # (s, steps, records, timed) at the previous wake
         while True:
-            stopping = self._stop.wait(self.flush_interval_s)
-            try:
+            stopping = self._stop.wait(self._interval_s)
+            with self._bg_lock:
+                meter.begin()
                 now = time.monotonic()
-                self.sampler.update()
-                if now >= next_health or stopping:
-                    self._push(self.health())
-                    next_health = now + 1.0
-                self._flush_once()
-            except Exception as exc:  # noqa: BLE001
-                self._error(exc)
+                cur = (now, self.steps, self.records, self.sampler.timed_total)
+                dt, d_steps = now - last[0], cur[1] - last[1]
+                period_ns = dt * 1e9 / d_steps if d_steps > 0 and dt > 0 else None
+                try:
+                    self._poll_once()
+                    meter.interval(self.sampler.hooks_ns())
+                    self.sampler.update(meter.bg_cpu_ns)
+                    if now >= next_health or stopping:
+                        self._push(self.health())
+                        next_health = now + 1.0
+                    self._flush_once()
+                except Exception as exc:  # noqa: BLE001
+                    self._error(exc)
+                meter.end(period_ns)
+            self._interval_s = self._next_interval(dt, cur[2] - last[2], cur[3] - last[3])
+            last = cur
             if stopping:
-                return
+                if not self._pending or self._pool is None:
+                    return
+                time.sleep(self._poll_interval_s)  # close() waits for the device's last timings
+
+    def _poll_once(self) -> None:
+        """Complete finished CUDA timings, never while a capture is open."""
+        guard = self._guard
+        if guard is None or not self._pending:
+            return
+        with guard.lock:  # a capture cannot begin while we query; we do not query while one is open
+            if not guard.depth:
+                self._complete()
+
+    def _next_interval(self, dt_s: float, d_records: int, d_timed: int) -> float:
+        """`flush_interval_s`, shortened so that a quarter of the ring or of the event pool at most
+        fills before the next wake at the last interval's rates; never below `poll_interval_s`."""
+        iv = self.flush_interval_s
+        if dt_s > 0:
+            if d_records > 0:
+                iv = min(iv, 0.25 * self._maxlen * dt_s / d_records)
+            if d_timed > 0 and self._pool is not None:
+                iv = min(iv, 0.25 * self._pool.size * dt_s / d_timed)
+        return max(min(self._poll_interval_s, self.flush_interval_s), iv)
 
     def _flush_once(self) -> None:
         ring, sender = self._ring, self._sender
@@ -640,15 +726,16 @@ class Probe:
                     ring.clear()
                     self.dropped += n
                 return  # keep records in the ring until a sidecar appears
-            batch: list[Record] = []
-            while ring and len(batch) < FRAME_RECORDS:
-                batch.append(ring.popleft())
+            pop = ring.popleft
+            batch: list[Record] = [pop() for _ in range(min(len(ring), WAKE_CHUNK_RECORDS))]
             frame = encode_frame(batch)
             if sender.send(frame):
                 self.frames_sent += 1
             else:
                 self.dropped += len(batch)
                 return
+            if ring:
+                time.sleep(0)  # let the GIL go: a host thread waiting for it runs before the next chunk
 
     def _error(self, exc: BaseException) -> None:
         self.errors += 1

@@ -6,12 +6,15 @@ poller thread, which holds the GIL meanwhile). The sampler keeps the probe's
 average host cost per step under `budget` (a fraction, default 0.5%) of the step
 period it measures, per phase:
 
-    rate[p] = clamp((budget * period_us[p] - untimed_cost_us) / extra_cost_us, min_rate, 1)
+    rate[p] = clamp((budget * period_us[p] - untimed_cost_us - background_us) / extra_cost_us, min_rate, 1)
 
 where `period_us[p]` is the mean time between the starts of consecutive steps of
 phase p, `untimed_cost_us` the probe's measured cost of an untimed step (its hook
-bodies) and `extra_cost_us` what timing adds (hook bodies on timed steps plus the
-poller's work per event). Decisions are Bernoulli draws at `rate[p]` from a private
+bodies), `background_us` the background thread's CPU time per step that is not
+event polling (encode, send, acks, sampler: see `cost.py`) plus the host-thread time
+of records made outside steps (request events, adapters' snapshots) and `extra_cost_us` what
+timing adds (hook bodies on timed steps plus the poll work per event). So the
+budget bounds everything the probe does, not only its hooks. Decisions are Bernoulli draws at `rate[p]` from a private
 PRNG, independent of the step's duration: within a phase every step has the same
 chance, so per-phase means over the timed steps are unbiased estimates of the
 phase's GPU time. `min_rate` keeps a trickle of timed steps when even an untimed
@@ -44,7 +47,8 @@ class BudgetSampler:
 
     __slots__ = ("budget", "min_rate", "smoothing", "rates", "draw", "period_ns", "period_n",
                  "untimed_ns", "untimed_n", "timed_ns", "timed_n", "poll_ns", "poll_n", "period_cap_ns",
-                 "_last", "est_period_us", "est_untimed_us", "est_extra_us", "timed_total", "steps_total")
+                 "_last", "est_period_us", "est_untimed_us", "est_extra_us", "est_background_us", "timed_total",
+                 "steps_total", "_bg_last", "other_ns")
 
     def __init__(self, budget: float | None = 0.005, min_rate: float = 0.001, seed: int | None = None,
                  smoothing: float = 0.3) -> None:
@@ -55,7 +59,10 @@ class BudgetSampler:
         self.budget = budget
         self.min_rate = min_rate
         self.smoothing = smoothing
-        self.rates = [1.0] * N_PHASES  # read by the host thread on every step
+        # read by the host thread on every step; until the first update() has measured a period, a budgeted
+        # sampler times at min_rate: at rate 1 the first interval's steps cost what timing costs (~60 us
+        # each on an H200 host), which was most of the cost measured from attach() (issue 25)
+        self.rates = [1.0 if budget is None else min_rate] * N_PHASES
         self.draw = random.Random(seed).random
         # accumulators: written by the host thread (period, hook costs) and the poller (poll costs)
         self.period_ns = [0] * N_PHASES
@@ -64,11 +71,14 @@ class BudgetSampler:
         self.untimed_ns = self.untimed_n = 0
         self.timed_ns = self.timed_n = 0
         self.poll_ns = self.poll_n = 0
+        self.other_ns = 0  # host-thread time of records made outside steps (request events, adapters' emits)
         self.timed_total = self.steps_total = 0
         self._last: tuple = ()
         self.est_period_us: list[float | None] = [None] * N_PHASES
         self.est_untimed_us: float | None = None
         self.est_extra_us: float | None = None
+        self.est_background_us: float | None = None  # background CPU per step, poll work excluded
+        self._bg_last: tuple[int, int, int, int] = (0, 0, 0, 0)  # (background, poll, other ns, steps) at the last update
 
     # --- host thread ------------------------------------------------------
 
@@ -99,8 +109,15 @@ class BudgetSampler:
 
     # --- flush thread -----------------------------------------------------
 
-    def update(self) -> list[float]:
-        """Fold the accumulators since the last call into the estimates and new rates."""
+    def hooks_ns(self) -> int:
+        """The probe's cumulative time on the host's threads (ns): hook bodies and records made outside steps."""
+        return self.untimed_ns + self.timed_ns + self.other_ns
+
+    def update(self, background_ns: int | None = None) -> list[float]:
+        """Fold the accumulators since the last call into the estimates and new rates.
+
+        `background_ns`: the background thread's cumulative CPU time (ns), poll work included.
+        """
         now = (tuple(self.period_ns), tuple(self.period_n), self.untimed_ns, self.untimed_n,
                self.timed_ns, self.timed_n, self.poll_ns, self.poll_n)
         last = self._last or (
@@ -125,9 +142,16 @@ class BudgetSampler:
             poll_us = (now[6] - last[6]) / d_pn / 1e3 if d_pn > 0 else 0.0
             untimed = self.est_untimed_us if self.est_untimed_us is not None else 0.0
             self.est_extra_us = mix(self.est_extra_us, max(hook_us + poll_us - untimed, 0.1))
+        if background_ns is not None:
+            steps = self.untimed_n + self.timed_n
+            b0, p0, o0, s0 = self._bg_last
+            self._bg_last = (background_ns, self.poll_ns, self.other_ns, steps)
+            if steps > s0:
+                fixed = max(0, (background_ns - b0) - (self.poll_ns - p0) + (self.other_ns - o0)) / (steps - s0) / 1e3
+                self.est_background_us = mix(self.est_background_us, fixed)
         if self.budget is None:
             return self.rates
-        untimed = self.est_untimed_us or 0.0
+        untimed = (self.est_untimed_us or 0.0) + (self.est_background_us or 0.0)
         for p in range(N_PHASES):
             period = self.est_period_us[p]
             if period is None:

@@ -164,6 +164,10 @@ class ProbeHealth(NamedTuple):
     gpu_timed_total: int = 0  # steps timed with CUDA events (sampled under the probe's budget)
     gpu_sample_rate: float = 1.0  # timed steps / steps so far (1.0 on CPU: host time only)
     captured_total: int = 0  # forwards/steps inside a CUDA-graph capture (never recorded as steps)
+    probe_cpu_s_total: float = 0.0  # CPU time of everything the probe does: hooks + background thread, s
+    background_cpu_s_total: float = 0.0  # the background thread's part of it (poll, encode, send, acks), s
+    gil_wait_est_s_total: float = 0.0  # estimated host wait for the GIL the background caused, s (cost.py)
+    cost_share: float = 0.0  # probe CPU / wall time over the last interval (0.005 = 0.5%)
 
 
 class RunLabel(NamedTuple):
@@ -245,7 +249,7 @@ _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
     4: (KVSnapshot, struct.Struct("<qHIIIIIIQIQIQQQ12s")),
     5: (PrefixCounters, struct.Struct("<qHQQQQ")),
     6: (GpuSample, struct.Struct("<qHfQQfffQ")),
-    7: (ProbeHealth, struct.Struct("<qHIQQQQQQQdQ")),
+    7: (ProbeHealth, struct.Struct("<qHIQQQQQQQdQdddd")),
     8: (RunLabel, struct.Struct("<q32s96s")),
     9: (ServerMetric, struct.Struct("<qH64s64sd")),
     10: (Session, struct.Struct("<Q64s")),
@@ -315,20 +319,25 @@ def record_size(cls: type) -> int:
     return 1 + _LAYOUT[_TYPE_OF[cls]][1].size
 
 
+# class -> (struct of the type byte and the record, type byte, string fields): one pack() per record
+# (2-3x faster than packing the record and prepending its type byte: measured on Step records)
+_PACK: dict[type, tuple[struct.Struct, int, tuple[int, ...]]] = {
+    cls: (struct.Struct("<B" + s.format.lstrip("<")), code, _STR_FIELDS[code]) for code, (cls, s) in _LAYOUT.items()}
+
+
 def encode_records(records: Iterable[Record]) -> tuple[bytes, int]:
     """Encode records into a payload; returns (payload, count)."""
     parts: list[bytes] = []
+    append, packs = parts.append, _PACK
     for rec in records:
-        code = _TYPE_OF[type(rec)]
-        layout = _LAYOUT[code][1]
-        strs = _STR_FIELDS[code]
+        layout, code, strs = packs[type(rec)]
         if strs:
             values = list(rec)
             for i in strs:
                 values[i] = values[i].encode("utf-8")
-            parts.append(bytes((code,)) + layout.pack(*values))
+            append(layout.pack(code, *values))
         else:
-            parts.append(bytes((code,)) + layout.pack(*rec))
+            append(layout.pack(code, *rec))
     return b"".join(parts), len(parts)
 
 

@@ -103,6 +103,10 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("gpu_timed_total", "BIGINT", "steps timed with CUDA events (sampled under the probe's host-cost budget)"),
         ("gpu_sample_rate", "DOUBLE", "timed steps / steps so far (1.0 on CPU, where only host time exists)"),
         ("captured_total", "BIGINT", "forwards inside a CUDA-graph capture (not steps; not recorded)"),
+        ("probe_cpu_s_total", "DOUBLE", "CPU time of everything the probe does (hooks + background thread), s"),
+        ("background_cpu_s_total", "DOUBLE", "the background thread's part (poll, encode, send, acks), s"),
+        ("gil_wait_est_s_total", "DOUBLE", "estimated host wait for the GIL held by the probe's thread, s"),
+        ("cost_share", "DOUBLE", "probe CPU time / wall time over the last interval (0.005 = 0.5%)"),
     ],
     "server_metrics": [
         ("source_id", "INTEGER", "sources.source_id (the scraper's or the vLLM frontend's)"),

@@ -49,6 +49,7 @@ class FakeSlot:
 class FakePool:
     def __init__(self, log: list, size: int = 64, done=lambda: True) -> None:
         self.free = [FakeSlot(log, done) for _ in range(size)]
+        self.size = size
 
     def take(self):
         return self.free.pop() if self.free else None
@@ -76,10 +77,7 @@ def fake_cuda(probe, guard: CaptureGuard, log: list, stream_capturing=lambda: Fa
     """Give a CPU probe the CUDA timing path with fakes (pool, guard, stream capture state, GPU progress)."""
     probe._pool = FakePool(log, pool, done)
     probe._guard = guard
-    probe._capturing = lambda: bool(guard.depth) or stream_capturing()
-    t = threading.Thread(target=probe._poll_loop, daemon=True)
-    probe._threads.append(t)
-    t.start()
+    probe._capturing = lambda: bool(guard.depth) or stream_capturing()  # the background thread polls now
 
 
 def steps_of(records: list) -> list[Step]:

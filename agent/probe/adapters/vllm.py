@@ -44,7 +44,7 @@ from ...records.events import (
     REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
 )
 from ...records.kvmath import PageStats, largest_gap
-from ...settings import ENV_RUN_ID
+from ...settings import ENV_RUN_ID, ProbeSettings, from_env
 from ..pagetrack import PageLife, PrefixTable
 from ..phases import StepShape
 from ..probe import Probe
@@ -106,13 +106,27 @@ def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str,
             cuda = getattr(device, "type", "") == "cuda"
             p = Probe(_NoModule(), rank=rank, world_size=max(world_size, rank + 1), run_id=run_id(),
                       model_name=model, runtime=f"{RUNTIME}-{role}"[:16], cuda_timing=cuda,
-                      device=device if cuda else None, labels=labels)
+                      device=device if cuda else None, labels=labels, **_env_timing())
             if not _CHANNELS:
                 atexit.register(close_channels)
             _CHANNELS[role] = p
             if _FAILURES:
                 p.label(adapter_missing=",".join(sorted(_FAILURES))[:96])
         return p
+
+
+_TIMING_OPTIONS = ("flush_interval_s", "poll_interval_s", "buffer_records", "event_pool_size", "gpu_budget",
+                   "gpu_min_rate")
+
+
+def _env_timing() -> dict[str, Any]:
+    """The probe's timing options set by PHASESCOPE_* variables (ProbeSettings); a bad value: the defaults."""
+    try:
+        opts = from_env(os.environ, ProbeSettings)
+    except ValueError as exc:  # the user's variable, not vLLM's internals: say so, run on the defaults
+        log.warning("phasescope: %s; the vLLM probes use the default timing options", exc)
+        return {}
+    return {k: v for k, v in opts.items() if k in _TIMING_OPTIONS}
 
 
 def close_channels(timeout_s: float = 1.0) -> None:
