@@ -253,6 +253,13 @@ def _ranks(vllm_config: Any) -> tuple[int, int, int]:
             int(index or 0))
 
 
+def block_size_rule(supported: Any) -> str:
+    """vLLM's `get_supported_kernel_block_sizes()` as a label: [MultipleOf(32)] -> "m32", [16, 32] -> "16,32"."""
+    parts = [f"m{int(s.base)}" if hasattr(s, "base") else str(int(s)) for s in supported]
+    multiples = [p for p in parts if p.startswith("m")]
+    return multiples[0] if multiples else ",".join(parts)
+
+
 # --- step shape (pure) --------------------------------------------------------
 
 def split_tokens(start: int, n: int, num_prompt: int, num_tokens: int) -> tuple[int, int]:
@@ -656,6 +663,7 @@ class WorkerHooks:
         self.prompt_len: dict[str, int] = {}
         self._open = False  # a step is open (begin_step called, end_step not yet)
         self._label_weights(worker, tp * pp)
+        self._label_backend(cfg)
         ref = lambda: self.probe  # noqa: E731
         wrap(worker, "execute_model", self._after_execute, ref, before=self._before_execute)
         wrap(worker, "sample_tokens", self._after_sample, ref)
@@ -683,6 +691,18 @@ class WorkerHooks:
                 self.probe.label(gpu_name=props.name, gpu_mem_bytes=props.total_memory)
         except Exception as exc:  # noqa: BLE001 - labels are optional
             _fail("model_weights", exc)
+
+    def _label_backend(self, cfg: Any) -> None:
+        """The attention backend's limits, read from the runtime (what the analyzers' advice must respect):
+        `vllm_attention_backend`, `vllm_block_sizes` (block_size_rule) and `vllm_kv_cache_dtypes`."""
+        try:
+            layers = cfg.compilation_config.static_forward_context.values()
+            backend = next(b for b in (getattr(x, "attn_backend", None) for x in layers) if b is not None)
+            self.probe.label(vllm_attention_backend=backend.get_name(),
+                             vllm_block_sizes=block_size_rule(backend.get_supported_kernel_block_sizes()),
+                             vllm_kv_cache_dtypes=",".join(map(str, getattr(backend, "supported_kv_cache_dtypes", ())))[:96])
+        except Exception as exc:  # noqa: BLE001 - labels are optional: the analyzers fall back to their table
+            _fail("attention_backend", exc)
 
     def shape(self, so: Any) -> StepShape:
         """Token counts of one SchedulerOutput (identical on every rank)."""
