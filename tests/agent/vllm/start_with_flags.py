@@ -9,7 +9,7 @@ Prints one line per flag set, then the flags vLLM's parser does not know:
     PHASESCOPE_UNKNOWN [...]
 Usage:
     python start_with_flags.py MODEL_DIR JOB.json     # {"sets": [[FLAG, VALUE, ...], ...], "known": [FLAG, ...]}
-`known`: flags advice names without a value; each must exist in vLLM's parser.
+`known`: flags advice names without a value; each must exist in `vllm serve`'s parser (engine and server flags).
 """
 
 from __future__ import annotations
@@ -62,7 +62,11 @@ def main() -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
-    options = {s for a in parser._actions for s in a.option_strings}
+    # flags named without a value may be the server's (`vllm serve`: --api-server-count): its whole parser
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+
+    server = make_arg_parser(FlexibleArgumentParser())
+    options = {s for a in server._actions for s in a.option_strings}
     for flags in job["sets"]:
         print("PHASESCOPE_START " + json.dumps(start(parser, model, flags)), flush=True)
     print("PHASESCOPE_UNKNOWN " + json.dumps([f for f in job.get("known", []) if f not in options]), flush=True)
