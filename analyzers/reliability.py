@@ -59,6 +59,8 @@ SURVIVAL_SQL = """WITH r AS (SELECT * FROM requests WHERE run_id = $run),
     SELECT (SELECT count(*) FROM r) AS requests,
            (SELECT count(*) FROM r WHERE status = 'finished') AS finished,
            (SELECT count(*) FROM r WHERE status = 'aborted') AS aborted,
+           (SELECT count(*) FROM request_events t JOIN sources s USING (source_id)
+            WHERE s.run_id = $run AND t.event = 'cancelled') AS cancelled,
            (SELECT count(*) FROM r WHERE status = 'running') AS unfinished,
            (SELECT max(n) FROM c) AS peak_concurrency,
            (SELECT last_wall_ns FROM w) AS last_event_wall_ns"""
@@ -68,6 +70,9 @@ def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_surv
                   in_flight_window_s: float = 60.0, labels: dict | None = None, now_ns: int | None = None,
                   **_: object) -> list[Finding]:
     """Fires when the share of judged requests that finished is below `min_survival`.
+
+    Requests the client cancelled (a hang-up, an abort call: the runtime says which, event 'cancelled') are
+    not judged; `aborted` counts those the server or engine ended (errors, shutdown).
 
     A request still running is a failure only once the run is over. `now_ns` (wall clock, Unix ns) is given
     by a live reader (the agent's read API): when the run's last request event is less than
@@ -80,7 +85,10 @@ def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_surv
     age_s = (now_ns - last) / 1e9 if now_ns is not None and last is not None else None
     live = age_s is not None and age_s < in_flight_window_s
     in_flight = e["unfinished"] if live else 0
-    judged = e["requests"] - in_flight
+    # a client's cancel (hang-up, abort call: event 'cancelled') is no failure of the server: not judged
+    cancelled = min(e.pop("cancelled") or 0, e["aborted"])
+    e["cancelled"], e["aborted"] = cancelled, e["aborted"] - cancelled
+    judged = e["requests"] - in_flight - cancelled
     e.update(in_flight=in_flight, judged=judged, live=live,
              last_event_age_s=None if age_s is None else round(age_s, 3))
     if not judged:
@@ -104,8 +112,10 @@ def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_surv
                     "control that rejects or redirects early when KV usage or queue length passes a threshold, a "
                     "KV budget at or below ~80% of the memory left after weights, then load-test at 2-3x the "
                     "production peak and track the survival rate after each change."),
-        expected_effect=(f"{e['finished']} of {judged} requests finished ({rate:.1%}); {e['aborted']} aborted, "
-                         f"{never}, at up to {e['peak_concurrency']} concurrent requests. "
+        expected_effect=(f"{e['finished']} of {judged} requests finished ({rate:.1%}); {e['aborted']} aborted by the "
+                         f"server, "
+                         f"{never}, at up to {e['peak_concurrency']} concurrent requests"
+                         + (f" ({cancelled} cancelled by their clients, not judged)" if cancelled else "") + ". "
                          f"The target is >= {min_survival:.0%}."),
         reference=ref("Experiments"),
         run_id=run_id,

@@ -30,7 +30,7 @@ def residency(con: Any, run_id: str) -> dict[str, Any]:
 
 
 def kv_evicted_before_reuse(con, run_id: str, *, evicted_reuse_share: float = T["evicted_reuse_share"],
-                            **_: object) -> list[Finding]:
+                            labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires when the prompt tokens missed because their pages were evicted before another prompt asked for
     them are at least `evicted_reuse_share` of the queried prompt tokens: those reuse gaps outlived the
     cache's residency, and `extra_pages_needed` more pages would have kept them."""
@@ -43,6 +43,8 @@ def kv_evicted_before_reuse(con, run_id: str, *, evicted_reuse_share: float = T[
     extra, total = r["extra_pages_needed"], r["total_pages"]
     grow = f" (+{extra / total:.0%} of its {total} pages)" if total else ""
     idle = r["idle_before_evict_ms_p50"]
+    blocks = (labels or {}).get("num_gpu_blocks")  # vLLM's pool as it ran (its null block included)
+    override = f" {int(float(blocks)) + extra}" if blocks and str(blocks).replace(".", "", 1).isdigit() else ""
     return [Finding(
         id="kv-evicted-before-reuse",
         title="Cached prefixes are evicted before they are reused",
@@ -53,7 +55,7 @@ def kv_evicted_before_reuse(con, run_id: str, *, evicted_reuse_share: float = T[
                     "before they were asked for again"
                     + (f", while evicted pages sat idle a median {idle:.0f} ms in the cache" if idle is not None else "")
                     + f". Keeping them needs {extra} more KV pages{grow}: raise --gpu-memory-utilization or "
-                    "--num-gpu-blocks-override (vLLM), num_blocks (HF), or use an eviction policy that keeps "
+                    f"--num-gpu-blocks-override{override} (vLLM), num_blocks (HF), or use an eviction policy that keeps "
                     "reused prefixes (HF continuous batching evicts every cached page at once under pressure)."),
         expected_effect=f"{r['evicted_reuse_tokens']} prompt tokens served from the cache instead of prefilled.",
         reference=ref("KV residency"),

@@ -90,14 +90,17 @@ VLLM_FLAGS = {
 
 
 def with_flag_values(text: str, labels: Mapping[str, str]) -> str:
-    """On a vLLM run, each vLLM flag `text` names gets the run's value: "--max-num-seqs (now 8)"."""
+    """On a vLLM run, each vLLM flag `text` names gets the run's value after it, and after the value the text
+    suggests when there is one: "--max-num-seqs (now 8)", "--max-num-seqs 4 (now 8)" (so the flag and its
+    value stay one exact command-line fragment)."""
     if labels.get("runtime") != "vllm":
         return text
     import re
 
     for flag, key in VLLM_FLAGS.items():
         if key in labels and f"{flag} (now" not in text:
-            text = re.sub(re.escape(flag) + r"(?![\w-])", f"{flag} (now {labels[key]})", text, count=1)
+            text = re.sub(re.escape(flag) + r"(?![\w-])( [0-9][\w.]*| fp8\w*| auto\b)?",
+                          lambda m, f=flag, k=key: f"{f}{m.group(1) or ''} (now {labels[k]})", text, count=1)
     return text
 
 

@@ -123,7 +123,9 @@ class PrometheusExporter:
             "decodes (a chunk of k gives k samples of gap/k), s.", ["model"], buckets=buckets.ITL_S, registry=r)
         self.long_prefill_tokens = long_prefill_tokens
         self._last_prefill: dict[str, int] = {}  # model -> prompt tokens of its latest lowest-rank step
-        self.queue = Histogram("phasescope_request_queue_time_seconds", "Arrival to scheduled, s.",
+        self.queue = Histogram("phasescope_request_queue_time_seconds", "Queue time, s: the runtime's own where it "
+                               "has one (vLLM: engine QUEUED to scheduled, as vllm:request_queue_time_seconds), "
+                               "else arrival to scheduled.",
                                ["model"], buckets=buckets.PHASE_TIME_S, registry=r)
         self.prefill = Histogram("phasescope_request_prefill_time_seconds", "Scheduled to first token, s.",
                                  ["model"], buckets=buckets.PHASE_TIME_S, registry=r)

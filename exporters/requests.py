@@ -26,7 +26,7 @@ from typing import Iterable, NamedTuple, Protocol
 
 import numpy as np
 
-from phasescope.agent.records.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
+from phasescope.agent.records.events import (REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_QUEUED, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED,
                                      REQ_TOKEN, RequestEvent)
 
 from .sources import Source
@@ -50,6 +50,7 @@ class RequestTiming(NamedTuple):
     output_tokens: int
     preemptions: int
     aborted: bool
+    queued_ns: int | None = None  # the engine's own queue entry (vLLM's QUEUED event); None: the runtime has none
 
     @property
     def ttft_s(self) -> float | None:
@@ -57,7 +58,13 @@ class RequestTiming(NamedTuple):
 
     @property
     def queue_s(self) -> float | None:
-        return _span(self.arrival_ns, self.scheduled_ns)
+        """The runtime's queue time: vLLM's (engine QUEUED -> scheduled) where it has one, else arrival -> scheduled."""
+        return _span(self.arrival_ns if self.queued_ns is None else self.queued_ns, self.scheduled_ns)
+
+    @property
+    def frontend_s(self) -> float | None:
+        """Arrival at the frontend -> the engine's queue (tokenization, hand-off); None without a queued event."""
+        return _span(self.arrival_ns, self.queued_ns)
 
     @property
     def prefill_s(self) -> float | None:
@@ -93,12 +100,13 @@ class RequestListener(Protocol):
 
 class _Req:
     __slots__ = ("arrival", "scheduled", "first", "last", "prompt", "cached", "tokens", "preempt", "touched", "model",
-                 "waiting")
+                 "waiting", "queued")
 
     def __init__(self, model: str = "") -> None:
         self.model = model
         self.waiting = False  # arrived (or preempted) and not scheduled since
         self.arrival: int | None = None
+        self.queued: int | None = None
         self.scheduled: int | None = None
         self.first: int | None = None
         self.last: int | None = None
@@ -175,6 +183,9 @@ class RequestTracker:
             req.arrival = ts
             req.prompt = tokens
             req.waiting = True
+        elif kind == REQ_QUEUED:
+            if req.queued is None:
+                req.queued = ts
         elif kind == REQ_SCHEDULED:
             req.waiting = False
             if req.scheduled is None:  # the first admission: its prefix hits are the request's cached tokens
@@ -183,7 +194,7 @@ class RequestTracker:
         elif kind == REQ_PREEMPTED:
             req.preempt += 1
             req.waiting = True
-        elif kind in (REQ_FINISHED, REQ_ABORTED):
+        elif kind in (REQ_FINISHED, REQ_ABORTED, REQ_CANCELLED):
             del self._live[key]
             self.finished_total += 1
             self.listener.finished(RequestTiming(
@@ -191,7 +202,7 @@ class RequestTracker:
                 scheduled_ns=req.scheduled, first_token_ns=req.first, last_token_ns=req.last, end_ns=ts,
                 prompt_tokens=req.prompt, cached_tokens=req.cached,
                 output_tokens=tokens if tokens > 0 else req.tokens, preemptions=req.preempt,
-                aborted=kind == REQ_ABORTED))
+                aborted=kind != REQ_FINISHED, queued_ns=req.queued))  # a client's cancel ends it unfinished too
         if ts > self._newest_ns:
             self._newest_ns = ts
         self._evict()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import duckdb
 
-REF_ORDER = "CASE r.event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 ELSE 0 END"
+REF_ORDER = "CASE r.event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 WHEN 'queued' THEN 2 ELSE 0 END"  # issue 27
 
 VIEWS = {
     "request_log": f"""
@@ -40,19 +40,21 @@ VIEWS = {
                     - coalesce(arg_min(cached_tokens, ts_ns) FILTER (WHERE event = 'scheduled'), 0)
                     AS readmit_cached_tokens,
                 count(*) FILTER (WHERE event = 'preempted') AS preemptions,
-                CASE WHEN bool_or(event = 'aborted') THEN 'aborted'
+                CASE WHEN bool_or(event IN ('aborted', 'cancelled')) THEN 'aborted'
                      WHEN bool_or(event = 'finished') THEN 'finished'
-                     ELSE 'running' END AS status
+                     ELSE 'running' END AS status,
+                min(ts_ns) FILTER (WHERE event = 'queued') AS queued_ns
             FROM request_log GROUP BY run_id, request_id
         )
-        SELECT *,
-            (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
+        SELECT * EXCLUDE (queued_ns),
+            (scheduled_ns - coalesce(queued_ns, arrival_ns)) / 1e9 AS queue_s,
             (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
             (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
             (last_token_ns - first_token_ns) / 1e9 AS decode_s,
             CASE WHEN output_tokens > 1
                  THEN (last_token_ns - first_token_ns) / 1e9 / (output_tokens - 1) END AS tpot_s,
-            (last_token_ns - arrival_ns) / 1e9 AS e2e_s
+            (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
+            (queued_ns - arrival_ns) / 1e9 AS frontend_s
         FROM agg""",
     # one row per output token after the first token event: a chunk of k tokens
     # arriving `gap` after the previous one gives k samples of gap / k

@@ -68,6 +68,7 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("last_ts", "BIGINT", "its last event of any kind"),
         ("events", "BIGINT", "its events"),
         ("first_wall_ns", "BIGINT", "its first event, wall clock (Unix ns): rows deleted before it leave it whole"),
+        ("queued_ns", "BIGINT", "first queued event (the engine's own queue entry, e.g. vLLM's QUEUED); NULL: none"),
     ],
     "token_gaps": [
         ("run_id", "VARCHAR", "sources.run_id"),
@@ -97,11 +98,12 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
     ],
 }
 
-EVENT_ORDER = "CASE event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 ELSE 0 END"  # schema.REQUEST_EVENT_ORDER
+EVENT_ORDER = "CASE event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 WHEN 'queued' THEN 2 ELSE 0 END"  # schema.REQUEST_EVENT_ORDER
 _STATE = "(SELECT {col} FROM derived_state WHERE name = 'request_events')"
 _MIN_NS = "-9223372036854775808"
 _CODE = ("CASE e.event WHEN 'arrival' THEN 0 WHEN 'scheduled' THEN 1 WHEN 'token' THEN 2 WHEN 'finished' THEN 3 "
-         "WHEN 'aborted' THEN 4 WHEN 'preempted' THEN 5 ELSE 6 END")
+         "WHEN 'aborted' THEN 4 WHEN 'cancelled' THEN 4 WHEN 'preempted' THEN 5 WHEN 'queued' THEN 7 ELSE 6 END")
+# (a cancel closes a request as an abort does; 'queued' belongs to the arrival it follows)
 
 # The delta: stages over the raw events past the watermark ({new} filters `request_events r`), each one
 # SELECT over the raw tables, the derived tables and the stages before it. The views inline them as CTEs;
@@ -138,12 +140,12 @@ STAGES: list[tuple[str, str]] = [
     # counts them. code: arrival 0, scheduled 1, token 2, finished 3, aborted 4, preempted 5
     ("named", f"""SELECT k.key_id,
                CASE WHEN k.arrivals = 1 AND (e.ts_ns > k.arrival_ts OR (e.ts_ns = k.arrival_ts AND e.event IN
-                         ('arrival', 'scheduled'))) THEN k.base_no + 1 ELSE greatest(1, k.base_no) END AS arrival_no,
+                         ('arrival', 'scheduled', 'queued'))) THEN k.base_no + 1 ELSE greatest(1, k.base_no) END AS arrival_no,
                e.ts_ns, {_CODE} AS code, e.tokens, e.cached_tokens, e.wall
         FROM ev_new e JOIN keys k ON k.run_id = e.run_id AND k.rid = e.rid WHERE k.in_order AND k.arrivals <= 1
         UNION ALL
         SELECT key_id, greatest(1, base_no + count(*) FILTER (WHERE code = 0) OVER (
-                   PARTITION BY key_id ORDER BY ts_ns, CASE code WHEN 0 THEN 1 WHEN 1 THEN 2 ELSE 0 END
+                   PARTITION BY key_id ORDER BY ts_ns, CASE code WHEN 0 THEN 1 WHEN 1 THEN 2 WHEN 7 THEN 2 ELSE 0 END
                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)),
                ts_ns, code, tokens, cached_tokens, wall
         FROM (SELECT k.key_id, k.base_no, e.ts_ns, {_CODE} AS code, e.tokens, e.cached_tokens, e.wall
@@ -167,7 +169,8 @@ STAGES: list[tuple[str, str]] = [
                      bool_or(code = 4) AS aborted, bool_or(code = 3) AS finished,
                      max(ts_ns) FILTER (WHERE code = 2 AND tokens > 0) AS last_gap_ns,
                      max(ts_ns) FILTER (WHERE code = 5) AS last_preempted_ns,
-                     max(ts_ns) AS last_ts, count(*) AS events, min(ts_ns + wall) AS first_wall_ns
+                     max(ts_ns) AS last_ts, count(*) AS events, min(ts_ns + wall) AS first_wall_ns,
+                     min(ts_ns) FILTER (WHERE code = 7) AS queued_ns
               FROM named GROUP BY key_id, arrival_no) a JOIN keys k USING (key_id)"""),
     ("folded", """SELECT q.*, k.key_id FROM request_rows q
         JOIN (SELECT DISTINCT run_id, request_id FROM part) p ON p.run_id = q.run_id AND p.request_id = q.request_id
@@ -183,7 +186,8 @@ STAGES: list[tuple[str, str]] = [
                CAST(sum(preemptions) AS BIGINT) AS preemptions,
                bool_or(aborted) AS aborted, bool_or(finished) AS finished, max(last_gap_ns) AS last_gap_ns,
                max(last_preempted_ns) AS last_preempted_ns, max(last_ts) AS last_ts,
-               CAST(sum(events) AS BIGINT) AS events, min(first_wall_ns) AS first_wall_ns
+               CAST(sum(events) AS BIGINT) AS events, min(first_wall_ns) AS first_wall_ns,
+               min(queued_ns) AS queued_ns
         FROM (SELECT * FROM part UNION ALL BY NAME SELECT * EXCLUDE (key_id) FROM folded)
         GROUP BY run_id, request_id"""),
     # per request: its new token events (tokens > 0) after the stored tail of the request it continues (its
@@ -280,13 +284,14 @@ REQUESTS_SELECT = """SELECT run_id, request_id, runtime_request_id, arrival_ns, 
            coalesce(scheduled_cached_sum, 0) - coalesce(cached_tokens, 0) AS readmit_cached_tokens,
            preemptions,
            CASE WHEN aborted THEN 'aborted' WHEN finished THEN 'finished' ELSE 'running' END AS status,
-           (scheduled_ns - arrival_ns) / 1e9 AS queue_s,
+           (scheduled_ns - coalesce(queued_ns, arrival_ns)) / 1e9 AS queue_s,
            (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
            (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
            (last_token_ns - first_token_ns) / 1e9 AS decode_s,
            CASE WHEN coalesce(output_tokens, 0) > 1
                 THEN (last_token_ns - first_token_ns) / 1e9 / (coalesce(output_tokens, 0) - 1) END AS tpot_s,
-           (last_token_ns - arrival_ns) / 1e9 AS e2e_s"""
+           (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
+           (queued_ns - arrival_ns) / 1e9 AS frontend_s"""
 
 ITL_SELECT = """SELECT run_id, request_id, ts_ns, prev_ns, tokens, preempted,
            (ts_ns - prev_ns) / 1e9 / tokens AS itl_s, attributed, steps_in_gap, step_ms, prefill_tokens, decode_tokens,
@@ -334,11 +339,16 @@ def views(state: tuple[int, int] | None = None, rowids: bool = True) -> dict[str
     }
 
 
+# columns added after files were written: (table, column, type); NULL in the rows made before (no such events then)
+ADDED = (("request_rows", "queued_ns", "BIGINT"),)
+
+
 def ddl(rowids: bool = True) -> list[str]:
     """Statements creating the derived tables and their views (idempotent; the views read the state)."""
     out = []
     for table, cols in TABLES.items():
         out.append(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t, _ in cols)})")
+        out.extend(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {c} {t}" for tb, c, t in ADDED if tb == table)
         for c, _, doc in cols:
             out.append(f"COMMENT ON COLUMN {table}.{c} IS '{doc.replace(chr(39), chr(39) * 2)}'")
     for view, sql in views(None, rowids).items():
@@ -353,7 +363,7 @@ def readable(con: Any) -> bool:
     if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'derived_state'").fetchone()[0]:
         return False
     for stmt in ddl(rowids=False):
-        if stmt.startswith("COMMENT"):
+        if stmt.startswith(("COMMENT", "ALTER")):
             continue
         con.execute(stmt.replace("CREATE TABLE IF NOT EXISTS", "CREATE TEMP TABLE IF NOT EXISTS")
                     .replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))

@@ -58,8 +58,13 @@ class FrameError(ValueError):
 PHASES = ("prefill", "decode", "mixed", "idle")
 PHASE_PREFILL, PHASE_DECODE, PHASE_MIXED, PHASE_IDLE = range(4)
 
-REQUEST_EVENTS = ("arrival", "scheduled", "token", "finished", "aborted", "preempted")
-(REQ_ARRIVAL, REQ_SCHEDULED, REQ_TOKEN, REQ_FINISHED, REQ_ABORTED, REQ_PREEMPTED) = range(6)
+# "aborted": ended by the server or engine without finishing (an error, a shutdown); "cancelled": the client
+# asked (a hang-up, an abort call): ended, and not a failure. Stored requests close on either (status 'aborted').
+# "queued": the engine took the request into its queue (vLLM's EngineCore QUEUED event), after the frontend's
+# arrival (tokenization, hand-off); runtimes without one queue from the arrival.
+REQUEST_EVENTS = ("arrival", "scheduled", "token", "finished", "aborted", "preempted", "cancelled", "queued")
+(REQ_ARRIVAL, REQ_SCHEDULED, REQ_TOKEN, REQ_FINISHED, REQ_ABORTED, REQ_PREEMPTED, REQ_CANCELLED,
+ REQ_QUEUED) = range(8)
 
 
 # --- records ---

@@ -43,7 +43,8 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("source_id", "INTEGER", "sources.source_id"),
         ("ts_ns", "BIGINT", "monotonic time of the event"),
         ("rank", "SMALLINT", "rank that reported it"),
-        ("event", "VARCHAR", "arrival, scheduled, token, finished, aborted, preempted"),
+        ("event", "VARCHAR", "arrival, scheduled, token, finished, aborted (server/engine ended it), preempted, "
+         "cancelled (the client ended it)"),
         ("request_id", "VARCHAR", "runtime's request id (<= 32 bytes); a label: runtimes reuse ids. Each arrival's "
          "events form one bracket [arrival .. finished|aborted] (the adapters close a stale one); view request_log keys arrivals"),
         ("tokens", "INTEGER", "arrival: prompt tokens; token: new tokens; finished: output tokens"),
@@ -216,7 +217,7 @@ TABLE_OF_RECORD = {
 # req_0..), so a request's identity is (runtime id, arrival number) and the runtime id is only a
 # label. On equal timestamps the previous arrival's tokens and end come before the next arrival,
 # and a scheduling after it.
-REQUEST_EVENT_ORDER = "CASE r.event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 ELSE 0 END"
+REQUEST_EVENT_ORDER = "CASE r.event WHEN 'arrival' THEN 1 WHEN 'scheduled' THEN 2 WHEN 'queued' THEN 2 ELSE 0 END"
 
 VIEWS: dict[str, str] = {
     # every request event with its request's unique id: `request_id` is the runtime's id for its

@@ -260,3 +260,48 @@ def test_vllm_kernel_warmup_is_not_an_engine_step(monkeypatch, tmp_path):
         assert hooks.step_id == 1
     finally:
         adapter.close_channels(0.1)
+
+
+def test_client_cancels_are_told_from_server_aborts(monkeypatch, tmp_path):
+    """Issue 27 item 4: `finish_requests(ids, FINISHED_ABORTED)` is EngineCore.abort_requests (a client's hang-up
+    or abort call): 'cancelled'; all at once (ids None: shutdown, pause) or FINISHED_ERROR: 'aborted'."""
+    from types import SimpleNamespace as NS
+
+    from phasescope.agent.records.events import REQ_ABORTED, REQ_CANCELLED
+
+    hooks, _, _ = _engine(monkeypatch, tmp_path, _Pool(4))
+    seen: list = []
+    hooks._event = lambda ts, event, rid, tokens=0, cached=0: seen.append((event, rid))
+    try:
+        for rid in ("a", "b", "c"):
+            hooks.out_tokens[rid] = 0
+        hooks._after_finish_requests([NS(request_id="a")], ["a"], "RequestStatus.FINISHED_ABORTED")
+        hooks._after_finish_requests([NS(request_id="b")], ["b"], "RequestStatus.FINISHED_ERROR")
+        hooks._after_finish_requests([NS(request_id="c")], None, "RequestStatus.FINISHED_ABORTED")
+        assert seen == [(REQ_CANCELLED, "a"), (REQ_ABORTED, "b"), (REQ_ABORTED, "c")]
+        assert adapter._is_abort("FinishReason.ERROR") and adapter._is_abort("FinishReason.ABORT")
+        assert not adapter._is_abort("FinishReason.STOP") and not adapter._is_abort("FinishReason.LENGTH")
+    finally:
+        adapter.close_channels(0.1)
+
+
+def test_frontend_drops_outputs_of_already_aborted_requests(monkeypatch, tmp_path):
+    """Issue 27 item 1: vLLM's OutputProcessor ignores outputs for a request it already aborted (no longer in
+    request_states); counting them gave 572 generation tokens against vLLM's 571."""
+    from types import SimpleNamespace as NS
+
+    from phasescope.agent.records.events import REQ_TOKEN
+
+    monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
+    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    processor = NS(request_states={"live": object()}, process_outputs=lambda outputs, *a, **k: None)
+    hooks = adapter.FrontendHooks(processor)
+    emitted: list = []
+    hooks.probe.emit = lambda rec: emitted.append(rec)
+    try:
+        processor.process_outputs([NS(request_id="live", new_token_ids=[5, 6], finish_reason=None),
+                                   NS(request_id="gone", new_token_ids=[7], finish_reason=None)])
+        tokens = [(r.request_id, r.tokens) for r in emitted if r.event == REQ_TOKEN]
+        assert tokens == [(adapter.short_id("live"), 2)]
+    finally:
+        adapter.close_channels(0.1)

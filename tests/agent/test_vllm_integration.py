@@ -373,7 +373,15 @@ def test_offline_llm_counters_equal_get_metrics(vllm_env, short_tmp, mode):
     assert events.get("preempted", (0, 0))[0] == m["vllm:num_preemptions"]
     assert _q(con, "SELECT count(*) FROM steps")[0][0] > 0
     assert _q(con, "SELECT max(errors_total) FROM probe_health")[0][0] == 0
-    start = dict(_q(con, "SELECT key, value FROM run_info")).get("engine_process_start")
+    # issue 27: queue time is vLLM's (EngineCore QUEUED -> first SCHEDULED, its own timestamps), the frontend's
+    # part apart; the attention backend's limits are read from vLLM at attach
+    n, queue, frontend = _q(con, "SELECT count(*), sum(queue_s), min(frontend_s) FROM requests")[0]
+    assert n == m["vllm:request_queue_time_seconds_count"]
+    assert abs(queue - m["vllm:request_queue_time_seconds_sum"]) <= 1e-6 * n, (queue, m)
+    assert frontend is not None and frontend >= 0
+    labels = dict(_q(con, "SELECT key, value FROM run_info"))
+    assert (labels.get("vllm_attention_backend"), labels.get("vllm_block_sizes")) == ("CPU_ATTN", "m32"), labels
+    start = labels.get("engine_process_start")
     if mode == "fork":
         assert start == "fork"  # EngineCore really was a forked child, and the plugin still ran there
     con.close()

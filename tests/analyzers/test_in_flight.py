@@ -77,3 +77,41 @@ def test_live_failures_among_judged_requests_still_fire_and_say_what_is_in_fligh
         assert "4 still in flight" in f.expected_effect and "never finished" not in f.expected_effect
     finally:
         con.close()
+
+
+def _hang_ups(path: str, end_event: str) -> str:
+    """10 requests; 6 finish, 4 end with `end_event` after two tokens (the issue's streamed hang-ups)."""
+    store = Store(path)
+    t0 = 1_000_000_000
+    sid = store.register_source(Hello(t0, time.time_ns() - t0, 1, 0, 1, "hang-ups", "m", "vllm"))
+    recs = []
+    for i in range(10):
+        rid = f"r{i}"
+        recs += [RequestEvent(t0, 0, EV["arrival"], rid, 64, 0),
+                 RequestEvent(t0 + 2 * MS, 0, EV["scheduled"], rid, 0, 0),
+                 RequestEvent(t0 + 10 * MS, 0, EV["token"], rid, 1, 0),
+                 RequestEvent(t0 + 20 * MS, 0, EV["token"], rid, 1, 0)]
+        end = "finished" if i < 6 else end_event
+        recs.append(RequestEvent(t0 + 20 * MS, 0, REQUEST_EVENTS.index(end), rid, 2, 0))
+    store.append([(sid, recs)])
+    store.close()
+    return "hang-ups"
+
+
+def test_client_cancels_are_not_failures_but_server_aborts_are(tmp_path):
+    """Issue 27 item 4: 'Requests fail under load' (critical) fired on 4 deliberate client disconnects."""
+    run = _hang_ups(str(tmp_path / "c.duckdb"), "cancelled")
+    con = duckdb.connect(str(tmp_path / "c.duckdb"), read_only=True)
+    try:
+        assert survival_rate(con, run) == []  # 6 of 6 judged finished; 4 cancelled by their clients
+        assert con.execute("SELECT count(*) FROM requests WHERE status = 'running'").fetchone()[0] == 0
+    finally:
+        con.close()
+    run = _hang_ups(str(tmp_path / "a.duckdb"), "aborted")
+    con = duckdb.connect(str(tmp_path / "a.duckdb"), read_only=True)
+    try:
+        f = survival_rate(con, run)[0]
+        assert f.severity == "critical" and (f.evidence["aborted"], f.evidence["cancelled"]) == (4, 0)
+        assert "6 of 10 requests finished" in f.expected_effect
+    finally:
+        con.close()

@@ -479,7 +479,7 @@ class ProcessorHooks:
         ts = self.clock()
         for state in states:
             rid = state.request_id
-            self.emit(rid, "aborted", ts, tokens=self.a._emitted.pop(rid, 0))
+            self.emit(rid, "cancelled", ts, tokens=self.a._emitted.pop(rid, 0))  # cancel_request: the client's
             self.a._forget(rid)
         return states
 

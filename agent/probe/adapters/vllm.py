@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from ...records.events import (
     PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, PrefixCounters, PrefixLookup, RequestEvent, Step,
-    REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
+    REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_FINISHED, REQ_QUEUED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
 )
 from ...records.kvmath import PageStats, largest_gap
 from ...settings import ENV_RUN_ID, ProbeSettings, from_env
@@ -267,6 +267,21 @@ def _ranks(vllm_config: Any) -> tuple[int, int, int]:
             int(index or 0))
 
 
+def _cpu_has_fp8_kv() -> bool:
+    """vLLM's CPU attention takes an fp8 KV cache only on x86 with AVX-512 or AMX (cpu_attn `_get_attn_isa`:
+    "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"); the same two checks."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_supported())
+
+
+def block_size_rule(supported: Any) -> str:
+    """vLLM's `get_supported_kernel_block_sizes()` as a label: [MultipleOf(32)] -> "m32", [16, 32] -> "16,32"."""
+    parts = [f"m{int(s.base)}" if hasattr(s, "base") else str(int(s)) for s in supported]
+    multiples = [p for p in parts if p.startswith("m")]
+    return multiples[0] if multiples else ",".join(parts)
+
+
 # --- step shape (pure) --------------------------------------------------------
 
 def split_tokens(start: int, n: int, num_prompt: int, num_tokens: int) -> tuple[int, int]:
@@ -394,6 +409,8 @@ class EngineHooks:
         arrival = getattr(request, "arrival_time", None)
         ts = self._mono_of_wall(arrival) if arrival else time.monotonic_ns()
         self._event(ts, REQ_ARRIVAL, rid, int(request.num_prompt_tokens))
+        # vLLM's queue starts here, at the engine's QUEUED event (its own timestamp when it records events)
+        self._event(_core_event_ns(request, "QUEUED") or time.monotonic_ns(), REQ_QUEUED, rid)
 
     def _after_schedule(self, so: Any, *a: Any, **k: Any) -> None:
         now = time.monotonic_ns()
@@ -406,7 +423,8 @@ class EngineHooks:
                 cached = getattr(req, "num_cached_tokens", -1) if req is not None else -1
                 if cached is None or cached < 0:
                     cached = int(nr.num_computed_tokens)
-                self._event(now, REQ_SCHEDULED, rid, 0, int(cached))
+                # vLLM's SCHEDULED timestamp where it records one: its queue and prefill times end/start there
+                self._event(_core_event_ns(req, "SCHEDULED") or now, REQ_SCHEDULED, rid, 0, int(cached))
                 if not self.caching and self.table is not None and req is not None \
                         and not getattr(req, "num_preemptions", 0):
                     n = int(req.num_prompt_tokens)
@@ -431,12 +449,12 @@ class EngineHooks:
                 self.snapshot(now)
         self._emit_prefix(now)
 
-    def _finished(self, ts: int, rid: str, aborted: bool) -> None:
+    def _finished(self, ts: int, rid: str, aborted: bool, cancelled: bool = False) -> None:
         if rid not in self.out_tokens:
             return
         n = self.out_tokens.pop(rid)
         self.seen.discard(rid)
-        self._event(ts, REQ_ABORTED if aborted else REQ_FINISHED, rid, n)
+        self._event(ts, REQ_CANCELLED if cancelled else REQ_ABORTED if aborted else REQ_FINISHED, rid, n)
 
     def _before_preempt(self, request: Any, *a: Any, **k: Any) -> None:
         # num_computed_tokens is reset inside: what it holds now is the KV this preemption loses
@@ -445,9 +463,15 @@ class EngineHooks:
         self._event(time.monotonic_ns(), REQ_PREEMPTED, request.request_id, lost)
 
     def _after_finish_requests(self, aborted: Any, *a: Any, **k: Any) -> None:
+        """`finish_requests(ids, status)`: named requests ended FINISHED_ABORTED are the client's cancels
+        (`EngineCore.abort_requests`, a hang-up or an abort call); all requests at once (ids None: shutdown,
+        pause) or any other status (FINISHED_ERROR) are the server's: failures."""
         now = time.monotonic_ns()
+        ids = a[0] if a else k.get("request_ids")
+        status = a[1] if len(a) > 1 else k.get("finished_status")
+        cancelled = ids is not None and "ABORTED" in str(status).upper()
         for req in aborted or ():
-            self._finished(now, req.request_id, aborted=True)
+            self._finished(now, req.request_id, aborted=True, cancelled=cancelled)
 
     # prefix cache
     def _after_prefix(self, _res: Any, request: Any, num_hits: int, *a: Any, **k: Any) -> None:
@@ -609,8 +633,21 @@ class EngineHooks:
         return n
 
 
+def _core_event_ns(request: Any, kind: str) -> int | None:
+    """The latest EngineCoreEvent `kind` (QUEUED, SCHEDULED) vLLM recorded on `request`, in monotonic ns (vLLM
+    stamps them with time.monotonic() in this process); None when it records none (log stats off)."""
+    for ev in reversed(getattr(request, "events", None) or ()):
+        t = getattr(ev, "type", None)
+        if str(getattr(t, "name", t)).upper() == kind:
+            return int(ev.timestamp * 1e9)
+    return None
+
+
 def _is_abort(reason: Any) -> bool:
-    return "ABORT" in str(reason).upper()
+    """An output's finish reason that is no success: ABORT (reaching outputs only from the engine's own aborts:
+    shutdown, pause; a client's abort never produces one) or ERROR (a request-level internal error)."""
+    name = str(reason).upper()
+    return "ABORT" in name or "ERROR" in name
 
 
 # --- frontend: token and finish times where vLLM measures them ------------------
@@ -624,12 +661,19 @@ class FrontendHooks:
         os.environ[ENV_TOKENS_AT] = "frontend"  # read by the EngineCore, started after this
         self.probe = channel("frontend", 0, 1, "vllm", {"runtime": RUNTIME})
         self.out_tokens: dict[str, int] = {}
+        self.states = getattr(processor, "request_states", None)  # vLLM's live requests (aborted ones leave it)
         wrap(processor, "process_outputs", lambda r, *a, **k: None, lambda: self.probe, before=self._before)
 
     def _before(self, outputs: Any, *a: Any, **k: Any) -> None:
         now = time.monotonic_ns()
+        states = self.states
         for o in outputs or ():
             rid = o.request_id
+            if states is not None and rid not in states:
+                # vLLM ignores outputs for an already-aborted request (output_processor.process_outputs): so do
+                # we, or a hang-up's last tokens count once more than vLLM's generation tokens and ITL
+                self.out_tokens.pop(rid, None)
+                continue
             n = len(o.new_token_ids or ())
             if n:
                 self.out_tokens[rid] = self.out_tokens.get(rid, 0) + n
@@ -670,6 +714,7 @@ class WorkerHooks:
         self.prompt_len: dict[str, int] = {}
         self._open = False  # a step is open (begin_step called, end_step not yet)
         self._label_weights(worker, tp * pp)
+        self._label_backend(cfg)
         ref = lambda: self.probe  # noqa: E731
         wrap(worker, "execute_model", self._after_execute, ref, before=self._before_execute)
         wrap(worker, "sample_tokens", self._after_sample, ref)
@@ -697,6 +742,21 @@ class WorkerHooks:
                 self.probe.label(gpu_name=props.name, gpu_mem_bytes=props.total_memory)
         except Exception as exc:  # noqa: BLE001 - labels are optional
             _fail("model_weights", exc)
+
+    def _label_backend(self, cfg: Any) -> None:
+        """The attention backend's limits, read from the runtime (what the analyzers' advice must respect):
+        `vllm_attention_backend`, `vllm_block_sizes` (block_size_rule) and `vllm_kv_cache_dtypes`."""
+        try:
+            layers = cfg.compilation_config.static_forward_context.values()
+            backend = next(b for b in (getattr(x, "attn_backend", None) for x in layers) if b is not None)
+            dtypes = [str(d) for d in getattr(backend, "supported_kv_cache_dtypes", ())]
+            if backend.get_name() == "CPU_ATTN" and not _cpu_has_fp8_kv():
+                dtypes = [d for d in dtypes if not d.startswith("fp8")]
+            self.probe.label(vllm_attention_backend=backend.get_name(),
+                             vllm_block_sizes=block_size_rule(backend.get_supported_kernel_block_sizes()),
+                             vllm_kv_cache_dtypes=",".join(dtypes)[:96])
+        except Exception as exc:  # noqa: BLE001 - labels are optional: the analyzers fall back to their table
+            _fail("attention_backend", exc)
 
     def shape(self, so: Any) -> StepShape:
         """Token counts of one SchedulerOutput (identical on every rank)."""
