@@ -278,7 +278,7 @@ LIMITS: dict[tuple[str, str], tuple[int, int]] = {
     ("KVSnapshot", "page_size_tokens"): (0, MAX_PAGE_TOKENS),
     ("PrefixLookup", "page_size_tokens"): (0, MAX_PAGE_TOKENS),
 }
-_TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}
+TYPE_CODES: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}  # record class -> its type byte
 RECORD_TYPES: tuple[type, ...] = tuple(cls for cls, _ in _LAYOUT.values())
 
 
@@ -312,14 +312,14 @@ def short_id(text: str, width: int = REQUEST_ID_BYTES) -> str:
 
 def record_size(cls: type) -> int:
     """Bytes one record of `cls` takes on the wire (type byte included)."""
-    return 1 + _LAYOUT[_TYPE_OF[cls]][1].size
+    return 1 + _LAYOUT[TYPE_CODES[cls]][1].size
 
 
 def encode_records(records: Iterable[Record]) -> tuple[bytes, int]:
     """Encode records into a payload; returns (payload, count)."""
     parts: list[bytes] = []
     for rec in records:
-        code = _TYPE_OF[type(rec)]
+        code = TYPE_CODES[type(rec)]
         layout = _LAYOUT[code][1]
         strs = _STR_FIELDS[code]
         if strs:
