@@ -453,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run", help="run id (default: the latest)")
     s.add_argument("--json", action="store_true", help="JSON output")
 
-    sc = add_command(sub, _cmd_schema, "schema", help="print the store's tables and columns",
-                     description="Every table and column of the DuckDB store, with units.")
+    add_command(sub, _cmd_schema, "schema", help="print the store's tables and columns",
+                description="Every table and column of the DuckDB store, with units.")
 
     from phasescope.cli.analyze import add_commands  # diagnose, plan-kv, compare
 
