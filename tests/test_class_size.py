@@ -1,4 +1,4 @@
-"""No class in phasescope's own modules runs past 300 lines (HELPERS.md, issue 24).
+"""No class in phasescope's own modules runs past 300 lines (the project's style rule; issue 24).
 
 A class is measured from its `class` line (decorators included) to its last line, blank lines,
 comments and docstrings included: what a reader has to hold. A class that grows past the limit is

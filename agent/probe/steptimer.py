@@ -48,9 +48,10 @@ class StepTimer:
     to `error(exc)` (counts, never raises). `_pre_hook`/`_post_hook` are a module's forward hooks."""
 
     def __init__(self, rank: int, device: Any, push: Callable[[Record], None],
-                 error: Callable[[BaseException], None], stop: threading.Event, *, cuda_timing: bool, event_pool_size: int,
-                 poll_interval_s: float, gpu_budget: float | None, gpu_min_rate: float, seed: int | None,
-                 exact_tokens: bool, clock_ns: Callable[[], int], perf_ns: Callable[[], int]) -> None:
+                 error: Callable[[BaseException], None], stop: threading.Event, *, cuda_timing: bool,
+                 event_pool_size: int, poll_interval_s: float, gpu_budget: float | None, gpu_min_rate: float,
+                 seed: int | None, exact_tokens: bool, clock_ns: Callable[[], int],
+                 perf_ns: Callable[[], int]) -> None:
         """`device`: where the model runs (CUDA events time a CUDA device's steps when `cuda_timing`);
         `stop`: set at close (the poller ends once nothing is pending); `clock_ns`: timestamps of records
         (monotonic, ns); `perf_ns`: durations (ns); both injectable."""
