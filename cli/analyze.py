@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from .errors import CliError, UsageError
-from .options import add_api_url, read_line, reader_target
+from .options import add_api_url, add_command, read_line, reader_target
 
 
 def _value(text: str) -> Any:
@@ -240,9 +240,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register the three subcommands on an argparse subparsers object."""
-    d = sub.add_parser("diagnose", help="findings with evidence and tuning suggestions for one run",
-                       description="Run every analyzer over a run of a DuckDB file no agent holds. Model geometry "
-                                   "and GPU come from the run's labels (run_info) unless given.")
+    d = add_command(sub, cmd_diagnose, "diagnose", help="findings with evidence and tuning suggestions for one run",
+                    description="Run every analyzer over a run of a DuckDB file no agent holds. Model geometry "
+                                "and GPU come from the run's labels (run_info) unless given.")
     d.add_argument("db", nargs="?", help="DuckDB file no agent holds")
     add_api_url(d, "diagnose a running agent's store through its read API")
     d.add_argument("--run", help="run id (default: the latest)")
@@ -254,11 +254,11 @@ def add_commands(sub: Any) -> None:
     d.add_argument("--list-thresholds", action="store_true", help="print every threshold, its default and unit")
     d.add_argument("--fleet", metavar="GLOB", help="compare hosts over Parquet exports (host=/date=/table=), "
                                                   "e.g. 'exports/**/*.parquet' or 's3://bucket/phasescope/**/*.parquet'")
-    d.set_defaults(func=cmd_diagnose)
 
-    p = sub.add_parser("plan-kv", help="KV capacity planner: bytes per token, sequences that fit a budget",
-                       description="Per TP layout and KV dtype: KV bytes per token and per sequence on each GPU, "
-                                   "and how many sequences of --context tokens fit the per-GPU KV budget.")
+    p = add_command(sub, cmd_plan_kv, "plan-kv",
+                    help="KV capacity planner: bytes per token, sequences that fit a budget",
+                    description="Per TP layout and KV dtype: KV bytes per token and per sequence on each GPU, "
+                                "and how many sequences of --context tokens fit the per-GPU KV budget.")
     p.add_argument("--config", help="HF config.json")
     p.add_argument("--layers", type=int)
     p.add_argument("--heads", type=int)
@@ -276,13 +276,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--tp", default="1", help="TP sizes, comma-separated (default: 1)")
     p.add_argument("--kv-dtype", default="bf16", help="KV dtypes, comma-separated (bf16,fp8,int8,int4)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_plan_kv)
 
-    c = sub.add_parser("compare", help="two runs side by side: TTFT, TPOT, throughput, OOM/preemptions, labels",
-                       description="RUN is FILE (its latest run), FILE::RUN_ID, or a run id in --db FILE.")
+    c = add_command(sub, cmd_compare, "compare",
+                    help="two runs side by side: TTFT, TPOT, throughput, OOM/preemptions, labels",
+                    description="RUN is FILE (its latest run), FILE::RUN_ID, or a run id in --db FILE.")
     c.add_argument("run_a")
     c.add_argument("run_b")
     c.add_argument("--db", help="DuckDB file holding both run ids")
     add_api_url(c, "the read API of a running agent holding both run ids")
     c.add_argument("--json", action="store_true")
-    c.set_defaults(func=cmd_compare)

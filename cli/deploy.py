@@ -26,7 +26,7 @@ from typing import Any
 from phasescope.agent import settings
 from phasescope.agent.records.address import ENV_ADDRESS
 
-from .options import add_address
+from .options import add_address, add_command
 
 
 def bootstrap_dir() -> str:
@@ -170,39 +170,38 @@ def _host_port_arg(text: str) -> str:
 
 def add_commands(sub: Any) -> None:
     """Register run, health and retention on the CLI's subparsers."""
-    r = sub.add_parser("run", help="run a program with the probe attached to the models it serves (zero code)",
-                       description="Start PROGRAM with phasescope attached, like opentelemetry-instrument: HF "
-                                   "transformers models get a probe when loaded (from_pretrained) or first used "
-                                   "(generate, init_continuous_batching); vLLM's plugin reads the same "
-                                   "variables. Without a running agent the program runs as it would "
-                                   "alone (records are dropped, counted, nothing printed).")
+    r = add_command(sub, cmd_run, "run",
+                    help="run a program with the probe attached to the models it serves (zero code)",
+                    description="Start PROGRAM with phasescope attached, like opentelemetry-instrument: HF "
+                                "transformers models get a probe when loaded (from_pretrained) or first used "
+                                "(generate, init_continuous_batching); vLLM's plugin reads the same "
+                                "variables. Without a running agent the program runs as it would "
+                                "alone (records are dropped, counted, nothing printed).")
     add_address(r, "where the sidecar listens, unix:/path/agent.sock or tcp:HOST:PORT (default: $PHASESCOPE_AGENT "
                    "or the default socket)")
     r.add_argument("--run-id", help="run id for every process of the program (default: a new one)")
     r.add_argument("--label", action="append", metavar="K=V[,K=V]", help="run label; repeatable")
     r.add_argument("--no-cuda-timing", action="store_true", help="time forwards on the host only")
     r.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
-    r.set_defaults(func=cmd_run)
 
-    h = sub.add_parser("health", help="ask the local agent whether it is alive (or ready); exit 0 if so",
-                       description="GET /healthz (alive: the loop and writer threads run) or, with --ready, "
-                                   "/readyz (also: the store answers, every probe socket exists, the ingest "
-                                   "queue has room, retention is not failing) from the agent's read API; print "
-                                   "each check. For container HEALTHCHECKs and Kubernetes exec probes.")
+    h = add_command(sub, cmd_health, "health", help="ask the local agent whether it is alive (or ready); exit 0 if so",
+                    description="GET /healthz (alive: the loop and writer threads run) or, with --ready, "
+                                "/readyz (also: the store answers, every probe socket exists, the ingest "
+                                "queue has room, retention is not failing) from the agent's read API; print "
+                                "each check. For container HEALTHCHECKs and Kubernetes exec probes.")
     h.add_argument("--ready", action="store_true", help="readiness instead of liveness")
-    h.add_argument("--api", metavar="HOST:PORT", type=_host_port_arg, help="the agent's read API (default: $PHASESCOPE_API, the "
-                                                     "config file's api, or 127.0.0.1:7702)")
+    h.add_argument("--api", metavar="HOST:PORT", type=_host_port_arg,
+                   help="the agent's read API (default: $PHASESCOPE_API, the config file's api, or 127.0.0.1:7702)")
     h.add_argument("--config", metavar="FILE", help="agent config file (default: $PHASESCOPE_CONFIG)")
     h.add_argument("--timeout-s", type=_timeout, default=3.0, help="HTTP timeout, s, > 0 and <= 600 "
                                                                   "(default: %(default)s)")
-    h.set_defaults(func=cmd_health)
 
-    t = sub.add_parser("retention", help="roll old rows of a DuckDB file no agent holds (rollups + Parquet)",
-                       description="One retention roll: rows older than --retention-days, or the oldest beyond "
-                                   "--retention-max-gib, are aggregated per minute into rollup_* tables, written "
-                                   "as Parquet under --export-dir (host=/date=/table=) and deleted.")
+    t = add_command(sub, cmd_retention, "retention",
+                    help="roll old rows of a DuckDB file no agent holds (rollups + Parquet)",
+                    description="One retention roll: rows older than --retention-days, or the oldest beyond "
+                                "--retention-max-gib, are aggregated per minute into rollup_* tables, written "
+                                "as Parquet under --export-dir (host=/date=/table=) and deleted.")
     t.add_argument("db", help="DuckDB file")
     # the agent's own retention settings (AgentSettings), with their defaults; flags only
     settings.add_arguments(t, only=("export_dir", "host", "retention_days", "retention_max_gib", "rollup_days"),
                            defaults=True)
-    t.set_defaults(func=cmd_retention)

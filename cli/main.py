@@ -15,7 +15,7 @@ from phasescope.agent.records.derived import VIEW_DOCS as _DERIVED_VIEW_DOCS
 from phasescope.agent.records.errors import PhasescopeError
 
 from .errors import CliError, UsageError
-from .options import add_api_url, read_line, reader_target
+from .options import add_api_url, add_command, read_line, reader_target
 from phasescope.agent.settings import DEFAULT_API_ADDR
 
 
@@ -396,48 +396,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"phasescope {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    a = sub.add_parser("agent", help="run the sidecar: receive probe records and write DuckDB",
-                       description="Run the sidecar agent. Probes connect over a 0600 Unix socket "
-                                   "(default $XDG_RUNTIME_DIR/phasescope/agent.sock or /tmp/phasescope-UID/agent.sock) "
-                                   "or tcp:127.0.0.1:PORT. SIGTERM/SIGINT write what was received and checkpoint.")
+    a = add_command(sub, _cmd_agent, "agent", help="run the sidecar: receive probe records and write DuckDB",
+                    description="Run the sidecar agent. Probes connect over a 0600 Unix socket "
+                                "(default $XDG_RUNTIME_DIR/phasescope/agent.sock or /tmp/phasescope-UID/agent.sock) "
+                                "or tcp:127.0.0.1:PORT. SIGTERM/SIGINT write what was received and checkpoint.")
     from phasescope.agent.settings import ENV_CONFIG, add_arguments
 
     a.add_argument("--config", metavar="FILE", help=f"TOML config file (default: ${ENV_CONFIG} if set)")
     a.add_argument("--print-config", action="store_true",
                    help="print every setting and where it came from (flag, env, file, default), then exit")
     add_arguments(a)  # every field of AgentSettings: also PHASESCOPE_<KEY> and a key of the --config file
-    a.set_defaults(func=_cmd_agent)
 
-    r = sub.add_parser("rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",
-                       description="Print the Prometheus rule file: SLO burn-rate, KV, prefix-cache, "
-                                   "tensor-parallel, probe and GPU alerts, each with a runbook naming the analyzer "
-                                   "finding, on the analyzers' own thresholds. Save it and list it under rule_files "
-                                   "in prometheus.yml.")
+    r = add_command(sub, _cmd_rules, "rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",
+                    description="Print the Prometheus rule file: SLO burn-rate, KV, prefix-cache, "
+                                "tensor-parallel, probe and GPU alerts, each with a runbook naming the analyzer "
+                                "finding, on the analyzers' own thresholds. Save it and list it under rule_files "
+                                "in prometheus.yml.")
     r.add_argument("--grafana", action="store_true", help="print the Grafana dashboard JSON instead")
     r.add_argument("--ttft-slo-s", type=float, metavar="S",
                    help="TTFT SLO in seconds, a bucket bound of the TTFT histogram (default 2.5)")
     r.add_argument("--tpot-slo-s", type=float, metavar="S",
                    help="TPOT SLO in seconds, a bucket bound of the TPOT histogram (default 0.1)")
-    r.set_defaults(func=_cmd_rules)
 
-    db = sub.add_parser("dashboard", help="open the Streamlit diagnostics app on a DuckDB file, a live agent "
-                                          "or a folder of Parquet exports (hosts compared on its Fleet page)",
-                        description="Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. "
-                                    "Live: --api http://127.0.0.1:7702 (the agent's read API). "
-                                    "Exports: a folder of retention's Parquet exports (host=/date=/table=), one host "
-                                    "at a time (picked in the sidebar), read in place.")
+    db = add_command(sub, _cmd_dashboard, "dashboard",
+                     help="open the Streamlit diagnostics app on a DuckDB file, a live agent "
+                                       "or a folder of Parquet exports (hosts compared on its Fleet page)",
+                     description="Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. "
+                                 "Live: --api http://127.0.0.1:7702 (the agent's read API). "
+                                 "Exports: a folder of retention's Parquet exports (host=/date=/table=), one host "
+                                 "at a time (picked in the sidebar), read in place.")
     db.add_argument("db", nargs="?", default="phasescope.duckdb",
                     help="DuckDB file, or a folder / *.parquet glob / s3:// prefix of Parquet exports "
                          "(default: %(default)s)")
     add_api_url(db, "a running agent's read API")
     db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
     db.add_argument("--port", type=_port, default=8501, help="port, 0-65535 (0: a free one; default: %(default)s)")
-    db.set_defaults(func=_cmd_dashboard)
 
-    d = sub.add_parser("demo", help="run a small random-weight Llama under a service-like workload and summarise",
-                       description="Build a small Llama with random weights (no download), serve a workload with a "
-                                   "shared system prompt, short and long prompts and outputs, with the probe and an "
-                                   "in-process sidecar writing the DuckDB file; print a per-phase summary.")
+    d = add_command(sub, _cmd_demo, "demo",
+                    help="run a small random-weight Llama under a service-like workload and summarise",
+                    description="Build a small Llama with random weights (no download), serve a workload with a "
+                                "shared system prompt, short and long prompts and outputs, with the probe and an "
+                                "in-process sidecar writing the DuckDB file; print a per-phase summary.")
     d.add_argument("--db", default="phasescope.duckdb", help="DuckDB file (default: %(default)s)")
     d.add_argument("--requests", type=int, default=48, help="number of requests (default: %(default)s)")
     d.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
@@ -445,19 +444,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--runtime", choices=("cb", "generate"), default="cb",
                    help="cb: HF continuous batching with a paged KV cache (default); generate: static batches")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
-    d.set_defaults(func=_cmd_demo)
 
-    s = sub.add_parser("summary", help="print a run's per-phase summary from a DuckDB file no agent holds",
-                       description="Per-phase step times and request latencies of one run.")
+    s = add_command(sub, _cmd_summary, "summary",
+                    help="print a run's per-phase summary from a DuckDB file no agent holds",
+                    description="Per-phase step times and request latencies of one run.")
     s.add_argument("db", nargs="?", help="DuckDB file no agent holds")
     add_api_url(s, "read a running agent's read API instead")
     s.add_argument("--run", help="run id (default: the latest)")
     s.add_argument("--json", action="store_true", help="JSON output")
-    s.set_defaults(func=_cmd_summary)
 
-    sc = sub.add_parser("schema", help="print the store's tables and columns",
-                        description="Every table and column of the DuckDB store, with units.")
-    sc.set_defaults(func=_cmd_schema)
+    add_command(sub, _cmd_schema, "schema", help="print the store's tables and columns",
+                description="Every table and column of the DuckDB store, with units.")
 
     from phasescope.cli.analyze import add_commands  # diagnose, plan-kv, compare
 

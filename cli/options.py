@@ -29,6 +29,13 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def add_command(sub: Any, func: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """Subcommand `name` (its `help`, `description` ... as `add_parser` takes them), run by `func(args)`."""
+    p = sub.add_parser(name, **kwargs)
+    p.set_defaults(func=func)
+    return p
+
+
 def add_api_url(p: argparse.ArgumentParser, help: str) -> None:
     """`--api URL` (a running agent's read API), and `--agent URL`, its deprecated spelling."""
     p.add_argument("--api", metavar="URL", help=f"{help}, e.g. {API_EXAMPLE}")

@@ -24,10 +24,8 @@ from __future__ import annotations
 import logging
 import math
 import socket
-import statistics
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -39,7 +37,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from phasescope.agent.records.address import host_header_allowed
 from phasescope.agent.records import kvmath
-from phasescope.agent.records.events import (PHASES, REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
+from phasescope.agent.records.events import (REQ_ARRIVAL, REQ_PREEMPTED, REQ_TOKEN, GpuSample, Hello, KVSnapshot,
                                      PageEvent, PrefixCounters, PrefixLookup, ProbeHealth, RequestEvent, Step)
 from phasescope.agent.read.queries import split_lookup
 from phasescope.agent.read.thresholds import T
@@ -49,6 +47,7 @@ from . import buckets
 from .bulk import BulkHistogram
 from .requests import RequestTiming, RequestTracker
 from .sources import LabelCap, Source, SourceTable
+from .steps import StepMetrics
 
 log = logging.getLogger("phasescope.exporters.prometheus")
 
@@ -122,7 +121,6 @@ class PrometheusExporter:
             f"Inter-token gaps ended by a step that prefilled >= {long_prefill_tokens} prompt tokens next to the "
             "decodes (a chunk of k gives k samples of gap/k), s.", ["model"], buckets=buckets.ITL_S, registry=r)
         self.long_prefill_tokens = long_prefill_tokens
-        self._last_prefill: dict[str, int] = {}  # model -> prompt tokens of its latest lowest-rank step
         self.queue = Histogram("phasescope_request_queue_time_seconds", "Queue time, s: the runtime's own where it "
                                "has one (vLLM: engine QUEUED to scheduled, as vllm:request_queue_time_seconds), "
                                "else arrival to scheduled.",
@@ -135,22 +133,8 @@ class PrometheusExporter:
                                 ["model", "reason"], registry=r)
         self.preemptions = Counter("phasescope_request_preemptions", "Preemptions of requests, counted as they happen.",
                                    ["model"], registry=r)
-        # --- engine steps ---
-        # observed a column at a time (BulkHistogram: prometheus_client's Histogram has no bulk observe)
-        self.step_host = BulkHistogram("phasescope_step_host_seconds", "Host wall time of one forward, by phase, s.",
-                                       ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
-        self.step_gpu = BulkHistogram("phasescope_step_gpu_seconds",
-                                      "GPU time of one forward (CUDA events; sampled steps only), by phase, s.",
-                                      ["model", "rank", "phase"], buckets=buckets.STEP_S, registry=r)
-        self.step_tokens = Counter("phasescope_step_tokens",
-                                   "Tokens computed by forwards, kind=prefill (prompt) or decode (generated).",
-                                   ["model", "rank", "kind"], registry=r)
-        self.tp_skew = Histogram("phasescope_tp_step_skew_ratio",
-                                 "Tensor-parallel step skew, max_r(step time) / median_r(step time) - 1.",
-                                 ["model"], buckets=buckets.SKEW_RATIO, registry=r)
-        self.tp_slowest = Counter("phasescope_tp_slowest_rank_steps",
-                                  "Steps in which this rank was the slowest of its tensor-parallel group.",
-                                  ["model", "rank"], registry=r)
+        # --- engine steps (exporters/steps.py) ---
+        self.engine = StepMetrics(r, self.rank_cap, max_pending_steps)
         # --- prefix misses by cause and KV residency (issue 13; page events are sampled by the adapter) ---
         self.prefix_missed = Counter("phasescope_prefix_missed_tokens",
                                      "Missed prompt tokens of prefix-cache lookups by cause (no-shared-prefix, "
@@ -171,11 +155,10 @@ class PrometheusExporter:
         self.prefix: dict[tuple[str, int], tuple[float, PrefixCounters]] = {}
         self.probe: dict[tuple[str, int], tuple[float, ProbeHealth]] = {}
         self.gpu: dict[int, tuple[float, GpuSample]] = {}
-        self._pending_steps: OrderedDict[tuple[str, str, int], dict[int, tuple[float, float]]] = OrderedDict()
-        self.step_groups_evicted_total = 0
         # a model or rank that loses its place among the most active (LabelCap) loses its series
-        self._labelled = [m for m in vars(self).values() if isinstance(m, (Counter, Histogram))]
-        self._bulk = [m for m in vars(self).values() if isinstance(m, BulkHistogram)]
+        series = [*vars(self).values(), *vars(self.engine).values()]
+        self._labelled = [m for m in series if isinstance(m, (Counter, Histogram))]
+        self._bulk = [m for m in series if isinstance(m, BulkHistogram)]
         self.sources.model_cap.on_evict.append(lambda v: self._evict(0, "model", v))
         self.rank_cap.on_evict.append(lambda v: self._evict(1, "rank", v))
         r.register(_SnapshotCollector(self))
@@ -190,7 +173,7 @@ class PrometheusExporter:
                 try:
                     if type(rec) is Chunk:
                         if rec.cls is Step:
-                            self._steps(src, rec.rows)
+                            self.engine.observe_column(src, rec.rows)
                         elif rec.cls is RequestEvent:
                             self._events(source_id, src, rec.rows)
                         else:  # only the types in columnar_types come as Chunks
@@ -207,7 +190,7 @@ class PrometheusExporter:
         """Take one record in; returns the source (a Hello changes it)."""
         t = type(rec)
         if t is Step:
-            self._step(src, rec)
+            self.engine.observe(src, rec)
         elif t is RequestEvent:
             self.tracker.on_event(source_id, src, rec)
             kind = rec.event
@@ -263,7 +246,7 @@ class PrometheusExporter:
             for k in [k for k in list(table) if k[key_pos] == value]:
                 table.pop(k, None)
         if label == "model":
-            self._last_prefill.pop(value, None)
+            self.engine.last_prefill.pop(value, None)
 
     def _model(self, source: Source) -> str:
         """The model label of a source remembered earlier (a request's): `other` if it lost its place since."""
@@ -277,14 +260,14 @@ class PrometheusExporter:
     def inter_token(self, source: Source, gap_s: float, count: int) -> None:
         model = self._model(source)
         self.itl.observe((model,), gap_s, count)
-        if self._last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
+        if self.engine.last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
             self.itl_long_prefill.observe((model,), gap_s, count)
 
     def inter_tokens(self, source: Source, gaps_s: np.ndarray, counts: np.ndarray) -> None:
         """`inter_token` for many gaps of one source at once (gap i observed counts[i] times)."""
         model = self._model(source)
         self.itl.observe_many((model,), gaps_s, counts)
-        if self._last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
+        if self.engine.last_prefill.get(source.model, 0) >= self.long_prefill_tokens:
             self.itl_long_prefill.observe_many((model,), gaps_s, counts)
 
     def finished(self, t: RequestTiming) -> None:
@@ -296,74 +279,6 @@ class PrometheusExporter:
                             (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
             if value is not None:
                 hist.labels(model).observe(value)
-
-    # --- steps ----------------------------------------------------------------
-
-    def _step(self, src: Source, s: Step) -> None:
-        phase = PHASES[s.phase] if s.phase < len(PHASES) else "other"
-        rank = self.rank_cap(str(s.rank))
-        if s.rank == 0:  # the step a token event that follows was computed in (one rank is enough)
-            self._last_prefill[src.model] = s.prefill_tokens
-        self.step_host.observe((src.model, rank, phase), s.host_ms * 1e-3)
-        if not math.isnan(s.gpu_ms):
-            self.step_gpu.observe((src.model, rank, phase), s.gpu_ms * 1e-3)
-        if s.prefill_tokens:
-            self.step_tokens.labels(src.model, rank, "prefill").inc(s.prefill_tokens)
-        if s.decode_tokens:
-            self.step_tokens.labels(src.model, rank, "decode").inc(s.decode_tokens)
-        if src.world_size > 1:
-            self._tp_step(src, s.step_id, s.rank, s.gpu_ms, s.host_ms)
-
-    def _steps(self, src: Source, a: np.ndarray) -> None:
-        """Take a column of steps in (a numpy structured array with Step's fields, in arrival order), with
-        the same effect as `_step` on each row: one histogram update per (rank, phase) present.
-        Rank labels: each distinct rank counts its rows in the LabelCap at once (in order of first
-        appearance), then every row takes the label its rank has after the chunk."""
-        n = len(a)
-        if not n:
-            return
-        model = src.model
-        ranks = a["rank"]
-        zero = np.flatnonzero(ranks == 0)
-        if len(zero):  # the latest rank-0 step (a token event that follows was computed in it)
-            self._last_prefill[model] = int(a["prefill_tokens"][zero[-1]])
-        key = ranks.astype(np.int64) * 256 + a["phase"]
-        if (key == key[0]).all():
-            groups = [(int(key[0]), None)]
-            counts = {int(ranks[0]): n}
-        else:
-            uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
-            order = np.argsort(inv, kind="stable")
-            bounds = np.cumsum(np.bincount(inv, minlength=len(uniq)))[:-1]
-            groups = [(int(k), idx) for k, idx in zip(uniq, np.split(order, bounds))]
-            groups.sort(key=lambda g: int(g[1][0]))  # in order of first appearance
-            counts = {}
-            for k, idx in groups:
-                counts[k >> 8] = counts.get(k >> 8, 0) + len(idx)
-        for r, c in counts.items():
-            self.rank_cap(str(r), c)
-        labels = {r: self.rank_cap.peek(str(r)) for r in counts}  # an evicted rank is `other` now
-        host_all, gpu_all = a["host_ms"], a["gpu_ms"]
-        pre_all, dec_all = a["prefill_tokens"], a["decode_tokens"]
-        for k, idx in groups:
-            p = k & 0xFF
-            rank = labels[k >> 8]
-            phase = PHASES[p] if p < len(PHASES) else "other"
-            sel = (lambda col: col) if idx is None else (lambda col, idx=idx: col[idx])
-            self.step_host.observe_many((model, rank, phase), sel(host_all).astype(np.float64) * 1e-3)
-            gpu = sel(gpu_all).astype(np.float64)
-            gpu = gpu[~np.isnan(gpu)]
-            if len(gpu):
-                self.step_gpu.observe_many((model, rank, phase), gpu * 1e-3)
-            pre = int(sel(pre_all).sum(dtype=np.int64))
-            if pre:
-                self.step_tokens.labels(model, rank, "prefill").inc(pre)
-            dec = int(sel(dec_all).sum(dtype=np.int64))
-            if dec:
-                self.step_tokens.labels(model, rank, "decode").inc(dec)
-        if src.world_size > 1:
-            for step_id, r, g, h in zip(a["step_id"].tolist(), ranks.tolist(), gpu_all.tolist(), host_all.tolist()):
-                self._tp_step(src, step_id, r, g, h)
 
     def _events(self, source_id: int, src: Source, a: np.ndarray) -> None:
         """Take a column of request events in (RequestEvent's fields, in arrival order) with
@@ -382,30 +297,6 @@ class PrometheusExporter:
         n = int((kinds == REQ_PREEMPTED).sum())
         if n:
             self.preemptions.labels(src.model).inc(n)
-
-    def _tp_step(self, src: Source, step_id: int, rank: int, gpu_ms: float, host_ms: float) -> None:
-        """Match the same step id across the ranks of one run; score skew and the slowest rank."""
-        key = (src.run_id, src.model, step_id)
-        group = self._pending_steps.get(key)
-        if group is None:
-            group = self._pending_steps[key] = {}
-            while len(self._pending_steps) > self.max_pending_steps:
-                self._pending_steps.popitem(last=False)
-                self.step_groups_evicted_total += 1
-        group[rank] = (gpu_ms, host_ms)
-        if len(group) < src.world_size:
-            return
-        del self._pending_steps[key]
-        use_gpu = all(not math.isnan(g) for g, _ in group.values())
-        times = {r: (g if use_gpu else h) for r, (g, h) in group.items()}
-        median = statistics.median(times.values())
-        if median <= 0:
-            return
-        slowest = max(times, key=times.__getitem__)
-        skew = times[slowest] / median - 1.0
-        self.tp_skew.labels(src.model).observe(skew)
-        if skew > 0:  # all equal: nobody is slowest
-            self.tp_slowest.labels(src.model, self.rank_cap(str(slowest))).inc()
 
 
 class _SnapshotCollector(Collector):
@@ -461,7 +352,7 @@ class _SnapshotCollector(Collector):
         yield live
         se = CounterMetricFamily("phasescope_exporter_step_group_evictions",
                                  "Tensor-parallel step groups dropped before every rank reported.")
-        se.add_metric([], exp.step_groups_evicted_total)
+        se.add_metric([], exp.engine.groups_evicted_total)
         yield se
         re_ = CounterMetricFamily("phasescope_exporter_record_errors",
                                   "Records or snapshots the exporter skipped because it could not use their values.")

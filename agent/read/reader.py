@@ -22,7 +22,7 @@ from ..records import derived
 from ..records.errors import ReadError
 from .exports import export_glob, hosts, open_host
 from .history import open_with_history, rolled_to
-from .storefile import check_readable
+from .storefile import check_readable, one_line, open_failure
 from .jsonsafe import json_safe
 from .snapshot import Item, encode_items, run_batch
 from .queries import run_named
@@ -50,16 +50,15 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
     try:
         con = duckdb.connect(path, read_only=True)
     except duckdb.Error as exc:
-        # another process: "Could not set lock"; this process: "different configuration"; a damaged file: any
-        text = str(exc).lower()
-        if "lock" in text or "different configuration" in text:
+        why = open_failure(exc)  # held by another process (its lock), or by this one ("open here")
+        if why in ("held", "open here"):
             raise StoreBusyError(
                 f"{path} is held by a running agent; read it live through the agent's read API "
                 "(--api http://127.0.0.1:7702, the address the agent serves it on) or stop the agent first") from None
-        if "not a valid duckdb" in text:
-            raise ReadError(f"{path} is not a DuckDB file; give the file phasescope agent or demo wrote") from None
-        raise ReadError(f"cannot open {path} (damaged, or not a phasescope store): {' '.join(str(exc).split())}") \
-            from None
+        if why == "not duckdb":
+            raise ReadError(f"{path} is not a DuckDB file (damaged, or another format); give the file phasescope "
+                            "agent or demo wrote") from None
+        raise ReadError(f"cannot open {path} (damaged, or not a phasescope store): {one_line(exc)}") from None
     try:
         check_readable(con, path)  # one line for an empty or foreign file, another schema version, missing columns
         derived.readable(con)  # a store from before the derived tables: temp views over its raw rows
@@ -72,8 +71,7 @@ def connect_readonly(path: str) -> duckdb.DuckDBPyConnection:
         try:
             joined = open_with_history(path, *where)
         except duckdb.Error as exc:
-            raise ReadError(f"cannot read {path} with its exports under {where[0]}: {' '.join(str(exc).split())}") \
-                from None
+            raise ReadError(f"cannot read {path} with its exports under {where[0]}: {one_line(exc)}") from None
         return joined if joined is not None else duckdb.connect(path, read_only=True)
     return con
 

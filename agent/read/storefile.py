@@ -89,6 +89,25 @@ def check_readable(con: duckdb.DuckDBPyConnection, path: str) -> None:
         raise StoreFileError(problem)
 
 
+def open_failure(exc: duckdb.Error) -> str:
+    """Why DuckDB could not open a file, for readers and the writer alike: "held" (another process holds it
+    read-write: its lock), "open here" (this process has it open with another configuration), "not duckdb"
+    (damaged, or another format) or "other"."""
+    text = str(exc).lower()
+    if "lock" in text:
+        return "held"
+    if "different configuration" in text:
+        return "open here"
+    if "not a valid duckdb" in text or "unable to open" in text or "corrupt" in text:
+        return "not duckdb"
+    return "other"
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(exc).split())
+
+
 def check_writable(path: str) -> None:
     """Before the store's writer opens `path` read-write: raise StoreFileError, leaving the file untouched,
     unless it is absent, empty (0 bytes or a DuckDB file with no table) or a phasescope store of this version
@@ -100,16 +119,15 @@ def check_writable(path: str) -> None:
     try:
         con = duckdb.connect(path, read_only=True)
     except duckdb.Error as exc:
-        text = str(exc).lower()
-        if "lock" in text:
-            raise StoreFileError(f"{path} is held by another process (a running agent or demo); stop it or give "
-                                 "another --db path") from None
-        if "not a valid duckdb" in text or "unable to open" in text or "corrupt" in text:
-            raise StoreFileError(f"{path} is not a DuckDB file (damaged, or another format); phasescope leaves it "
-                                 "untouched: give a new path") from None
-        if "different configuration" in text:  # this process has it open already (a test, a notebook)
+        why = open_failure(exc)
+        if why == "open here":  # this process has it open already (a test, a notebook)
             return
-        raise StoreFileError(f"cannot open {path}: {' '.join(str(exc).split())}") from None
+        raise StoreFileError({
+            "held": f"{path} is held by another process (a running agent or demo); stop it or give another --db "
+                    "path",
+            "not duckdb": f"{path} is not a DuckDB file (damaged, or another format); phasescope leaves it "
+                          "untouched: give a new path",
+        }.get(why, f"cannot open {path}: {one_line(exc)}")) from None
     try:
         info = inspect(con)
     finally:

@@ -287,7 +287,7 @@ LIMITS: dict[tuple[str, str], tuple[int, int]] = {
     ("KVSnapshot", "page_size_tokens"): (0, MAX_PAGE_TOKENS),
     ("PrefixLookup", "page_size_tokens"): (0, MAX_PAGE_TOKENS),
 }
-_TYPE_OF: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}
+TYPE_CODES: dict[type, int] = {cls: code for code, (cls, _) in _LAYOUT.items()}  # record class -> its type byte
 RECORD_TYPES: tuple[type, ...] = tuple(cls for cls, _ in _LAYOUT.values())
 
 
@@ -321,7 +321,7 @@ def short_id(text: str, width: int = REQUEST_ID_BYTES) -> str:
 
 def record_size(cls: type) -> int:
     """Bytes one record of `cls` takes on the wire (type byte included)."""
-    return 1 + _LAYOUT[_TYPE_OF[cls]][1].size
+    return 1 + _LAYOUT[TYPE_CODES[cls]][1].size
 
 
 # class -> (struct of the type byte and the record, type byte, string fields): one pack() per record
@@ -410,29 +410,35 @@ def _text(raw: bytes) -> str:
     return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
+def record_error(payload: bytes, pos: int, n: int, count: int) -> FrameError:
+    """Why record `n` of `count`, at byte `pos` of `payload`, cannot be read: the payload ended, its type
+    byte is unknown, or it runs past the end. For decoders' error paths (here and agent/sidecar/columnar.py);
+    their loops test the common case inline."""
+    if pos >= len(payload):
+        return FrameError(f"payload ends after {n} of {count} records")
+    entry = _LAYOUT.get(payload[pos])
+    if entry is None:
+        return FrameError(f"unknown record type {payload[pos]} at byte {pos}")
+    return FrameError(f"truncated {entry[0].__name__} record at byte {pos}")
+
+
 def decode_payload(payload: bytes, count: int) -> list[Record]:
     """Decode `count` records from `payload`; the payload must be consumed exactly."""
     out: list[Record] = []
     pos, end = 0, len(payload)
     for n in range(count):
-        if pos >= end:
-            raise FrameError(f"payload ends after {n} of {count} records")
-        code = payload[pos]
-        layout_entry = _LAYOUT.get(code)
-        if layout_entry is None:
-            raise FrameError(f"unknown record type {code} at byte {pos}")
-        cls, layout = layout_entry
-        stop = pos + 1 + layout.size
-        if stop > end:
-            raise FrameError(f"truncated {cls.__name__} record at byte {pos}")
+        entry = _LAYOUT.get(payload[pos]) if pos < end else None
+        if entry is None or pos + 1 + entry[1].size > end:
+            raise record_error(payload, pos, n, count)
+        cls, layout = entry
         values = layout.unpack_from(payload, pos + 1)
-        strs = _STR_FIELDS[code]
+        strs = _STR_FIELDS[payload[pos]]
         if strs:
             values = list(values)
             for i in strs:
                 values[i] = _text(values[i])
         out.append(cls(*values))
-        pos = stop
+        pos += 1 + layout.size
     if pos != end:
         raise FrameError(f"{end - pos} trailing bytes after {count} records")
     return out

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from ..records.events import LAYOUTS, LIMITS, PHASES, REQUEST_EVENTS, FrameError, Hello, Record, RunLabel, Session
+from ..records.events import (LAYOUTS, LIMITS, PHASES, REQUEST_EVENTS, FrameError, Hello, Record, RunLabel, Session,
+                              record_error)
 from ..records.schema import TABLE_OF_RECORD, TABLES
 
 REASONS = ("bad_enum", "out_of_range", "not_finite", "negative", "bad_utf8")
@@ -179,14 +180,10 @@ def decode(payload: bytes, count: int, start: int = 0) -> Decoded:
             pos, n = end, count
     sizes = _SIZES
     while n < count:  # interleaved types: find the runs
-        if pos >= end:
-            raise FrameError(f"payload ends after {n} of {count} records")
+        size = sizes.get(payload[pos]) if pos < end else None
+        if size is None or pos + size > end:
+            raise record_error(payload, pos, n, count)
         code = payload[pos]
-        size = sizes.get(code)
-        if size is None:
-            raise FrameError(f"unknown record type {code} at byte {pos}")
-        if pos + size > end:
-            raise FrameError(f"truncated {TYPES[code].name} record at byte {pos}")
         if runs and runs[-1][0] == code and runs[-1][1] + runs[-1][2] * size == pos:
             c, p, k = runs[-1]
             runs[-1] = (c, p, k + 1)

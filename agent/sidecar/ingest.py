@@ -1,8 +1,8 @@
-"""Ingest: the asyncio loop that accepts probe connections, reads frames under deadlines, validates
-them and queues them for the writer, then acknowledges what the writer committed.
+"""Ingest: the asyncio loop that accepts probe connections and reads whole frames under deadlines and
+byte budgets; what a frame holds is then the sessions' business (agent/sidecar/sessions.py: handshake,
+token, sequence, queueing for the writer, acknowledgements).
 
-A frame is decoded into numpy columns (agent/sidecar/columnar.py): a record with bad values is rejected
-and counted by reason, the rest of its frame kept; structural garbage closes only its connection.
+Structural garbage or a wrong token closes only its connection.
 Connections have a cap, an idle deadline, a per-frame deadline and a cap on the bytes of partial frames
 held in total. A connection that has not completed its handshake (Session, Hello) lives in a small pool
 of its own (`max_unverified`, the oldest evicted when full) with a short deadline and a small first
@@ -14,23 +14,20 @@ every close is counted by reason.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import socket
 import stat
 import threading
 import time
-from typing import Any
 
 from ..records.address import Address, make_private_folder
-from ..records.events import (ACK_COMMIT, ACK_WELCOME, HEADER, SEQ, Ack, FrameError, Hello, RunLabel, Session,
-                              encode_ack, read_header)
-from . import columnar
+from ..records.events import HEADER, FrameError, read_header
 from .connio import Reader, Writer
 from .limits import SidecarLimits
+from .sessions import Conn, Sessions
 from .stats import Budget, SidecarStats
-from .store import Part, Store
+from .store import Store
 from .writer import Item
 from .writer import Writer as StoreWriter
 
@@ -45,39 +42,16 @@ class _Timeout(Exception):
     pass
 
 
-class _Conn:
-    """One probe connection as the loop and the writer see it."""
-
-    __slots__ = ("writer", "version", "nonce", "source_id", "pending", "last_seq", "drained", "closed", "evicted",
-                 "task")
-
-    def __init__(self, writer: Writer) -> None:
-        self.writer = writer
-        self.version = 1
-        self.nonce: int | None = None
-        self.source_id: int | None = None
-        self.pending = 0  # frames queued, not yet committed
-        self.last_seq = 0
-        self.drained = asyncio.Event()
-        self.closed = False
-        self.evicted = False  # aborted to make room in the pool of unverified connections
-        self.task: asyncio.Task | None = None  # the task serving it
-
-
 class Ingest:
     """Serves `addresses` on a loop thread of its own and queues what arrives on `writer`."""
 
     def __init__(self, addresses: list[Address], store: Store, stats: SidecarStats, limits: SidecarLimits,
                  budget: Budget, writer: StoreWriter, token: str | None = None) -> None:
         self.addresses, self.store, self.stats, self.limits = addresses, store, stats, limits
-        self.writer = writer
+        self.sessions = Sessions(store, stats, writer, token)
         self._budget = budget
         self._partial = Budget(limits.partial_budget_bytes)
-        self._token = token
-        self._unverified: dict[_Conn, None] = {}  # connections without a completed handshake, oldest first
-        self._pending_by_nonce: dict[int, int] = {}
-        self._nonce_idle: dict[int, asyncio.Event] = {}
-        self._live_by_nonce: dict[int, set[_Conn]] = {}
+        self._unverified: dict[Conn, None] = {}  # connections without a completed handshake, oldest first
         self._loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task] = set()
@@ -120,7 +94,7 @@ class Ingest:
         """From the writer's thread: acknowledge `items` on the loop."""
         if self._loop is not None and not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(self._committed, items)
+                self._loop.call_soon_threadsafe(self.sessions.committed, items)
             except RuntimeError:
                 pass
 
@@ -185,75 +159,39 @@ class Ingest:
         except asyncio.TimeoutError:
             raise _Timeout() from None
 
-    async def _handle(self, reader: Reader, writer: Writer) -> None:
+    def _admit(self, conn: Conn) -> bool:
+        """A slot for every sender that completed its handshake (up to max_connections); connections that
+        have not yet (or never will) have a small pool of their own, the oldest evicted when it is full,
+        so a flood of idle, slow or half-sent connections cannot keep a real probe out."""
         st = self.stats
-        conn = _Conn(writer)
-        # a slot for every sender that completed its handshake (up to max_connections); connections that
-        # have not yet (or never will) have a small pool of their own, the oldest evicted when it is full,
-        # so a flood of idle, slow or half-sent connections cannot keep a real probe out
         if st.open_connections - len(self._unverified) >= self.limits.max_connections:
             st.connections_refused_total += 1
-            self._closed_by("refused", "refused a probe connection: %d connections (--max-connections)",
-                            self.limits.max_connections)
-            writer.close()
-            return
+            st.closed("refused")
+            log.info("refused a probe connection: %d connections (--max-connections)", self.limits.max_connections)
+            return False
         while len(self._unverified) >= self.limits.max_unverified:
             oldest = next(iter(self._unverified))
             del self._unverified[oldest]
             oldest.evicted = True
             oldest.writer.transport.abort()
         self._unverified[conn] = None
+        return True
+
+    async def _handle(self, reader: Reader, writer: Writer) -> None:
+        st = self.stats
+        conn = Conn(writer)
+        if not self._admit(conn):
+            writer.close()
+            return
         task = conn.task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         st.connections_total += 1
         st.open_connections += 1
-        loop = self._loop
-        assert loop is not None
         reason = "end"
         try:
-            while True:
-                verified = conn.source_id is not None
-                try:
-                    first = await asyncio.wait_for(reader.readexactly(1), self.limits.idle_timeout_s if verified
-                                                   else self.limits.handshake_timeout_s)
-                except asyncio.IncompleteReadError:
-                    break  # clean end of stream
-                except asyncio.TimeoutError:
-                    raise _Timeout() from None
-                deadline = loop.time() + (self.limits.frame_timeout_s if verified else self.limits.handshake_timeout_s)
-                try:
-                    header = first + await self._read(reader, HEADER.size - 1, deadline)
-                except asyncio.IncompleteReadError as exc:
-                    raise FrameError(f"connection closed inside a header ({1 + len(exc.partial)} bytes)")
-                version, count, length = read_header(header)
-                if not verified and length > FIRST_FRAME_BYTES:
-                    raise FrameError(f"a first frame of {length} bytes (at most {FIRST_FRAME_BYTES}: Session, "
-                                     "Hello, run labels)")
-                # bytes of frames still arriving are capped over all verified connections (half-sent frames
-                # cost at most `partial_budget_bytes`; a first frame is small and its pool bounded); a whole
-                # frame then waits for room in the memory budget
-                part = length if verified else 0
-                try:  # the frame's deadline covers the wait for room too: a crowd of half-sent frames ends
-                    await asyncio.wait_for(self._partial.take(part), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
-                    raise _Timeout() from None
-                try:
-                    payload = await self._read(reader, length, deadline)
-                    await self._budget.take(length)
-                except asyncio.IncompleteReadError as exc:
-                    raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
-                finally:
-                    self._partial.give(part)
-                try:
-                    st.frames_total += 1
-                    queued = await self._frame(conn, version, count, payload)
-                except BaseException:
-                    self._budget.give(length)
-                    raise
-                if not queued:
-                    self._budget.give(length)
-                if conn.source_id is not None:
+            while await self._serve_frame(reader, conn):
+                if conn.verified:
                     self._unverified.pop(conn, None)
             if conn.pending:  # the probe closed its side: let the writer commit and acknowledge the rest
                 try:
@@ -266,7 +204,7 @@ class Ingest:
             log.warning("rejected frame from a probe connection (closing it): %s", exc)
         except _Timeout:
             st.timeouts_total += 1
-            reason = "timeout" if conn.source_id is not None else "handshake_timeout"
+            reason = "timeout" if conn.verified else "handshake_timeout"
             log.info("closing a probe connection: read deadline passed (%s)", reason)
         except PermissionError as exc:
             st.auth_failures_total += 1
@@ -287,143 +225,57 @@ class Ingest:
                 reason = "evicted"
             self._unverified.pop(conn, None)
             st.closed(reason)
-            conn.closed = True
-            if conn.nonce is not None:
-                self._live_by_nonce.get(conn.nonce, set()).discard(conn)
-                ev = self._nonce_idle.get(conn.nonce)
-                if ev is not None:
-                    ev.set()
+            self.sessions.ended(conn)
             st.open_connections -= 1
             writer.close()
             self._tasks.discard(task)
 
-    async def _frame(self, conn: _Conn, version: int, count: int, payload: bytes) -> bool:
-        """Handle one frame; True if it was queued (its bytes stay in the budget until written)."""
-        st = self.stats
-        seq, start = 0, 0
-        if version >= 2:
-            (seq,) = SEQ.unpack_from(payload, 0)
-            start = SEQ.size
-        if conn.source_id is None:
-            return await self._first_frame(conn, version, count, payload, seq, start)
-        if version != conn.version:
-            raise FrameError(f"wire version changed from {conn.version} to {version} on one connection")
-        if version >= 2 and seq <= conn.last_seq:
-            raise FrameError(f"frame sequence {seq} after {conn.last_seq}: not increasing")
-        dec = columnar.decode(payload, count, start)
-        st.records_total += count
-        rejected = 0
-        for reason, n in dec.rejected.items():
-            st.reject(reason, n)
-            rejected += n
-        conn.last_seq = seq
-        labels = [r for r in dec.control if type(r) is RunLabel]  # a later Hello or Session is ignored
-        part = Part(conn.source_id, dec.arrays, labels, conn.nonce, seq if conn.nonce is not None else None,
-                    accepted=count - rejected, rejected=rejected)
-        self._enqueue(Item(conn, part, len(payload)))
+    async def _serve_frame(self, reader: Reader, conn: Conn) -> bool:
+        """Read one frame whole, under its deadline and the byte budgets, and hand it to the sessions;
+        False at a clean end of stream."""
+        loop = self._loop
+        assert loop is not None
+        verified = conn.verified
+        try:
+            first = await asyncio.wait_for(reader.readexactly(1), self.limits.idle_timeout_s if verified
+                                           else self.limits.handshake_timeout_s)
+        except asyncio.IncompleteReadError:
+            return False  # clean end of stream
+        except asyncio.TimeoutError:
+            raise _Timeout() from None
+        deadline = loop.time() + (self.limits.frame_timeout_s if verified else self.limits.handshake_timeout_s)
+        try:
+            header = first + await self._read(reader, HEADER.size - 1, deadline)
+        except asyncio.IncompleteReadError as exc:
+            raise FrameError(f"connection closed inside a header ({1 + len(exc.partial)} bytes)")
+        version, count, length = read_header(header)
+        if not verified and length > FIRST_FRAME_BYTES:
+            raise FrameError(f"a first frame of {length} bytes (at most {FIRST_FRAME_BYTES}: Session, "
+                             "Hello, run labels)")
+        # bytes of frames still arriving are capped over all verified connections (half-sent frames
+        # cost at most `partial_budget_bytes`; a first frame is small and its pool bounded); a whole
+        # frame then waits for room in the memory budget
+        part = length if verified else 0
+        try:  # the frame's deadline covers the wait for room too: a crowd of half-sent frames ends
+            await asyncio.wait_for(self._partial.take(part), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise _Timeout() from None
+        try:
+            payload = await self._read(reader, length, deadline)
+            await self._budget.take(length)
+        except asyncio.IncompleteReadError as exc:
+            raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
+        finally:
+            self._partial.give(part)
+        try:
+            self.stats.frames_total += 1
+            queued = await self.sessions.frame(conn, version, count, payload)
+        except BaseException:
+            self._budget.give(length)
+            raise
+        if not queued:
+            self._budget.give(length)
         return True
-
-    async def _first_frame(self, conn: _Conn, version: int, count: int, payload: bytes, seq: int,
-                           start: int) -> bool:
-        # the first record must be Session (v2) then Hello; check the type bytes before decoding anything
-        session_size = columnar.TYPES[10].size
-        if version >= 2 and (count < 2 or len(payload) <= start + session_size or payload[start] != 10
-                             or payload[start + session_size] != 1):
-            raise FrameError("the first records of a v2 connection must be Session, Hello")
-        if version < 2 and (count < 1 or len(payload) <= start or payload[start] != 1):
-            raise FrameError("the first record on a connection must be Hello")
-        dec = columnar.decode(payload, count, start)
-        if dec.rejected:
-            raise FrameError(f"bad values in the first frame: {dict(dec.rejected)}")
-        session = next((r for r in dec.control if type(r) is Session), None)
-        hello = next(r for r in dec.control if type(r) is Hello)
-        if session is not None and session.nonce == 0:
-            raise FrameError("a Session nonce must not be 0")
-        if self._token is not None and (session is None or not hmac.compare_digest(
-                session.token.encode(), self._token.encode())):
-            raise PermissionError("wrong or missing token" if session is not None
-                                  else "this sidecar requires a token (wire v2); the sender speaks v1")
-        assert self.store is not None
-        conn.version = version
-        conn.source_id = self.store.register_source(hello)
-        self.stats.records_total += count
-        labels = [r for r in dec.control if type(r) is RunLabel]
-        self._enqueue(Item(conn, Part(conn.source_id, dec.arrays, labels), len(payload), hello))
-        if session is not None:
-            await self._settle(session.nonce)
-            conn.nonce = session.nonce
-            self._live_by_nonce.setdefault(conn.nonce, set()).add(conn)
-            q, s_, r_ = self.store.progress.get(conn.nonce, (0, 0, 0))
-            conn.last_seq = max(q, seq)
-            conn.writer.write(encode_ack(Ack(ACK_WELCOME, q, s_, r_)))
-        return True
-
-    async def _settle(self, nonce: int) -> None:
-        """Before welcoming a sender back: its earlier connections must have ended (what they had sent
-        read to the end) and their frames be committed, so the welcome says exactly what was stored."""
-        assert self._loop is not None
-        live = self._live_by_nonce.setdefault(nonce, set())
-        ev = self._nonce_idle.setdefault(nonce, asyncio.Event())
-        # the sender connected again, so it gave its old connections up: cut them now (a frame they held
-        # half-read is incomplete, and the sender sends it again after the welcome); frames they queued
-        # whole are committed first, so the welcome says exactly what is stored
-        for c in list(live):
-            c.writer.transport.abort()
-            if c.task is not None:  # it may be waiting for budget, not reading: end it now
-                c.task.cancel()
-        while live or self._pending_by_nonce.get(nonce, 0) > 0:
-            ev.clear()
-            try:
-                await asyncio.wait_for(ev.wait(), 0.05)
-            except asyncio.TimeoutError:
-                pass
-
-    def _enqueue(self, item: Item) -> None:
-        conn = item.conn
-        if conn is not None:
-            conn.pending += 1
-            conn.drained.clear()
-            if item.nonce is not None:
-                self._pending_by_nonce[item.nonce] = self._pending_by_nonce.get(item.nonce, 0) + 1
-        self.writer.put(item)
-
-    def _committed(self, items: list[Item]) -> None:
-        """On the loop: acknowledge what the writer committed."""
-        acked: dict[int, _Conn] = {}
-        for it in items:
-            conn = it.conn
-            if conn is None:
-                continue
-            conn.pending -= 1
-            if it.nonce is not None:
-                n = self._pending_by_nonce.get(it.nonce, 0) - 1
-                if n <= 0:
-                    self._pending_by_nonce.pop(it.nonce, None)
-                else:
-                    self._pending_by_nonce[it.nonce] = n
-                ev = self._nonce_idle.get(it.nonce)
-                if ev is not None:
-                    ev.set()
-            if conn.nonce is not None:
-                if not conn.closed:
-                    acked[id(conn)] = conn
-            if conn.pending == 0:
-                conn.drained.set()
-        assert self.store is not None
-        for conn in acked.values():
-            q, s_, r_ = self.store.progress.get(conn.nonce, (0, 0, 0))  # type: ignore[arg-type]
-            transport = conn.writer.transport
-            if transport.get_write_buffer_size() > (1 << 20):  # the probe reads no acks: drop it
-                transport.abort()
-                continue
-            conn.writer.write(encode_ack(Ack(ACK_COMMIT, q, s_, r_)))
-
-    # --- storage side --------------------------------------------------------
-
-    def _closed_by(self, reason: str, msg: str, *args: object) -> None:
-        """Count a connection closed before it was served, and say why at INFO (`-v`)."""
-        self.stats.closed(reason)
-        log.info(msg, *args)
 
 
 def _prepare_unix_path(path: str) -> None:

@@ -16,8 +16,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from contextlib import contextmanager
-from typing import Iterable, Iterator, Sequence
+from typing import ContextManager, Iterable, Sequence
 
 import duckdb
 import numpy as np
@@ -27,6 +26,7 @@ from . import columnar
 from ..records import derived
 from ..records.schema import SCHEMA_VERSION, TABLES, ddl
 from ..read.storefile import check_writable
+from .reads import Reads
 
 log = logging.getLogger("phasescope.store")
 
@@ -100,16 +100,9 @@ class Store:
         `temp_limit`: what DuckDB may spill to its temp folder (`<file>.tmp`) at most, for all reads
         together (past it a read fails with duckdb.OutOfMemoryException). No data, however odd, can make
         a read of the live store run or spill without bound."""
-        if read_timeout_s <= 0:
-            raise ValueError("read_timeout_s must be > 0")
         self.path = path
-        self.memory_limit = memory_limit
-        self.read_memory_limit = read_memory_limit
-        self.read_timeout_s = read_timeout_s
+        self.reads = Reads(self.cursor, self._set_memory_limit, memory_limit, read_memory_limit, read_timeout_s)
         self.temp_limit = temp_limit
-        self._readers = 0  # reads in flight; guarded by _readers_lock
-        self._read_cons: set[duckdb.DuckDBPyConnection] = set()  # their cursors (interrupted at close)
-        self._readers_lock = threading.Lock()
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
         self._src_lock = threading.Lock()  # ids and pending rows of new sources
         self.rows_written = 0
@@ -126,9 +119,9 @@ class Store:
         try:
             self.con = duckdb.connect(path)
             self._ctl = self.con.cursor()  # for SET memory_limit from readers' threads (never self.con)
-            limit = self.read_memory_limit if self._readers and self.read_memory_limit else self.memory_limit
+            limit = self.reads.limit()
             if limit:
-                self._ctl.execute(f"SET memory_limit = '{limit}'")
+                self._set_memory_limit(limit)
             self._ctl.execute(f"SET temp_directory = '{path}.tmp'")
             self._ctl.execute(f"SET max_temp_directory_size = '{self.temp_limit}'")
             self._init_schema()
@@ -318,50 +311,18 @@ class Store:
         with self._lock:
             return self.con.cursor()
 
-    @contextmanager
-    def reading(self) -> Iterator[duckdb.DuckDBPyConnection]:
+    def reading(self) -> ContextManager[duckdb.DuckDBPyConnection]:
         """A cursor for one read (a named query, a retention roll), with DuckDB's memory limit raised to
-        `read_memory_limit` until the last concurrent read ends. A read that needs more still raises
-        duckdb.OutOfMemoryException: the read API answers 503 and names the flag."""
-        self._set_readers(+1)
-        try:
-            con = self.cursor()
-            timer = threading.Timer(self.read_timeout_s, con.interrupt)
-            timer.daemon = True
-            with self._readers_lock:
-                self._read_cons.add(con)
-            timer.start()
-            try:
-                yield con
-            finally:
-                timer.cancel()
-                with self._readers_lock:
-                    self._read_cons.discard(con)
-                con.close()
-        finally:
-            self._set_readers(-1)
+        `read_memory_limit` until the last concurrent read ends (`reads.Reads`). A read that needs more still
+        raises duckdb.OutOfMemoryException: the read API answers 503 and names the flag."""
+        return self.reads.reading()
 
     def interrupt_reads(self) -> int:
         """Interrupt every read in flight (before the final checkpoint at shutdown); returns how many."""
-        with self._readers_lock:
-            cons = list(self._read_cons)
-        for con in cons:
-            try:
-                con.interrupt()
-            except Exception:  # noqa: BLE001 - it may have just closed
-                pass
-        return len(cons)
+        return self.reads.interrupt()
 
-    def _set_readers(self, delta: int) -> None:
-        with self._readers_lock:
-            before, self._readers = self._readers, self._readers + delta
-            if not (self.memory_limit and self.read_memory_limit) or (before and self._readers):
-                return
-            limit = self.read_memory_limit if self._readers else self.memory_limit
-            try:
-                self._ctl.execute(f"SET memory_limit = '{limit}'")
-            except Exception as exc:  # noqa: BLE001 - a broken connection: the writer reopens it
-                log.warning("could not set DuckDB memory_limit to %s: %r", limit, exc)
+    def _set_memory_limit(self, limit: str) -> None:
+        self._ctl.execute(f"SET memory_limit = '{limit}'")
 
     def refresh_derived(self, timeout_s: float | None = None) -> int:
         """Fold the request events and steps written since the last refresh into the derived tables

@@ -577,40 +577,14 @@ class EngineHooks:
         """One KVSnapshot per TP rank from the block pool, in O(used pages) (and O(cached) every
         CACHED_RECOUNT_EVERY snapshots)."""
         t0 = time.perf_counter_ns()
-        pool, P = self.pool, self.page_size
-        total = pool.num_gpu_blocks - 1  # block 0 is the null block
-        free = int(pool.free_block_queue.num_free_blocks)
-        tables = self.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
-        reqs = self.sched.requests
-        used_ids: set[int] = set()
-        shared: dict[int, int] = {}
-        live = seqs = 0
-        for rid, blocks in tables.items():
-            if not blocks:
-                continue
-            seqs += 1
-            n_real = 0
-            for b in blocks:
-                if b.is_null:
-                    continue
-                n_real += 1
-                used_ids.add(b.block_id)
-                if b.ref_cnt > 1:
-                    shared[b.block_id] = b.ref_cnt
-            req = reqs.get(rid)
-            ncomp = int(req.num_computed_tokens) if req is not None else n_real * P
-            live += min(ncomp, n_real * P)
-        live -= sum((refs - 1) * P for refs in shared.values())
-        used = total - free
         if self.snapshots % CACHED_RECOUNT_EVERY == 0:
             exact = self._cached_pages()
             if exact != self.cached:  # e.g. after reset_prefix_cache, which no wrapper sees
                 self.cached_recounts_off += 1
                 self.probe.label(kv_cached_recounts_off=self.cached_recounts_off)
                 self.cached = exact
-        cached = self.cached
-        run = largest_gap(used_ids, 0, pool.num_gpu_blocks) if free else 0  # block 0 (null) is never free
-        stats = PageStats(P, total, used, free, cached, len(shared), sum(shared.values()), seqs, max(live, 0), run)
+        stats = pool_stats(self.pool, self.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks,
+                           self.sched.requests, self.page_size, self.cached)
         for r in range(self.tp):
             self.probe.emit(kv_record(now, self.rank0 + r, stats, self.allocated, self.freed, self.page_bytes,
                                       self.kv_dtype))
@@ -620,17 +594,50 @@ class EngineHooks:
             self.probe.label(kv_snapshot_mean_us=round(self.snapshot_ns_total / self.snapshots / 1e3, 1))
 
     def _cached_pages(self) -> int:
-        """Hashed pages no request references (evictable prefix-cache pages), counted from the hash map."""
-        cache = getattr(self.pool.cached_block_hash_to_block, "_cache", None)
-        if cache is None:
-            return 0
-        n = 0
-        for v in cache.values():
-            if isinstance(v, dict):
-                n += sum(1 for b in v.values() if b.ref_cnt == 0)
-            elif v.ref_cnt == 0:
-                n += 1
-        return n
+        return cached_pages(self.pool)
+
+
+def pool_stats(pool: Any, tables: dict[str, list], reqs: dict[str, Any], P: int, cached: int) -> PageStats:
+    """Page statistics of vLLM's block pool: `tables` (request id -> its blocks, the null block skipped),
+    `reqs` (request id -> request: its computed tokens are the live ones), `P` tokens per page, `cached`
+    hashed pages no request references (kept by the pool wrappers). O(used pages)."""
+    total = pool.num_gpu_blocks - 1  # block 0 is the null block
+    free = int(pool.free_block_queue.num_free_blocks)
+    used_ids: set[int] = set()
+    shared: dict[int, int] = {}
+    live = seqs = 0
+    for rid, blocks in tables.items():
+        if not blocks:
+            continue
+        seqs += 1
+        n_real = 0
+        for b in blocks:
+            if b.is_null:
+                continue
+            n_real += 1
+            used_ids.add(b.block_id)
+            if b.ref_cnt > 1:
+                shared[b.block_id] = b.ref_cnt
+        req = reqs.get(rid)
+        ncomp = int(req.num_computed_tokens) if req is not None else n_real * P
+        live += min(ncomp, n_real * P)
+    live -= sum((refs - 1) * P for refs in shared.values())
+    run = largest_gap(used_ids, 0, pool.num_gpu_blocks) if free else 0  # block 0 (null) is never free
+    return PageStats(P, total, total - free, free, cached, len(shared), sum(shared.values()), seqs, max(live, 0), run)
+
+
+def cached_pages(pool: Any) -> int:
+    """Hashed pages no request references (evictable prefix-cache pages), counted from the hash map."""
+    cache = getattr(pool.cached_block_hash_to_block, "_cache", None)
+    if cache is None:
+        return 0
+    n = 0
+    for v in cache.values():
+        if isinstance(v, dict):
+            n += sum(1 for b in v.values() if b.ref_cnt == 0)
+        elif v.ref_cnt == 0:
+            n += 1
+    return n
 
 
 def _core_event_ns(request: Any, kind: str) -> int | None:
