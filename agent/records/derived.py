@@ -38,12 +38,16 @@ earliest one left are recomputed from what is left, the gaps whose steps may hav
 re-tied; when the request rows then do not hold every raw event once (rows were deleted
 elsewhere) it rebuilds them all.
 
-Pure SQL over a connection the caller passes; imports nothing of ours.
+`refresh` also folds the per-second step rollup (steprollup.py) in the same transaction.
+
+Pure SQL over a connection the caller passes; imports nothing of ours outside this floor.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from . import steprollup
 
 # table -> (column DDL, one-line doc)
 TABLES: dict[str, list[tuple[str, str, str]]] = {
@@ -522,6 +526,7 @@ def refresh(con: Any) -> int:
                 con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
         con.execute("DROP TABLE IF EXISTS temp.forced")
         _attribute(con, new_gaps=bool(new) or deleted or st is None)
+        steprollup.refresh(con)  # the per-second step rollup, by its own watermark
         con.execute("COMMIT")
         return new
     except BaseException:
