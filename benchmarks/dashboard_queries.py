@@ -156,9 +156,9 @@ def time_page(reader: Any, queries: list[tuple[str, dict]], run: str = RUN) -> t
         t0 = time.perf_counter()
         out = reader.query(name, **kw)
         dt = time.perf_counter() - t0
-        if name == "run_span":  # the app's window: the whole run, in 60 buckets (whole seconds from 1 s on)
+        if name == "run_span":  # the app's window: the whole run, in 60 buckets (multiples of 10 s from 10 s on)
             bucket = max(max(1.0, float(out["span_s"])) / 60, 0.5)
-            bucket = float(round(bucket)) if bucket >= 1 else round(bucket, 2)
+            bucket = float(10 * round(bucket / 10)) if bucket >= 10 else round(bucket, 2)
         total += dt
         key = f"{name}{'?metric=' + params['metric'] if 'metric' in params else ''}"
         per_query[key] = per_query.get(key, 0.0) + dt

@@ -714,9 +714,9 @@ def main() -> None:
     span = max(1.0, float(extent["span_s"]))
     lo, hi = st.sidebar.slider("Time range (s since start)", 0.0, round(span + 1, 1), (0.0, round(span + 1, 1)),
                                key="window")
-    bucket = max((hi - lo) / 60, 0.5)  # whole seconds from 1 s on: the step rollup answers those (agent/read/phases.py)
+    bucket = max((hi - lo) / 60, 0.5)  # multiples of 10 s from 10 s on: the step rollup answers those (phases.py)
     win = {"since_s": lo, "until_s": hi if hi < span + 1 else None,
-           "bucket_s": float(round(bucket)) if bucket >= 1 else round(bucket, 2)}
+           "bucket_s": float(10 * round(bucket / 10)) if bucket >= 10 else round(bucket, 2)}
     refresh = st.sidebar.toggle(f"Auto-refresh ({REFRESH_S:g} s)", value=live, key="refresh")
     st.header(page)
     if not extent["steps"]:

@@ -1,9 +1,9 @@
-"""The Phases page's reads from the per-second step rollup (records/steprollup.py), for `quantiles="approx"`.
+"""The Phases page's reads from the ten-second step rollup (records/steprollup.py), for `quantiles="approx"`.
 
 Counts and token sums are exact; step-time quantiles are within steprollup.REL_ERROR (0.55 %) of the exact
 `quantile_cont` (tests/agent/test_steprollup.py). Each returns None when the rollup cannot answer exactly that
-(no rollup, rows deleted below its watermark, no run named, a window or bucket that is not whole seconds, a
-threshold other than the one it was classed by): the caller then reads the raw rows.
+(no rollup, rows deleted below its watermark, no run named, a window or bucket that is not a multiple of its
+10 s cells, a threshold other than the one it was classed by): the caller then reads the raw rows.
 """
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ from typing import Any
 from ..records import steprollup
 
 CLASSES = {1: "decode only", 2: "with short prefill", 3: "with long prefill"}
-APPROX_NOTE = (f"step-time quantiles read from per-second histograms: within {steprollup.REL_ERROR:.2%} of the "
+APPROX_NOTE = (f"step-time quantiles read from 10-second histograms: within {steprollup.REL_ERROR:.2%} of the "
                "exact value; counts and token sums exact")
 
 
 def _whole(x: float | None) -> bool:
-    return x is None or (math.isfinite(x) and float(x) == math.floor(x))
+    """None, or a multiple of the rollup's cell (t >= x <=> cell start >= x for such x)."""
+    return x is None or (math.isfinite(x) and x / steprollup.CELL_S == math.floor(x / steprollup.CELL_S))
 
 
 def _window(since_s: float | None, until_s: float | None) -> str | None:
-    """WHERE text over `sec` for a window of whole seconds (t >= since <=> sec >= since when since is whole)."""
+    """WHERE text over `sec` for a window of whole cells; None for another one."""
     if not (_whole(since_s) and _whole(until_s)):
         return None
     where = "true"
@@ -70,7 +71,7 @@ def phase_summary(con: Any, run_id: str | None) -> list[dict[str, Any]] | None:
 def step_timeline(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
                   until_s: float | None) -> list[dict[str, Any]] | None:
     where = _window(since_s, until_s)
-    if where is None or run_id is None or bucket_s < 1 or not _whole(bucket_s):
+    if where is None or run_id is None or bucket_s < steprollup.CELL_S or not _whole(bucket_s):
         return None
     wm = steprollup.usable(con, run_id)
     if wm is None:

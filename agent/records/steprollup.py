@@ -1,6 +1,6 @@
-"""Per-second step rollups: what the Phases page reads instead of every step, kept by the steps' rowid watermark.
+"""Ten-second step rollups: what the Phases page reads instead of every step, kept by the steps' rowid watermark.
 
-`step_rollup` holds, per run, whole second since the run's first step (wall time), phase, interference class
+`step_rollup` holds, per run, CELL_S seconds since the run's first step (wall time), phase, interference class
 and step-time bin: the steps, their prefill and decode tokens, the GPU-timed ones, and the least and greatest
 step time. Counts and token sums read from it are exact. Step-time quantiles read from it are not: each bin
 spans a factor BIN_RATIO = 2^(1/64), and a quantile is read as the geometric middle of the bin of each order
@@ -29,11 +29,17 @@ BINS_PER_DOUBLING = 64
 BIN_RATIO = 2.0 ** (1 / BINS_PER_DOUBLING)
 REL_ERROR = 2.0 ** (1 / (2 * BINS_PER_DOUBLING)) - 1  # 0.543 %
 ZERO_BIN = -32768  # step times <= 0 (and NaN): read as their least value
+# seconds per cell: buckets and windows that are multiples of it are read from the rollup. Ten, not one: at a few
+# steps a second a one-second rollup is as large as the steps (retention's size cap counts it); at ten seconds it
+# holds a few rows per 10 s per phase and bin, and runs shorter than ten minutes (whose 60 buckets are shorter)
+# are small enough to read whole
+CELL_S = 10
 
 TABLES: dict[str, list[tuple[str, str, str]]] = {
     "step_rollup": [
         ("run_id", "VARCHAR", "sources.run_id"),
-        ("sec", "BIGINT", "whole seconds since the run's first step (wall time: ts_ns + wall_minus_mono_ns)"),
+        ("sec", "BIGINT", "seconds since the run's first step (wall time: ts_ns + wall_minus_mono_ns), "
+                          "rounded down to a multiple of CELL_S (10)"),
         ("phase", "VARCHAR", "steps.phase"),
         ("cls", "TINYINT", "0 no decode tokens, 1 decode only, 2 short prefill, 3 long prefill (>= 128 tokens)"),
         ("bin", "SMALLINT", "floor(64 * log2(step ms)); -32768: step ms <= 0 or NaN"),
@@ -62,7 +68,8 @@ BIN = (f"CASE WHEN {MS} > 0 AND NOT isnan({MS}) AND NOT isinf({MS}) "
 def cells_sql(where: str, starts: str) -> str:
     """Cells of the steps `t` matching `where` (over steps t JOIN sources s), against the run starts in the
     relation `starts` (run_id, start_ns)."""
-    return f"""SELECT s.run_id, (t.ts_ns + s.wall_minus_mono_ns - r.start_ns) // 1000000000 AS sec, t.phase,
+    return f"""SELECT s.run_id, (t.ts_ns + s.wall_minus_mono_ns - r.start_ns) // {CELL_S * 10**9} * {CELL_S} AS sec,
+               t.phase,
                CAST({CLS} AS TINYINT) AS cls, {BIN} AS bin, count(*) AS steps,
                CAST(sum(t.prefill_tokens) AS HUGEINT) AS prefill_tokens,
                CAST(sum(t.decode_tokens) AS HUGEINT) AS decode_tokens,

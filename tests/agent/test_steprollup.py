@@ -1,4 +1,4 @@
-"""The per-second step rollup (agent/records/steprollup.py) and the Phases reads over it (agent/read/phases.py).
+"""The ten-second step rollup (agent/records/steprollup.py) and the Phases reads over it (agent/read/phases.py).
 
 `quantiles="approx"` must give the exact counts and token sums of the exact SQL and step-time quantiles within
 steprollup.REL_ERROR of it, on every recorded fixture; a rollup folded piecemeal (steps arriving late, out of
@@ -41,7 +41,8 @@ def close(approx: list[dict], exact: list[dict]) -> None:
 
 def reads(con, run, bucket):
     for name, kw in (("phase_summary", {}), ("step_timeline", {"bucket_s": bucket, "since_s": 0.0}),
-                     ("step_timeline", {"bucket_s": bucket, "since_s": 1.0, "until_s": 3.0}),
+                     ("step_timeline", {"bucket_s": bucket, "since_s": 10.0, "until_s": 30.0}),
+                     ("interference", {"since_s": 10.0, "until_s": 20.0}),
                      ("interference", {"since_s": 0.0})):
         yield name, queries.QUERIES[name](con, run, quantiles="approx", **kw), queries.QUERIES[name](con, run, **kw)
 
@@ -54,7 +55,7 @@ def test_approx_reads_are_exact_counts_and_bounded_quantiles(tmp_path, name):
     assert steprollup.usable(con, run) is not None  # the loader folds like the sidecar: the rollup answers
     assert phases.phase_summary(con, run) is not None
     span = queries.run_span(con, run)["span_s"]
-    for bucket in (1.0, float(max(1, round(span / 7)))):
+    for bucket in (10.0, float(10 * max(1, round(span / 70)))):
         for q, approx, exact in reads(con, run, bucket):
             close(approx, exact)
     con.close()
@@ -109,19 +110,21 @@ def test_reads_past_the_watermark_and_after_deletions_stay_right(tmp_path):
     con.execute("INSERT INTO steps BY NAME SELECT * REPLACE (ts_ns + 1 AS ts_ns, host_ms * 3 AS host_ms, "
                 "gpu_ms * 3 AS gpu_ms) FROM steps WHERE rowid % 3 = 0")
     assert steprollup.usable(con, run) is not None
-    for q, approx, exact in reads(con, run, 1.0):
+    for q, approx, exact in reads(con, run, 10.0):
         close(approx, exact)
     # rows deleted below the watermark (retention rolled the oldest out) and not yet folded: the raw rows answer
     con.execute("DELETE FROM steps WHERE rowid < 50")
     assert steprollup.usable(con, run) is None
-    for q, approx, exact in reads(con, run, 1.0):
+    for q, approx, exact in reads(con, run, 10.0):
         assert approx == exact
     derived.refresh(con)  # folded: the rollup answers again
     assert steprollup.usable(con, run) is not None
-    for q, approx, exact in reads(con, run, 1.0):
+    for q, approx, exact in reads(con, run, 10.0):
         close(approx, exact)
-    # a window of fractions of a second, another threshold: the raw rows answer
-    assert queries.step_timeline(con, run, 0.5, quantiles="approx") == queries.step_timeline(con, run, 0.5)
+    # buckets and windows not made of whole cells, another threshold: the raw rows answer
+    assert queries.step_timeline(con, run, 5.0, quantiles="approx") == queries.step_timeline(con, run, 5.0)
+    assert (queries.step_timeline(con, run, 10.0, since_s=1.0, quantiles="approx")
+            == queries.step_timeline(con, run, 10.0, since_s=1.0))
     assert (queries.interference(con, run, long_prefill_tokens=64, quantiles="approx")
             == queries.interference(con, run, long_prefill_tokens=64))
     with pytest.raises(ValueError):
