@@ -172,7 +172,10 @@ def _window(run_id: str | None, since_s: float | None, until_s: float | None,
     run = ""
     if run_id is not None:
         run, params["run_id"] = " AND s.run_id = $run_id", run_id
-    start = ("(SELECT min(x.ts_ns + y.wall_minus_mono_ns) FROM steps x JOIN sources y USING (source_id)"
+    # the least ts_ns of each source, then its wall offset: the same minimum as over every step joined to its
+    # source, without a join per step
+    start = ("(SELECT min(x.lo + y.wall_minus_mono_ns) FROM (SELECT source_id, min(ts_ns) AS lo FROM steps "
+             "GROUP BY source_id) x JOIN sources y USING (source_id)"
              + (" WHERE y.run_id = $run_id)" if run_id is not None else ")"))
     # clamped at 0: a snapshot taken just before the run's first forward belongs to its first second
     t_expr = f"greatest((({table}.ts_ns + s.wall_minus_mono_ns) - {start}) / 1e9, 0)"
