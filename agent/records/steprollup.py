@@ -111,9 +111,11 @@ def _rebuild(con: Any, runs: str | None, top: int) -> None:
 def refresh(con: Any) -> None:
     """Fold the steps written since the last refresh into the rollup (rebuild it after a deletion), in the
     caller's transaction."""
-    for stmt in ddl():
-        if not stmt.startswith("COMMENT"):
-            con.execute(stmt)
+    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name IN ('step_rollup', 'step_rollup_run') "
+                   "AND NOT temporary AND database_name = current_database()").fetchone()[0] < 2:
+        for stmt in ddl():  # made once: a refresh with nothing new writes nothing
+            if not stmt.startswith("COMMENT"):
+                con.execute(stmt)
     st = _state(con)
     wm, n = st or (-1, 0)
     top, total, below = con.execute(f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
@@ -144,7 +146,8 @@ def refresh(con: Any) -> None:
         con.execute(f"INSERT INTO step_rollup ({cols}) SELECT {cols} FROM _sr_merged")
         for t in ("_sr_new", "_sr_moved", "_sr_cells", "_sr_merged"):
             con.execute(f"DROP TABLE IF EXISTS temp.{t}")
-    con.execute("INSERT OR REPLACE INTO derived_state VALUES (?, ?, ?)", [STATE, top, total])
+    if st != (top, total):
+        con.execute("INSERT OR REPLACE INTO derived_state VALUES (?, ?, ?)", [STATE, top, total])
 
 
 def usable(con: Any, run_id: str) -> int | None:
