@@ -15,9 +15,11 @@ import duckdb
 from phasescope.agent.read.queries import STEP_MS
 
 # steps of one run on its lowest rank (rank-level rules read every rank themselves)
+# (the lowest rank: per source first, then over the run's sources; the same minimum without a join per step)
 RUN_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
-    WHERE s.run_id = $run AND t.rank = (SELECT min(t2.rank) FROM steps t2 JOIN sources s2 USING (source_id)
-                                        WHERE s2.run_id = $run)"""
+    WHERE s.run_id = $run AND t.rank = (SELECT min(m.r) FROM (SELECT source_id, min(rank) AS r FROM steps
+                                                              GROUP BY source_id) m
+                                        JOIN sources s2 USING (source_id) WHERE s2.run_id = $run)"""
 RUN_KV = """SELECT k.* FROM kv_snapshots k JOIN sources s USING (source_id) WHERE s.run_id = $run"""
 RUN_REQUESTS = "SELECT * FROM requests WHERE run_id = $run"
 

@@ -72,6 +72,52 @@ SKEW_SQL = """SELECT source_id, pid, rank,
     FROM sources WHERE run_id = $run AND connected_ns IS NOT NULL AND connected_ns > 0
     ORDER BY abs((ts_ns + wall_minus_mono_ns) - connected_ns) DESC LIMIT 1"""
 
+# Cheap aggregates that decide first whether a reason can fire at all (one pass each, no sort, no per-row
+# join to a maximum): the full queries above run only when it can, and their answer is the evidence. Same
+# findings, same evidence; a healthy run (the common case) pays only these.
+# (maxima of ts_ns, then wall seconds once per source: (ts + wall) / 1e9 is monotone in ts, so the maximum is the
+# same number the full queries compute row by row)
+STEPS_LAST_SQL = """WITH per AS (
+        SELECT source_id, max(ts_ns) AS last_ns, max(ts_ns) FILTER (WHERE NOT isnan(gpu_ms)) AS timed_ns,
+               count(*) FILTER (WHERE NOT isnan(gpu_ms)) AS timed_steps,
+               max(ts_ns) FILTER (WHERE prefill_tokens > 0) AS prefill_ns
+        FROM steps WHERE source_id IN (SELECT source_id FROM sources WHERE run_id = $run) GROUP BY source_id)
+    SELECT p.source_id, (p.last_ns + s.wall_minus_mono_ns) / 1e9 AS last_step_s,
+           (p.timed_ns + s.wall_minus_mono_ns) / 1e9 AS last_timed_s, p.timed_steps,
+           (p.prefill_ns + s.wall_minus_mono_ns) / 1e9 AS last_prefill_s
+    FROM per p JOIN sources s USING (source_id)"""
+KV_LAST_SQL = """WITH per AS (SELECT source_id, max(ts_ns) AS last_ns, count(*) AS n FROM kv_snapshots
+                 WHERE source_id IN (SELECT source_id FROM sources WHERE run_id = $run) GROUP BY source_id)
+    SELECT max((p.last_ns + s.wall_minus_mono_ns) / 1e9) AS last_kv_s, coalesce(sum(p.n), 0) AS snapshots
+    FROM per p JOIN sources s USING (source_id)"""
+# whether the queried counter grew after $w_ns (wall ns): when the largest value after it exceeds every value up
+# to it, the first record holding that value grew over the record before it (whatever the order of equal times)
+PREFIX_MOVED_AFTER_SQL = """SELECT count(*) AS n,
+           max(x.queried_tokens_total) FILTER (WHERE x.ts_ns + s.wall_minus_mono_ns > $w_ns) >
+               coalesce(max(x.queried_tokens_total) FILTER (WHERE x.ts_ns + s.wall_minus_mono_ns <= $w_ns), -1)
+               AS moved_after
+    FROM prefix_counters x JOIN sources s USING (source_id) WHERE s.run_id = $run"""
+_MARGIN_S = 1e-3  # wall seconds near 2^31 carry ~2e-7 s of rounding: a move this far past the window is in it
+
+
+def _can_fire(con, run_id: str, stale_s: float) -> dict[str, bool]:
+    """Per reason (kv, prefix, gpu): False when the cheap aggregates prove it cannot fire (its silence is
+    under `stale_s`); True when the full query must decide."""
+    per = con.execute(STEPS_LAST_SQL, {"run": run_id}).fetchall()
+    last_step = max((r[1] for r in per if r[1] is not None), default=None)
+    last_prefill = max((r[4] for r in per if r[4] is not None), default=None)
+    kv = one(con, KV_LAST_SQL, run_id)
+    out = {"kv": bool(kv["snapshots"]) and last_step is not None and last_step - kv["last_kv_s"] >= stale_s}
+    gaps = [r[1] - r[2] for r in per if r[3]]  # sources that had GPU-timed steps
+    out["gpu"] = bool(gaps) and max(gaps) >= stale_s
+    if last_prefill is None:
+        out["prefix"] = False
+    else:
+        px = one(con, PREFIX_MOVED_AFTER_SQL, run_id, w_ns=int((last_prefill - stale_s + _MARGIN_S) * 1e9))
+        out["prefix"] = bool(px["n"]) and not px["moved_after"]
+    return out
+
+
 ADAPTER_SQL = "SELECT value FROM run_info WHERE run_id = $run AND key = 'adapter_missing'"
 
 SUGGEST_ADAPTER = ("Check the probe's log for the adapter's warning and the runtime's version against the versions "
@@ -86,8 +132,9 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
     out: list[Finding] = []
     th = {"telemetry_stale_s": telemetry_stale_s, "min_stale_steps": min_stale_steps}
 
-    kv = one(con, KV_STOPPED_SQL, run_id)
-    if kv["snapshots"] and kv["last_step_s"] is not None:
+    can = _can_fire(con, run_id, telemetry_stale_s)
+    kv = one(con, KV_STOPPED_SQL, run_id) if can["kv"] else {}
+    if kv and kv["snapshots"] and kv["last_step_s"] is not None:
         silent = kv["last_step_s"] - kv["last_kv_s"]
         if silent >= telemetry_stale_s and kv["steps_after"] >= min_stale_steps:
             out.append(Finding(
@@ -102,10 +149,10 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
                                  f"{kv['snapshots']} KV snapshots; every KV figure since is missing."),
                 reference=ref("Probe health"), run_id=run_id, thresholds=th))
 
-    px = one(con, PREFIX_STUCK_TAIL_SQL, run_id)
-    if px["last_move_s"] is None and (px["counter_records"] or 0) > PREFIX_TAIL + 1:
+    px = one(con, PREFIX_STUCK_TAIL_SQL, run_id) if can["prefix"] else {}
+    if px and px["last_move_s"] is None and (px["counter_records"] or 0) > PREFIX_TAIL + 1:
         px = one(con, PREFIX_STUCK_SQL, run_id)
-    if px["counter_records"] and px["last_move_s"] is not None and px["last_prefill_s"] is not None:
+    if px and px["counter_records"] and px["last_move_s"] is not None and px["last_prefill_s"] is not None:
         stuck = px["last_prefill_s"] - px["last_move_s"]
         if stuck >= telemetry_stale_s and px["prefill_steps_after"] >= min_stale_steps // 4:
             out.append(Finding(
@@ -120,7 +167,7 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
                                  f"steps over {stuck:.1f} s went uncounted by the prefix cache."),
                 reference=ref("Probe health"), run_id=run_id, thresholds=th))
 
-    gpu = one(con, GPU_STOPPED_SQL, run_id)
+    gpu = one(con, GPU_STOPPED_SQL, run_id) if can["gpu"] else {}
     if gpu and gpu.get("last_timed_s") is not None:
         silent = gpu["last_step_s"] - gpu["last_timed_s"]
         if silent >= telemetry_stale_s and gpu["steps_after"] >= min_stale_steps:

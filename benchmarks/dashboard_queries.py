@@ -120,8 +120,9 @@ def time_fold(path: str, minutes: float = 1.0) -> tuple[int, float, float]:
 # what each page of the app runs (dashboard/app.py), with the app's time window: the whole run in 60 buckets
 PAGES = {
     "Overview": [("request_summary", {}), ("kv_summary", {}), ("prefix_summary", {})],
-    "Phases": [("phase_summary", {}), ("step_timeline", {"bucket_s": "$bucket", "since_s": 0.0}),
-               ("step_sample", {"limit": 3000, "since_s": 0.0}), ("interference", {"since_s": 0.0})],
+    "Phases": [("phase_summary", {"quantiles": "approx"}),
+               ("step_timeline", {"bucket_s": "$bucket", "since_s": 0.0, "quantiles": "approx"}),
+               ("step_sample", {"limit": 3000, "since_s": 0.0}), ("interference", {"since_s": 0.0, "quantiles": "approx"})],
     "Requests": [("slo_attainment", {}), ("latency_histogram", {"metric": "ttft", "bins": 30}),
                  ("latency_histogram", {"metric": "tpot", "bins": 30}),
                  ("latency_histogram", {"metric": "itl", "bins": 30}), ("itl_attribution", {})],
@@ -155,8 +156,9 @@ def time_page(reader: Any, queries: list[tuple[str, dict]], run: str = RUN) -> t
         t0 = time.perf_counter()
         out = reader.query(name, **kw)
         dt = time.perf_counter() - t0
-        if name == "run_span":  # the app's window: the whole run, in 60 buckets
-            bucket = round(max(max(1.0, float(out["span_s"])) / 60, 0.5), 2)
+        if name == "run_span":  # the app's window: the whole run, in 60 buckets (multiples of 10 s from 10 s on)
+            bucket = max(max(1.0, float(out["span_s"])) / 60, 0.5)
+            bucket = float(10 * round(bucket / 10)) if bucket >= 10 else round(bucket, 2)
         total += dt
         key = f"{name}{'?metric=' + params['metric'] if 'metric' in params else ''}"
         per_query[key] = per_query.get(key, 0.0) + dt

@@ -21,6 +21,7 @@ import streamlit as st
 
 from phasescope.agent.records.errors import ReadError
 from phasescope.agent.read.exports import export_glob, hosts
+from phasescope.agent.read.phases import APPROX_NOTE
 from phasescope.agent.read.reader import open_reader
 from phasescope.agent.read.snapshot import decode_items, encode_items
 from phasescope.agent.read.summary import requests_hint
@@ -154,14 +155,15 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
 
 
 def page_phases(reader: Any, run: str, win: dict[str, Any]) -> None:
-    summary = q(reader, "phase_summary", run_id=run)
+    summary = q(reader, "phase_summary", run_id=run, quantiles="approx")
     st.dataframe(human_table(summary, {"phase": ("Phase", None), "steps": ("Steps", None),
                                        "p50_ms": ("Step p50 (ms)", 2), "p95_ms": ("Step p95 (ms)", 2),
                                        "p99_ms": ("Step p99 (ms)", 2), "prefill_tokens": ("Prefill tokens", None),
                                        "decode_tokens": ("Decode tokens", None),
                                        "gpu_timed": ("GPU-timed steps", None)}), hide_index=True)
+    st.caption(f"Step-time percentiles on this page: {APPROX_NOTE}.")
     tl = df(q(reader, "step_timeline", run_id=run, bucket_s=win["bucket_s"], since_s=win["since_s"],
-              until_s=win["until_s"]))
+              until_s=win["until_s"], quantiles="approx"))
     st.subheader("Step time over time, by phase")
     if not tl.empty:
         st.altair_chart(line(tl, "p95_ms", "Step time p95 (ms)", win["bucket_s"], color="phase", point=True,
@@ -179,7 +181,8 @@ def page_phases(reader: Any, run: str, win: dict[str, Any]) -> None:
             + [alt.Tooltip(f"{c}:Q", title=label(c), format=",") for c in ("prefill_tokens", "decode_tokens",
                                                                             "num_seqs")]), width="stretch")
     explain("Each dot is one forward. Good: two tight bands (prefill, decode); mixed steps close to decode.")
-    inter = df(q(reader, "interference", run_id=run, since_s=win["since_s"], until_s=win["until_s"]))
+    inter = df(q(reader, "interference", run_id=run, since_s=win["since_s"], until_s=win["until_s"],
+                 quantiles="approx"))
     st.subheader("Prefill interference")
     if not inter.empty:
         st.altair_chart(alt.Chart(inter).mark_bar().encode(
@@ -711,8 +714,9 @@ def main() -> None:
     span = max(1.0, float(extent["span_s"]))
     lo, hi = st.sidebar.slider("Time range (s since start)", 0.0, round(span + 1, 1), (0.0, round(span + 1, 1)),
                                key="window")
-    bucket = max((hi - lo) / 60, 0.5)
-    win = {"since_s": lo, "until_s": hi if hi < span + 1 else None, "bucket_s": round(bucket, 2)}
+    bucket = max((hi - lo) / 60, 0.5)  # multiples of 10 s from 10 s on: the step rollup answers those (phases.py)
+    win = {"since_s": lo, "until_s": hi if hi < span + 1 else None,
+           "bucket_s": float(10 * round(bucket / 10)) if bucket >= 10 else round(bucket, 2)}
     refresh = st.sidebar.toggle(f"Auto-refresh ({REFRESH_S:g} s)", value=live, key="refresh")
     st.header(page)
     if not extent["steps"]:

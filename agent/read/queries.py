@@ -11,6 +11,7 @@ from typing import Any
 
 import duckdb
 
+from . import phases
 from .thresholds import T
 
 STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
@@ -38,8 +39,20 @@ def latest_run(con: duckdb.DuckDBPyConnection) -> str | None:
     return r[0]["run_id"] if r else None
 
 
-def phase_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> list[dict[str, Any]]:
-    """Per phase: step count, step-time percentiles (ms), tokens, and whether GPU-timed."""
+def _approx(quantiles: str) -> bool:
+    if quantiles not in ("exact", "approx"):
+        raise ValueError(f"quantiles must be 'exact' or 'approx', not {quantiles!r}")
+    return quantiles == "approx"
+
+
+def phase_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+                  quantiles: str = "exact") -> list[dict[str, Any]]:
+    """Per phase: step count, step-time percentiles (ms), tokens, and whether GPU-timed. `quantiles="approx"`:
+    the percentiles from the per-second rollup where it can answer (agent/read/phases.py: within 0.55 %)."""
+    if _approx(quantiles):
+        out = phases.phase_summary(con, run_id)
+        if out is not None:
+            return out
     where, params = _run_filter(run_id)
     rows = con.execute(
         f"""SELECT phase, count(*) AS steps,
@@ -159,7 +172,10 @@ def _window(run_id: str | None, since_s: float | None, until_s: float | None,
     run = ""
     if run_id is not None:
         run, params["run_id"] = " AND s.run_id = $run_id", run_id
-    start = ("(SELECT min(x.ts_ns + y.wall_minus_mono_ns) FROM steps x JOIN sources y USING (source_id)"
+    # the least ts_ns of each source, then its wall offset: the same minimum as over every step joined to its
+    # source, without a join per step
+    start = ("(SELECT min(x.lo + y.wall_minus_mono_ns) FROM (SELECT source_id, min(ts_ns) AS lo FROM steps "
+             "GROUP BY source_id) x JOIN sources y USING (source_id)"
              + (" WHERE y.run_id = $run_id)" if run_id is not None else ")"))
     # clamped at 0: a snapshot taken just before the run's first forward belongs to its first second
     t_expr = f"greatest((({table}.ts_ns + s.wall_minus_mono_ns) - {start}) / 1e9, 0)"
@@ -178,10 +194,16 @@ def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: Any, keys: tuple[str
 
 
 def step_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
-                  since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
-    """Per time bucket and phase: steps, median and p95 step time (ms), tokens; t_s from the run's start."""
+                  since_s: float | None = None, until_s: float | None = None,
+                  quantiles: str = "exact") -> list[dict[str, Any]]:
+    """Per time bucket and phase: steps, median and p95 step time (ms), tokens; t_s from the run's start.
+    `quantiles="approx"`: from the per-second rollup for whole-second buckets and windows (phases.py)."""
     if bucket_s <= 0:
         raise ValueError("bucket_s must be > 0")
+    if _approx(quantiles):
+        out = phases.step_timeline(con, run_id, bucket_s, since_s, until_s)
+        if out is not None:
+            return out
     t, where, params = _window(run_id, since_s, until_s)
     return _rows(con, f"""
         SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, phase, count(*),
@@ -204,8 +226,14 @@ def step_sample(con: duckdb.DuckDBPyConnection, run_id: str | None = None, limit
 
 def interference(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
                  long_prefill_tokens: int = int(T["long_prefill_tokens"]),
-                 since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
-    """Steps that carry decode tokens, by what they were packed with: pure decode, a short or a long prefill."""
+                 since_s: float | None = None, until_s: float | None = None,
+                 quantiles: str = "exact") -> list[dict[str, Any]]:
+    """Steps that carry decode tokens, by what they were packed with: pure decode, a short or a long prefill.
+    `quantiles="approx"`: from the per-second rollup at the default threshold (phases.py)."""
+    if _approx(quantiles):
+        out = phases.interference(con, run_id, long_prefill_tokens, since_s, until_s)
+        if out is not None:
+            return out
     t, where, params = _window(run_id, since_s, until_s)
     return _rows(con, f"""
         SELECT CASE WHEN prefill_tokens = 0 THEN 'decode only'

@@ -31,19 +31,24 @@ preemption). A key whose new events are not all later than everything stored for
 late event) is recomputed from all its raw events. New steps re-tie only the gaps at or
 after their earliest start (`ATTRIBUTE`).
 
-Deletions: rows deleted from `request_events` since the watermark make a read raise (the
-derived rows no longer describe the raw rows). A writable connection's `refresh` folds in a
+Deletions: rows deleted from `request_events` below the watermark and not folded in make a read
+raise (the derived rows no longer describe the raw rows); a retention roll folds its deletion in
+before its commit (`fold`, in its transaction), so readers never see that state. A writable connection's `refresh` folds in a
 deletion of the oldest rows (what a retention roll does): the keys with an event before the
 earliest one left are recomputed from what is left, the gaps whose steps may have gone are
 re-tied; when the request rows then do not hold every raw event once (rows were deleted
 elsewhere) it rebuilds them all.
 
-Pure SQL over a connection the caller passes; imports nothing of ours.
+`refresh` also folds the per-second step rollup (steprollup.py) in the same transaction.
+
+Pure SQL over a connection the caller passes; imports nothing of ours outside this floor.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from . import steprollup
 
 # table -> (column DDL, one-line doc)
 TABLES: dict[str, list[tuple[str, str, str]]] = {
@@ -505,33 +510,7 @@ def refresh(con: Any) -> int:
     caller (DuckDB reports a write-write conflict otherwise)."""
     con.execute("BEGIN")
     try:
-        st = state(con)
-        wm, n = st or (-1, 0)
-        top, total, below = con.execute(
-            f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
-            "FROM request_events").fetchone()
-        deleted = below != n
-        forced = "SELECT NULL::VARCHAR AS run_id, NULL::VARCHAR AS rid WHERE false"
-        if deleted:  # rows deleted, oldest first (a retention roll): every key that had an event before the
-            # earliest one left is recomputed from what is left (its requests, its arrival numbers, its gaps)
-            left = con.execute("SELECT min(r.ts_ns + s.wall_minus_mono_ns) FROM request_events r "
-                               "JOIN sources s USING (source_id)").fetchone()[0]
-            forced = ("SELECT DISTINCT run_id, runtime_request_id AS rid FROM request_rows"
-                      + ("" if left is None else f" WHERE first_wall_ns < {int(left)}"))
-        con.execute(f"CREATE OR REPLACE TEMP TABLE forced AS {forced}")
-        new = total - below
-        if new or deleted or st is None:
-            _fold(con, wm, top)
-            if deleted and not _complete(con):  # not oldest first after all: start over from what is left
-                con.execute("DELETE FROM request_rows")
-                con.execute("DELETE FROM token_gaps")
-                con.execute("DELETE FROM temp.forced")
-                _fold(con, -1, top)
-            con.execute("INSERT OR REPLACE INTO derived_state VALUES ('request_events', ?, ?)", [top, total])
-            for view, sql in views((top, total)).items():
-                con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
-        con.execute("DROP TABLE IF EXISTS temp.forced")
-        _attribute(con, new_gaps=bool(new) or deleted or st is None)
+        new = fold(con)
         con.execute("COMMIT")
         return new
     except BaseException:
@@ -540,3 +519,38 @@ def refresh(con: Any) -> int:
         except Exception:  # noqa: BLE001 - an invalidated connection cannot roll back
             pass
         raise
+
+
+def fold(con: Any) -> int:
+    """`refresh` in the caller's transaction: what a writer that deletes raw rows (a retention roll) runs before
+    its commit, so no reader ever sees the rows gone and the derived tables not yet folded (their views would
+    raise until the next refresh)."""
+    st = state(con)
+    wm, n = st or (-1, 0)
+    top, total, below = con.execute(
+        f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
+        "FROM request_events").fetchone()
+    deleted = below != n
+    forced = "SELECT NULL::VARCHAR AS run_id, NULL::VARCHAR AS rid WHERE false"
+    if deleted:  # rows deleted, oldest first (a retention roll): every key that had an event before the
+        # earliest one left is recomputed from what is left (its requests, its arrival numbers, its gaps)
+        left = con.execute("SELECT min(r.ts_ns + s.wall_minus_mono_ns) FROM request_events r "
+                           "JOIN sources s USING (source_id)").fetchone()[0]
+        forced = ("SELECT DISTINCT run_id, runtime_request_id AS rid FROM request_rows"
+                  + ("" if left is None else f" WHERE first_wall_ns < {int(left)}"))
+    con.execute(f"CREATE OR REPLACE TEMP TABLE forced AS {forced}")
+    new = total - below
+    if new or deleted or st is None:
+        _fold(con, wm, top)
+        if deleted and not _complete(con):  # not oldest first after all: start over from what is left
+            con.execute("DELETE FROM request_rows")
+            con.execute("DELETE FROM token_gaps")
+            con.execute("DELETE FROM temp.forced")
+            _fold(con, -1, top)
+        con.execute("INSERT OR REPLACE INTO derived_state VALUES ('request_events', ?, ?)", [top, total])
+        for view, sql in views((top, total)).items():
+            con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
+    con.execute("DROP TABLE IF EXISTS temp.forced")
+    _attribute(con, new_gaps=bool(new) or deleted or st is None)
+    steprollup.refresh(con)  # the per-second step rollup, by its own watermark
+    return new

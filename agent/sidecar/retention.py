@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..records import derived
 from ..settings import AgentSettings
 
 log = logging.getLogger("phasescope.retention")
@@ -303,6 +304,10 @@ class Retention:
                         con.execute(f"INSERT INTO {name} {select} FROM {src} GROUP BY ALL")
                 con.execute(f"DELETE FROM {table} t USING sources s "
                             f"WHERE t.source_id = s.source_id AND {_WALL} < {int(cut)}")
+            if rows and derived.state(con) is not None:  # derived tables made (a read folded them): they
+                # follow in this transaction, so a read never sees rows gone from under them (their views would
+                # raise until the next fold; records/derived.py). Never made: nothing to follow, nothing to add
+                derived.fold(con)
             if rows:  # where the rolled rows went, for readers (agent/read/history.py): one history
                 where = os.path.abspath(self.policy.export_dir) if self.policy.export_dir else ""
                 con.execute("INSERT OR REPLACE INTO meta VALUES ('export_dir', ?), ('export_host', ?)",

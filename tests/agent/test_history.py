@@ -98,3 +98,51 @@ def test_the_finding_survives_a_snapshot(rolled, tmp_path):
     reader = open_reader(rolled, findings=diagnose)
     snap = reader.snapshot([("request_summary", {})], findings_run="")
     assert [f["id"] for f in snap["findings"]] == ["history-rolled"]
+
+
+def test_a_partly_rolled_run_reads_its_requests_gaps_and_steps_as_before(tmp_path):
+    """Half of a recorded run rolled out to Parquet: read back as one history, its request rows, ITL gaps and
+    the step reads (the derived tables and the step rollup are the store's rows alone, so the history derives
+    them again from the whole history's raw rows) are those of the store before the roll."""
+    import duckdb
+
+    from builders.scenarios import DATA_DIR, load
+    from phasescope.agent.read import queries
+    from phasescope.agent.read.reader import connect_readonly
+
+    path = str(tmp_path / "run.duckdb")
+    run = load(os.path.join(DATA_DIR, "itl-spikes-vllm"), path)
+    reads = [("request_summary", {}), ("latency_histogram", {"metric": "itl"}), ("itl_attribution", {}),
+             ("phase_summary", {}), ("step_timeline", {"bucket_s": 1.0}), ("interference", {}), ("run_span", {})]
+
+    def read(con):
+        rq = sorted(con.execute("SELECT * FROM requests").fetchall(), key=repr)
+        itl = sorted(con.execute("SELECT run_id, request_id, ts_ns, prev_ns, tokens, itl_s FROM itl").fetchall(),
+                     key=repr)
+        return rq, itl, [queries.QUERIES[n](con, run, **kw) for n, kw in reads]
+
+    con = duckdb.connect(path, read_only=True)
+    before = read(con)
+    lo, hi, events = con.execute("SELECT min(r.ts_ns + s.wall_minus_mono_ns), max(r.ts_ns + s.wall_minus_mono_ns), "
+                                 "count(*) FROM request_events r JOIN sources s USING (source_id)").fetchone()
+    con.close()
+    assert before[0] and before[1]
+    cut = (lo + hi) // 2
+    store = Store(path)
+    try:
+        r = Retention(store, RetentionPolicy(max_age_s=DAY_S, export_dir=str(tmp_path / "exports"), host="h1"),
+                      clock_ns=lambda: cut + int(DAY_S * NS)).roll()
+    finally:
+        store.close()
+    assert 0 < r.rows_rolled["request_events"] < events and r.rows_rolled["steps"] > 0  # a part of it
+    con = connect_readonly(path)  # the store and its exports, one history
+    try:
+        assert con.execute("SELECT count(*) FROM phasescope_read_from WHERE source = 'exports'").fetchone()[0] == 1
+        after = read(con)
+        assert after[0] == before[0] and after[1] == before[1]
+        for (name, _), a, b in zip(reads, after[2], before[2]):
+            assert a == b, name
+        # the step rollup holds the store's rows only: the history's approximate reads are the exact ones
+        assert queries.phase_summary(con, run, quantiles="approx") == before[2][3]
+    finally:
+        con.close()

@@ -173,3 +173,46 @@ def test_rows_acknowledged_during_a_roll_are_kept(short_tmp):
     exported = [r[0] for r in _exported(exp, "steps", "step_id", "source_id > 0")]
     assert len(exported) > 0
     assert sorted(kept + exported) == list(range(n))
+
+
+def test_reads_right_after_a_roll(tmp_path):
+    """A roll deletes the oldest request events and steps below the derived tables' watermarks; it folds the
+    deletion in before its commit, so the very next read (no refresh between) works and is what the raw rows
+    left give (tests/reference_sql.py): before, the views raised until the next fold."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from reference_sql import VIEWS
+    from phasescope.agent.records.events import REQ_SCHEDULED, REQ_TOKEN
+
+    now = [T0]
+    store = Store(str(tmp_path / "r.duckdb"))
+    ret = Retention(store, RetentionPolicy(max_age_s=3600, max_bytes=1 << 40, export_dir=None, host="h"),
+                    clock_ns=lambda: now[0])
+    sid = store.register_source(Hello(0, T0, 4242, 0, 1, "run-r", "sim", "synthetic"))
+    recs: list = []
+    for i in range(3 * 60):  # a request a minute for 3 hours, 8 tokens 0.5 s apart
+        ts = i * 60 * NS
+        rid = f"q{i % 7}"  # ids reused: the arrival numbering must survive the roll
+        recs += [RequestEvent(ts, 0, REQ_ARRIVAL, rid, 100, 0), RequestEvent(ts + NS // 10, 0, REQ_SCHEDULED, rid, 0, 0)]
+        recs += [RequestEvent(ts + NS + k * NS // 2, 0, REQ_TOKEN, rid, 1 + k % 2, 0) for k in range(8)]
+        recs.append(RequestEvent(ts + 5 * NS, 0, REQ_FINISHED, rid, 12, 0))
+        recs += [Step(ts + k * NS, i * 10 + k, 0, PHASE_DECODE, 1, 0, 1, 100, 20.0, float("nan")) for k in range(10)]
+    store.append([(sid, recs)])
+    store.refresh_derived()
+    with store.reading() as con:
+        assert con.execute("SELECT count(*) FROM requests").fetchone()[0] == 180
+    now[0] = T0 + 3 * HOUR + 30 * 60 * NS  # age cut at 2.5 h: the first 150 requests go
+    assert ret.roll().rows_rolled["request_events"] > 0
+    with store.reading() as con:  # no refresh in between
+        got = sorted(con.execute("SELECT * FROM requests").fetchall(), key=repr)
+        log, rq, itl = (f"({VIEWS[v]})" for v in ("request_log", "requests", "itl"))
+        want = sorted(con.execute(f"WITH request_log AS {log}, r AS {rq} SELECT * FROM r").fetchall(), key=repr)
+        assert got == want and len(got) == 30
+        got_itl = con.execute("SELECT count(*), sum(tokens), sum(itl_s * tokens) FROM itl").fetchone()
+        want_itl = con.execute(f"WITH request_log AS {log}, i AS {itl} SELECT count(*), count(*), sum(itl_s) FROM i"
+                               ).fetchone()
+        assert got_itl[1] == want_itl[1] and got_itl[2] == pytest.approx(want_itl[2], rel=1e-12)
+        assert con.execute("SELECT sum(steps) FROM step_rollup").fetchone()[0] == \
+            con.execute("SELECT count(*) FROM steps").fetchone()[0] == 300
+    store.close()
