@@ -2,7 +2,7 @@
 
 The host thread only records events on the current stream (and, for exact token
 counts, queues a tiny reduction and an asynchronous copy into pinned memory);
-a poller thread asks `Event.query()` and reads the elapsed time once the end
+the probe's background wake (outbox.py) asks `Event.query()` and reads the elapsed time once the end
 event has completed. Nothing here ever synchronizes the device.
 
 CUDA-graph capture. While a stream captures, recording a timing event or

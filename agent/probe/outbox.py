@@ -69,7 +69,7 @@ class Outbox:
 
     @property
     def connected(self) -> bool:
-        """Whether the flush thread holds a connection to the sidecar now."""
+        """Whether the background thread holds a connection to the sidecar now."""
         return self._sender is not None and self._sender.connected
 
     def _push(self, rec: Record) -> None:

@@ -2,7 +2,7 @@
 
 Every step keeps its host timestamps. Timing a step on the GPU costs more host time
 (two event records on the host thread, a query and an elapsed-time read on the
-poller thread, which holds the GIL meanwhile). The sampler keeps the probe's
+background wake, which holds the GIL meanwhile). The sampler keeps the probe's
 average host cost per step under `budget` (a fraction, default 0.5%) of the step
 period it measures, per phase:
 
@@ -21,7 +21,7 @@ phase's GPU time. `min_rate` keeps a trickle of timed steps when even an untimed
 step costs more than the budget.
 
 Lock-free by construction: the host thread only adds to its own accumulators
-(`account_*`); `update()` (the flush thread) reads them and keeps the previous
+(`account_*`); `update()` (the background wake) reads them and keeps the previous
 readings to take differences, so nothing is ever reset under the host's feet.
 """
 
@@ -100,14 +100,14 @@ class BudgetSampler:
             self.untimed_ns += cost_ns
             self.untimed_n += 1
 
-    # --- poller thread ----------------------------------------------------
+    # --- background wake: completing timings -----------------------------
 
     def account_poll(self, cost_ns: int) -> None:
         """The poller's host time for completing one timed step (ns)."""
         self.poll_ns += cost_ns
         self.poll_n += 1
 
-    # --- flush thread -----------------------------------------------------
+    # --- background wake: the sampler update -----------------------------
 
     def hooks_ns(self) -> int:
         """The probe's cumulative time on the host's threads (ns): hook bodies and records made outside steps."""

@@ -1,6 +1,6 @@
 """Probe -> sidecar transport: a sender that reconnects with backoff and counts only acknowledged records.
 
-The sender runs on the probe's flush thread only; the host's threads never touch a socket.
+The sender runs on the probe's background thread (and an exit hook's ship) only; the host's threads never touch a socket.
 
 Delivery (wire v2, see `agent/events.py`): every data frame carries a sequence
 number; the sidecar acknowledges what it has committed, cumulatively per sender
