@@ -230,18 +230,21 @@ EXTERNAL_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
 
 def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: float = T["max_external_fragmentation"],
                               max_blocked_share: float = 0.25, min_turnover_per_s: float = 0.1,
+                              min_snapshots_with_room: int = 20,
                               labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires under churn (pages allocated per second >= `min_turnover_per_s` x total pages) when free
     pages are scattered: mean external fragmentation >= `max_external_fragmentation` and, in >=
     `max_blocked_share` of the snapshots whose free pages would hold a p95-long request, no contiguous
-    run would."""
+    run would. Silent with fewer than `min_snapshots_with_room` such snapshots: a share of a handful
+    (a cache that is almost always full has room 5 times in 900 snapshots) says nothing."""
     seq = one(con, SEQ_LEN_SQL, run_id)
     page = one(con, f"SELECT any_value(page_size_tokens) AS p FROM ({RUN_KV})", run_id)["p"]
     if not seq["seq_tokens_p95"] or not page:
         return []
     need = math.ceil(seq["seq_tokens_p95"] / page)
     e = one(con, EXTERNAL_SQL, run_id, need=need)
-    if not e["snapshots"] or e["external_fragmentation_mean"] is None or not e["snapshots_with_room"]:
+    if (not e["snapshots"] or e["external_fragmentation_mean"] is None
+            or (e["snapshots_with_room"] or 0) < min_snapshots_with_room):
         return []
     turnover = (e["pages_allocated_per_s"] or 0) / e["total_pages"]
     blocked = e["snapshots_blocked"] / e["snapshots_with_room"]
@@ -279,7 +282,8 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
         reference=ref("KV fragmentation"),
         run_id=run_id,
         thresholds={"max_external_fragmentation": max_external_fragmentation,
-                    "max_blocked_share": max_blocked_share, "min_turnover_per_s": min_turnover_per_s},
+                    "max_blocked_share": max_blocked_share, "min_turnover_per_s": min_turnover_per_s,
+                    "min_snapshots_with_room": min_snapshots_with_room},
     )]
 
 
