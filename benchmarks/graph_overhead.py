@@ -101,6 +101,15 @@ class GraphRunner(torch.nn.Module):
 
     ref_events: tuple | None = None  # (start, end): the script's own events around copy + replay
 
+    def twin(self) -> "GraphRunner":
+        """Another module object over the same captured graph (a probe per object, one graph)."""
+        m = GraphRunner.__new__(GraphRunner)
+        torch.nn.Module.__init__(m)
+        m.stack, m.dry, m.static_x, m.graph = self.stack, self.dry, self.static_x, self.graph
+        if not self.dry:
+            m.static_out = self.static_out
+        return m
+
     def replay(self, x: torch.Tensor) -> torch.Tensor:
         if self.dry:
             return self.stack(x)
@@ -199,13 +208,7 @@ def replay_cost(batch: int, rounds: int, block: int, device: torch.device, dtype
     stack = DecodeStack(batch, 16 if dry else 512, layers, device, dtype)
     x = torch.randn(batch, 1, GEOMETRY["hidden"], device=device, dtype=dtype)
     off = GraphRunner(stack, x, dry)
-    def twin() -> GraphRunner:  # another module object over the same graph
-        m = GraphRunner.__new__(GraphRunner)
-        torch.nn.Module.__init__(m)
-        m.stack, m.dry, m.static_x, m.graph = off.stack, dry, off.static_x, off.graph
-        if not dry:
-            m.static_out = off.static_out
-        return m
+    twin = off.twin
 
     hooked, noop = twin(), twin()
     # what any pair of hooks costs (nn.Module's hook dispatch + two compiler-disabled calls), probe or not

@@ -80,13 +80,7 @@ def replay_cost(batch: int, rounds: int, block: int, sock: str, device: torch.de
     x = torch.randn(batch, 1, GEOMETRY["hidden"], device=device, dtype=dtype)
     off = GraphRunner(stack, x, dry)
 
-    def twin() -> GraphRunner:  # another module object over the same graph
-        m = GraphRunner.__new__(GraphRunner)
-        torch.nn.Module.__init__(m)
-        m.stack, m.dry, m.static_x, m.graph = off.stack, dry, off.static_x, off.graph
-        if not dry:
-            m.static_out = off.static_out
-        return m
+    twin = off.twin
 
     ctx = 512 * batch
     shape = StepShape(PHASE_DECODE, batch, 0, batch, ctx)
