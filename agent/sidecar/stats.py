@@ -34,6 +34,7 @@ class SidecarStats:
         self.unwritten_bytes = 0  # gauge: budget in use by received-but-unwritten frames
         self.memory_budget_bytes = 0  # gauge: the budget
         self.checkpoints_total = 0
+        self.checkpoints_deferred_total = 0  # refused while another cursor wrote (a read's fold); retried
         self.sink_errors_total = 0
         self.sink_dropped_records_total = 0  # records the exporters did not see (they lagged)
         self.collector_errors_total = 0

@@ -66,6 +66,12 @@ def is_store_failure(exc: BaseException) -> bool:
     return any(w in text for w in ("invalidated", "no space left", "i/o error", "io error", "connection already closed"))
 
 
+def is_checkpoint_deferred(exc: BaseException) -> bool:
+    """DuckDB refused a CHECKPOINT because another connection has a write transaction open: nothing is
+    wrong with the file (a TransactionException, which `is_store_failure` would otherwise count)."""
+    return isinstance(exc, duckdb.TransactionException) and "cannot checkpoint" in str(exc).lower()
+
+
 def _private(path: str) -> None:
     for p in (path, path + ".wal"):
         try:
@@ -344,15 +350,21 @@ class Store:
             log.warning("could not refresh the derived tables: %r", exc)
             return 0
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
+        """Checkpoint the WAL into the file; False when DuckDB defers it because another cursor of this
+        process has a write transaction open (a read folding the derived tables, a retention roll): the
+        store is fine and the next checkpoint runs it. A failure of the file or connection raises."""
         with self._lock:
             try:
                 self.con.execute("CHECKPOINT")
             except Exception as exc:
+                if is_checkpoint_deferred(exc):
+                    return False
                 if is_store_failure(exc):
                     self.broken = f"{type(exc).__name__}: {exc}"
                 raise
         _private(self.path)
+        return True
 
     def close(self, wait_reads_s: float = 5.0) -> None:
         """Interrupt reads in flight, wait for them to end (up to `wait_reads_s`), checkpoint and close."""

@@ -131,12 +131,18 @@ class Writer:
                 try:
                     if stopping:
                         store.close()
+                        done = True
+                    else:  # deferred while a read folds the derived tables: tried again soon, not an error
+                        done = store.checkpoint()
+                    if done:
+                        self.stats.checkpoints_total += 1
                     else:
-                        store.checkpoint()
-                    self.stats.checkpoints_total += 1
+                        self.stats.checkpoints_deferred_total += 1
                 except Exception as exc:  # noqa: BLE001
                     self._store_failed(exc)
-                next_checkpoint = now + self.limits.checkpoint_interval_s
+                    done = True
+                next_checkpoint = now + (self.limits.checkpoint_interval_s if done else
+                                         min(1.0, self.limits.checkpoint_interval_s))
             if stopping:
                 return
 

@@ -486,3 +486,31 @@ def test_metrics_checks_the_host_header_like_the_read_api():
         assert get(f"localhost:{server.port}") == 200
     finally:
         server.close()
+
+
+def test_a_checkpoint_during_a_reads_write_transaction_is_deferred_not_a_broken_store(short_tmp):
+    """A read folding the derived tables holds a write transaction; DuckDB then refuses CHECKPOINT
+    (TransactionException). That used to mark the store broken and reopen it, closing every read's
+    connection mid-query (CI: the dashboard's KV page never rendered). It is deferred and retried."""
+    sc = Sidecar(os.path.join(short_tmp, "s.duckdb"), listen=[f"unix:{short_tmp}/a.sock"],
+                 batch_interval_s=0.05, checkpoint_interval_s=0.05).start()
+    try:
+        sender = _good_sender(sc)
+        _send_steps(sender, 200)
+        with sc.store.reading() as con:
+            con.execute("BEGIN")
+            con.execute("CREATE TABLE held_open (x INTEGER)")  # a write transaction, as a fold's
+            assert sc.store.checkpoint() is False  # deferred, raised nothing
+            assert sc.store.broken is None
+            time.sleep(0.5)  # the writer's own checkpoints come and are deferred too
+            assert sc.stats.checkpoints_deferred_total > 0
+            assert con.execute("SELECT count(*) FROM held_open").fetchone()[0] == 0  # still open
+            con.execute("COMMIT")
+        assert sc.store.checkpoint() is True
+        deadline = time.monotonic() + 20
+        while _stored(sc, "SELECT count(*) FROM steps") < 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _stored(sc, "SELECT count(*) FROM steps") == 200
+        assert (sc.stats.store_errors_total, sc.stats.store_reopens_total) == (0, 0)
+    finally:
+        sc.stop()
