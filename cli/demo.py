@@ -19,7 +19,7 @@ import os
 import random
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from phasescope.agent.records.address import Address
@@ -200,14 +200,11 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
 
 
 def demo_labels(cfg: DemoConfig) -> dict[str, Any]:
-    """Run labels of a demo config: the knobs an experiment varies and the workload's prefix layout."""
-    labels: dict[str, Any] = {
-        "runtime": cfg.runtime, "page_size": cfg.page_size, "num_pages": cfg.num_pages,
-        "max_batch_tokens": cfg.max_batch_tokens, "arrival_rate_per_s": cfg.arrival_rate_per_s,
-        "requests": cfg.requests, "seed": cfg.seed, "shared_prefix_tokens": cfg.system_prompt_tokens + 1,
-        "prefix_position": "first"}
-    if cfg.runtime == "generate":
-        labels["max_batch"] = cfg.max_batch
+    """Run labels of a demo config: every knob of the workload and the engine (so `phasescope verify` can serve
+    the same requests again, and `compare` tells what two runs varied) and the workload's prefix layout."""
+    labels: dict[str, Any] = {k: (",".join(map(str, v)) if isinstance(v, (tuple, list)) else v)
+                              for k, v in asdict(cfg).items() if k not in ("extra", "device")}
+    labels.update(shared_prefix_tokens=cfg.system_prompt_tokens + 1, prefix_position="first")
     return labels
 
 

@@ -462,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .deploy import add_commands as add_deploy_commands  # run, health, retention
 
     add_deploy_commands(sub)
+    from .verify import add_commands as add_verify_commands  # verify
+
+    add_verify_commands(sub)
     return p
 
 

@@ -120,8 +120,8 @@ def gib(v: float | None) -> str:
 def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
     p = {"run_id": run}
     snap = snapshot(reader, [("request_summary", p), ("kv_summary", p), ("prefix_summary", p), ("probe_health", p),
-                             ("phase_summary", p)], findings_run=run)
-    r, kv, px, health, phases = snap["rows"]
+                             ("phase_summary", p), ("verifications", p)], findings_run=run)
+    r, kv, px, health, phases, checked = snap["rows"]
     hint = requests_hint({"phases": phases, "requests": r})
     if hint:
         st.info(hint[0].upper() + hint[1:])
@@ -150,8 +150,25 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
             st.markdown(f"**Suggestion:** {f.get('suggestion', '')}")
             if f.get("expected_effect"):
                 st.markdown(f"**Expected effect:** {f['expected_effect']}")
+            for v in (v for v in checked if v["finding_id"] == f.get("id")):
+                st.markdown(verified_line(v["result"]))
             st.markdown(f"`{f.get('id')}` · severity {f.get('severity')} · {f.get('reference', '')}")
             st.json(f.get("evidence", {}), expanded=False)
+
+
+def verified_line(r: dict[str, Any]) -> str:
+    """One `phasescope verify` result under its finding: the change, predicted vs measured effect, the verdict."""
+    p = r["prediction"]
+    change = ", ".join(f"{k}={v}" for k, v in p["change"].items())
+    err = "" if r.get("error") is None else f", prediction off by {r['error']:.0%}"
+    return (f"**Checked by a re-run:** {badge_verdict(r['verdict'])} · with {change}, {p['metric']} was predicted to "
+            f"move {r['expected']:+.4g} and moved {r['effect']:+.4g} (95% interval "
+            f"{r['effect_low']:+.4g} to {r['effect_high']:+.4g}, {len(r['baseline'])} + {len(r['changed'])} "
+            f"interleaved runs{err}).")
+
+
+def badge_verdict(verdict: str) -> str:
+    return {"keep": "KEEP", "keep-but-mispredicted": "KEEP (mispredicted)", "revert": "REVERT"}.get(verdict, verdict)
 
 
 def page_phases(reader: Any, run: str, win: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ Step time is the CUDA-event time when the step was timed, else the host time.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -506,6 +507,18 @@ def run_labels(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str]:
     return dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ? ORDER BY key", [run_id]).fetchall())
 
 
+def verifications(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+    """`phasescope verify`'s results for the run's findings, newest first: finding_id, verdict, created_ns, and
+    `result` (prediction, each arm's measured values and run ids, effect with its 95% interval, error); [] when
+    none was verified."""
+    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'verifications'").fetchone()[0]:
+        return []
+    rows = con.execute("SELECT finding_id, verify_id, created_ns, verdict, result FROM verifications "
+                       "WHERE run_id = ? ORDER BY created_ns DESC", [run_id]).fetchall()
+    return [{"finding_id": f, "verify_id": v, "created_ns": t, "verdict": w, "result": json.loads(r)}
+            for f, v, t, w, r in rows]
+
+
 def run_compare(con: duckdb.DuckDBPyConnection, run_a: str, run_b: str) -> list[dict[str, Any]]:
     """Request summary and preemption counts of two runs, side by side."""
     out = []
@@ -722,6 +735,7 @@ QUERIES: dict[str, Any] = {
     "run_labels": run_labels,
     "prefix_miss_causes": prefix_miss_causes,
     "kv_residency": kv_residency,
+    "verifications": verifications,
 }
 
 

@@ -188,6 +188,12 @@ RUN_INFO_DDL = ("CREATE TABLE IF NOT EXISTS run_info "
 RUN_INFO_DOC = {"run_id": "sources.run_id", "key": "label name, e.g. model_layers, page_size, gpu_name",
                 "value": "label value as text"}
 
+# `phasescope verify`'s results: one row per verified (run, finding) and re-run series; written by the command
+# (cli/verify.py) into a file no agent holds, read by the `verifications` named query and the dashboard
+VERIFICATIONS_DDL = ("CREATE TABLE IF NOT EXISTS verifications (run_id VARCHAR, finding_id VARCHAR, "
+                     "verify_id VARCHAR, created_ns BIGINT, verdict VARCHAR, result VARCHAR, "
+                     "PRIMARY KEY (run_id, finding_id, verify_id))")
+
 # acknowledged delivery (wire v2): per sender nonce, what its data frames up to last_seq became.
 # Updated in the same transaction as the rows, so after a crash it says exactly what was committed.
 PROGRESS_DDL = ("CREATE TABLE IF NOT EXISTS ingest_progress "

@@ -1,0 +1,221 @@
+"""`phasescope verify`: apply one finding's suggestion, re-run the same workload, keep or revert (issue 29).
+
+The recorded run must come from HF continuous batching served by `phasescope demo` (or a scenario built
+like it): its labels hold every knob of the workload and the engine (`demo.DemoConfig`), so the same
+requests (same seed, same arrival times) can be served again. Two arms run interleaved, baseline (the
+recorded configuration) then changed (the prediction's `change` applied), one pair at a time, until the 95%
+interval of the effect is narrower than `width` x the baseline's mean or `max_pairs` pairs ran. Every re-run
+is a run of its own in the same DuckDB file, labelled `verify_id`, `verify_of`, `verify_arm`, `verify_rep`;
+the verdict is stored in the `verifications` table of that file, keyed by the verified run and finding.
+
+A vLLM run is not re-run here yet (it needs a server restarted with the flag): verify says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, Callable
+
+from .errors import CliError, UsageError
+from .options import add_command
+
+# knobs of DemoConfig that are not the workload's or the engine's (the device is this machine's)
+_NOT_REPLAYED = ("extra", "device", "adapter_silent_after_s")
+
+
+def config_from_labels(labels: dict[str, str]) -> Any:
+    """The `DemoConfig` a run was served with, from its labels; CliError naming what is missing."""
+    from .demo import DemoConfig
+
+    if str(labels.get("runtime", "")) not in ("cb", "hf-cb"):
+        raise CliError(f"verify re-runs HF continuous-batching runs recorded by `phasescope demo` (this run's runtime "
+                       f"label is {labels.get('runtime')!r}); a vLLM run needs its server restarted with the flag, "
+                       "which verify does not do yet")
+    if labels.get("prefix_position", "first") != "first":
+        raise CliError("this run's workload puts the shared prefix last: `phasescope demo` cannot replay it")
+    values: dict[str, Any] = {}
+    missing = []
+    for f in dataclasses.fields(DemoConfig):
+        if f.name in _NOT_REPLAYED:
+            continue
+        if f.name not in labels:
+            missing.append(f.name)
+            continue
+        values[f.name] = _parse(labels[f.name], f.default)
+    if missing:
+        raise CliError(f"the run's labels lack {', '.join(missing)}: it cannot be replayed exactly (record it with "
+                       "this version's `phasescope demo`, which labels every knob)")
+    values["runtime"] = "cb"
+    return DemoConfig(**values)
+
+
+def _parse(text: str, default: Any) -> Any:
+    if isinstance(default, tuple):
+        return tuple(int(x) for x in str(text).strip("()[] ").split(","))
+    if isinstance(default, bool):
+        return str(text) == "True"
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    return str(text)
+
+
+def measure(con: Any, run_id: str, metric: str) -> float:
+    """The prediction's metric (`predictions.METRICS`) of one run, by the query its finding reads."""
+    from phasescope.agent.read.queries import itl_attribution
+    from phasescope.analyzers.kvcache import INTERNAL_SQL
+    from phasescope.analyzers.sql import one
+
+    if metric == "itl_p99_ms":
+        value = itl_attribution(con, run_id)["itl_p99_ms"]
+    elif metric == "kv_internal_fragmentation":
+        value = one(con, INTERNAL_SQL, run_id)["internal_fragmentation_mean"]
+    else:
+        raise ValueError(f"no measurement for metric {metric!r}")
+    if value is None:
+        raise CliError(f"run {run_id} has no {metric} to measure (no samples)")
+    return float(value)
+
+
+def run_arms(db: str, cfg: Any, change: dict[str, Any], metric: str, *, verify_of: str, verify_id: str,
+             max_pairs: int = 5, min_pairs: int = 2, width: float = 0.1,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Serve `cfg`'s workload as baseline and with `change`, interleaved, into `db`: (values, run ids) per arm.
+    Stops when the effect's 95% interval is narrower than `width` x |mean(baseline)| (>= `min_pairs` pairs) or
+    at `max_pairs`."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.analyzers.predictions import welch_interval
+
+    from .demo import build_model, make_workload, record_workload
+
+    unknown = set(change) - {f.name for f in dataclasses.fields(cfg)}
+    if unknown:
+        raise CliError(f"the change {change} names knobs HF continuous batching does not have: {sorted(unknown)}")
+    arms = {"baseline": cfg, "changed": dataclasses.replace(cfg, **change)}
+    model, device = build_model(cfg)  # same seed, same weights: the change is the cache's, not the model's
+    values: dict[str, list[float]] = {a: [] for a in arms}
+    runs: dict[str, list[str]] = {a: [] for a in arms}
+    for rep in range(max_pairs):
+        for arm, c in arms.items():
+            labels = {"verify_id": verify_id, "verify_of": verify_of, "verify_arm": arm, "verify_rep": rep}
+            run = record_workload(db, c, make_workload(c), model, device, labels=labels)
+            con = Store.open_readonly(db)
+            try:
+                values[arm].append(measure(con, run, metric))
+            finally:
+                con.close()
+            runs[arm].append(run)
+            if progress:
+                progress(f"pair {rep + 1}: {arm} {metric} = {values[arm][-1]:.4g}")
+        if rep + 1 >= min_pairs:
+            _, lo, hi = welch_interval(values["baseline"], values["changed"])
+            mean = sum(values["baseline"]) / len(values["baseline"])
+            if hi - lo <= width * abs(mean):
+                break
+    return {"values": values, "runs": runs}
+
+
+def store_verification(db: str, run_id: str, verify_id: str, result: dict[str, Any]) -> None:
+    """Keep the verification beside the run, in `verifications` (one row per run, finding and re-run)."""
+    import duckdb
+
+    from phasescope.agent.records.schema import VERIFICATIONS_DDL
+
+    con = duckdb.connect(db)
+    try:
+        con.execute(VERIFICATIONS_DDL)
+        con.execute("INSERT OR REPLACE INTO verifications VALUES (?, ?, ?, ?, ?, ?)",
+                    [run_id, result["prediction"]["finding_id"], verify_id, time.time_ns(), result["verdict"],
+                     json.dumps(result, default=str)])
+    finally:
+        con.close()
+
+
+def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *, max_pairs: int = 5,
+           min_pairs: int = 2, width: float = 0.1, tolerance: float = 0.2,
+           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Verify one finding of a run (default: the latest run, its first finding that predicts a number)."""
+    from phasescope.agent.read.queries import latest_run
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.analyzers.diagnose import diagnose
+    from phasescope.analyzers.predictions import predict, verdict, why_not_predicted
+    from phasescope.analyzers.runinfo import read_run_info
+
+    con = Store.open_readonly(db)
+    try:
+        run_id = run_id or latest_run(con)
+        if run_id is None:
+            raise CliError(f"{db} holds no run")
+        labels = read_run_info(con, run_id)
+        findings = diagnose(con, run_id)
+    finally:
+        con.close()
+    cfg = config_from_labels(labels)
+    chosen = [f for f in findings if finding_id in (None, f.id)]
+    if finding_id and not chosen:
+        raise CliError(f"run {run_id} has no finding {finding_id!r} (its findings: "
+                       f"{', '.join(f.id for f in findings) or 'none'})")
+    preds = [(f, predict(f, labels)) for f in chosen]
+    usable = [(f, p) for f, p in preds if p is not None]
+    if not usable:
+        reasons = "; ".join(f"{f.id}: {why_not_predicted(f.id)}" for f in chosen) or "the run has no finding"
+        raise CliError(f"nothing to verify in run {run_id}: no finding predicts a number ({reasons})")
+    finding, prediction = usable[0]
+    verify_id = uuid.uuid4().hex[:12]
+    arms = run_arms(db, cfg, prediction.change, prediction.metric, verify_of=run_id, verify_id=verify_id,
+                    max_pairs=max_pairs, min_pairs=min_pairs, width=width, progress=progress)
+    v = verdict(prediction, arms["values"]["baseline"], arms["values"]["changed"], tolerance, arms["runs"])
+    result = {**v.to_dict(), "verify_id": verify_id, "suggestion": finding.suggestion,
+              "settings": {"max_pairs": max_pairs, "min_pairs": min_pairs, "width": width, "tolerance": tolerance}}
+    store_verification(db, run_id, verify_id, result)
+    return result
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    if args.max_pairs < args.min_pairs or args.min_pairs < 2:
+        raise UsageError("--min-pairs must be >= 2 and <= --max-pairs")
+    console = Console(stderr=True, quiet=args.json)
+    result = verify(args.db, args.run, args.finding, max_pairs=args.max_pairs, min_pairs=args.min_pairs,
+                    width=args.width, tolerance=args.tolerance, progress=console.print)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(describe(result))
+    return 0
+
+
+def describe(r: dict[str, Any]) -> str:
+    """The verdict in three lines: prediction, measurement, verdict."""
+    p = r["prediction"]
+    change = " ".join(f"{k}={v}" for k, v in p["change"].items())
+    err = "n/a" if r["error"] is None else f"{r['error']:.0%}"
+    return (f"{p['finding_id']}: {change} predicted {p['metric']} {p['current']:.4g} -> {p['predicted']:.4g} "
+            f"(effect {p['predicted'] - p['current']:+.4g}; on these re-runs' baseline {r['expected']:+.4g})\n"
+            f"measured over {len(r['baseline'])} + {len(r['changed'])} interleaved runs: effect {r['effect']:+.4g} "
+            f"(95% interval {r['effect_low']:+.4g} .. {r['effect_high']:+.4g}); prediction error {err}\n"
+            f"verdict: {r['verdict']}")
+
+
+def add_commands(sub: Any) -> None:
+    v = add_command(sub, cmd_verify, "verify",
+                    help="apply one finding's suggestion, re-run the same workload, and keep or revert it",
+                    description="Re-run a recorded HF continuous-batching demo run's workload with and without one "
+                                "finding's suggested change, interleaved, and compare the measured effect with the "
+                                "finding's prediction (keep, keep-but-mispredicted, revert).")
+    v.add_argument("--db", default="phasescope.duckdb", help="DuckDB file no agent holds (default: %(default)s)")
+    v.add_argument("--run", help="run id (default: the latest)")
+    v.add_argument("--finding", help="finding id (default: the first that predicts a number)")
+    v.add_argument("--max-pairs", type=int, default=5, help="most baseline+changed pairs (default: %(default)s)")
+    v.add_argument("--min-pairs", type=int, default=2, help="fewest pairs, >= 2 (default: %(default)s)")
+    v.add_argument("--width", type=float, default=0.1,
+                   help="stop when the effect's 95%% interval is narrower than this x the baseline (default: %(default)s)")
+    v.add_argument("--tolerance", type=float, default=0.2,
+                   help="largest relative prediction error still called 'keep' (default: %(default)s)")
+    v.add_argument("--json", action="store_true", help="print the verification as JSON")
