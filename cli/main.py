@@ -462,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .deploy import add_commands as add_deploy_commands  # run, health, retention
 
     add_deploy_commands(sub)
+    from .sweep import add_commands as add_sweep_commands  # sweep
+
+    add_sweep_commands(sub)
     return p
 
 
