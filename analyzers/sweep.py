@@ -163,7 +163,7 @@ def _kv(con, run_id: str, labels: dict, runtime: str) -> Constraint:
 
 
 def _ceiling(con, run_id: str, labels: dict, runtime: str, min_at_cap_share: float,
-             min_queue_p50_s: float) -> Constraint:
+             min_queue_share: float) -> Constraint:
     key = "max_num_seqs" if runtime == "vllm" else "max_requests_per_batch"
     try:
         cap = int(float(labels.get(key) or 0))
@@ -177,7 +177,7 @@ def _ceiling(con, run_id: str, labels: dict, runtime: str, min_at_cap_share: flo
             "running_mean": c["running_mean"], "steps": c["steps"], "queue_p50_s": q["queue_p50_s"],
             "queue_share_of_ttft": q["queue_share_of_ttft"]}
     binds = (c["max_running"] == cap and (c["at_cap_share"] or 0) >= min_at_cap_share
-             and (q["queue_p50_s"] or 0) >= min_queue_p50_s)
+             and (q["queue_share_of_ttft"] or 0) >= min_queue_share)
     if runtime == "vllm":
         lim = vllm_limits(labels)
         change = f"--max-num-seqs {2 * cap} (now {cap})"
@@ -197,15 +197,15 @@ def _from_finding(name: str, findings: list, keys: Sequence[str]) -> Constraint:
 
 
 def constraints_at(con: Any, run_id: str, labels: dict | None = None, *, min_at_cap_share: float = 0.5,
-                   min_queue_p50_s: float = 0.05) -> list[Constraint]:
+                   min_queue_share: float = 0.5) -> list[Constraint]:
     """Every candidate constraint of one run, in `PRECEDENCE` order (the first that binds is the binding one).
-    `min_at_cap_share`: share of steps running at the batch cap to call it a ceiling; `min_queue_p50_s`: median
-    queue time (s) that shows requests waited for it."""
+    `min_at_cap_share`: share of steps running at the batch cap to call it a ceiling; `min_queue_share`: share of
+    the summed TTFT spent queued that shows requests waited for it (a ratio: the same on a fast or a slow host)."""
     labels = dict(labels or {})
     runtime = runtime_of(labels)
     out = {
         "kv-capacity": _kv(con, run_id, labels, runtime),
-        "batch-ceiling": _ceiling(con, run_id, labels, runtime, min_at_cap_share, min_queue_p50_s),
+        "batch-ceiling": _ceiling(con, run_id, labels, runtime, min_at_cap_share, min_queue_share),
         "prefill-interference": _from_finding("prefill-interference", prefill_stalls_decode(con, run_id, labels=labels),
                                               ("stall_ratio", "cosched_steps", "decode_steps", "cosched_p50_ms",
                                                "pure_decode_p50_ms", "suggested_chunk_tokens")),

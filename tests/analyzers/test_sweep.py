@@ -19,7 +19,7 @@ import pytest
 
 from phasescope.analyzers.sweep import PRECEDENCE, Slo, evidence_point, find_knee, point_metrics
 
-RATES = [4.0, 8.0, 16.0, 32.0, 64.0]
+RATES = [4.0, 8.0, 16.0, 64.0, 256.0]  # the top one is near a burst: concurrency on a fast host too
 LOOSE = Slo(ttft_s=1000.0, tpot_s=1000.0)
 
 
@@ -139,12 +139,15 @@ def test_max_two_requests_per_step_is_named_the_batch_ceiling_with_figures_from_
                                           "WHERE s.run_id = ?", [run]).fetchall()]
         queues = [r[0] for r in con.execute("SELECT queue_s FROM requests WHERE run_id = ? AND ttft_s IS NOT NULL",
                                             [run]).fetchall()]
+        ttfts = [r[0] for r in con.execute("SELECT ttft_s FROM requests WHERE run_id = ? AND ttft_s IS NOT NULL",
+                                           [run]).fetchall()]
     finally:
         con.close()
     f = b["figures"]
     assert f["cap"] == 2 and f["max_running"] == max(seqs) == 2
     assert f["at_cap_share"] == pytest.approx(sum(n >= 2 for n in seqs) / len(seqs))
     assert f["queue_p50_s"] == pytest.approx(statistics.median(queues))
+    assert f["queue_share_of_ttft"] == pytest.approx(sum(queues) / sum(ttfts)) and f["queue_share_of_ttft"] >= 0.5
     assert "ContinuousBatchingConfig(max_requests_per_batch=4) (now 2)" in b["change"]
     kv = next(c for c in res["constraints"] if c["name"] == "kv-capacity")
     assert not kv["binds"]  # 128 pages: the pool never filled
@@ -174,5 +177,5 @@ def test_outputs_json_csv_and_summary(sweeps, tmp_path):
     console = Console(record=True, width=120)
     print_summary(res, paths, console)
     text = console.export_text()
-    assert "binding constraint: batch-ceiling" in text and "knee: 64 req/s" in text
+    assert "binding constraint: batch-ceiling" in text and "knee: 256 req/s" in text
     assert len(text.splitlines()) <= 30  # one screen
