@@ -99,12 +99,10 @@ def point_metrics(con: Any, run_id: str, slo: Slo) -> dict[str, Any]:
     for k in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s", "tpot_p95_s", "tpot_p99_s",
               "e2e_p50_s", "e2e_p99_s", "queue_p50_s", "preemptions"):
         out[k] = r.get(k)
-    try:
-        itl = attribution(con, run_id)
-        out["itl_p50_s"] = itl["itl_p50_ms"] / 1e3 if itl.get("itl_p50_ms") is not None else None
-        out["itl_p99_s"] = itl["itl_p99_ms"] / 1e3 if itl.get("itl_p99_ms") is not None else None
-    except Exception:  # a run without token events has no ITL: no figure, not an error
-        out["itl_p50_s"] = out["itl_p99_s"] = None
+    itl = attribution(con, run_id)  # a run without token gaps gives None: no figure
+    for q in ("p50", "p99"):
+        v = itl.get(f"itl_{q}_ms")
+        out[f"itl_{q}_s"] = None if v is None else v / 1e3
     return out
 
 
@@ -143,7 +141,8 @@ def _kv(con, run_id: str, labels: dict, runtime: str) -> Constraint:
         return Constraint("kv-capacity", False)
     e = f[0].evidence
     figs = _pick(e, ("block_usage_max", "near_cap_share", "total_pages", "page_size", "preemptions",
-                     "preempted_requests", "recomputed_tokens", "seq_tokens_p95", "max_seqs"))
+                     "preempted_requests", "preempted_request_share", "recomputed_tokens", "seq_tokens_p95",
+                     "max_seqs"))
     if p:
         figs["recomputed_share_of_prefill"] = p[0].evidence["recomputed_share_of_prefill"]
     peak = one(con, "SELECT max(n) AS peak FROM (SELECT sum(d) OVER (ORDER BY ts, d DESC ROWS UNBOUNDED PRECEDING)"

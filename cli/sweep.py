@@ -22,6 +22,12 @@ from .errors import UsageError
 from .options import add_command
 
 
+# `--tiny`: a 2-layer model with short prompts and outputs (the tests' sweeps): seconds per point on a CPU
+TINY: dict[str, Any] = dict(layers=2, hidden_size=128, heads=4, kv_heads=2, vocab_size=1024, system_prompt_tokens=16,
+                            short_prompt=(8, 32), long_prompt_share=0.0, short_output=(3, 6), long_output_share=0.0,
+                            page_size=16, max_batch_tokens=128)
+
+
 def run_sweep(db: str, base: DemoConfig, rates: Sequence[float], slo: Any, target: float = 0.9,
               console: Any = None, sweep_id: str | None = None, model: Any = None,
               device: Any = None) -> dict[str, Any]:
@@ -96,7 +102,8 @@ def plot_png(result: dict[str, Any], path: str) -> str | None:
     ax2.plot(x, [(p["ttft_p99_s"] or float("nan")) * 1e3 for p in pts], "o-", label="p99 TTFT (ms)")
     ax2.plot(x, [(p["tpot_p99_s"] or float("nan")) * 1e3 for p in pts], "s-", label="p99 TPOT (ms)")
     ax2.set_ylabel("ms")
-    ax2.set_xlabel("offered load (requests/s)")
+    ax2.set_xlabel("offered load (requests/s, log scale)")
+    ax2.set_xscale("log", base=2)
     if result["knee_rate_per_s"] is not None:
         b = result["binding"]
         for ax in (ax1, ax2):
@@ -178,7 +185,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--{str(exc).split()[1].replace('_s', '').replace('_', '-')}-slo: {exc}") from None
     base = DemoConfig(requests=args.requests, seed=args.seed, device=args.device, num_pages=args.num_blocks,
-                      max_requests_per_batch=args.max_requests_per_batch)
+                      max_requests_per_batch=args.max_requests_per_batch, **(TINY if args.tiny else {}))
     console = Console(stderr=True)
     result = run_sweep(args.db, base, args.rates, slo, args.target, console=console)
     paths = write_outputs(result, args.out)
@@ -204,6 +211,9 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--num-blocks", type=int, default=96, help="KV pages of the pool (default: %(default)s)")
     s.add_argument("--max-requests-per-batch", type=int, default=0,
                    help="continuous batching's cap on requests per step (default: transformers' own)")
+    s.add_argument("--tiny", action="store_true",
+                   help="a 2-layer model, 16 tokens per KV page, short prompts and 3-6 output tokens (seconds per "
+                        "point on a CPU; default: the demo's model and workload)")
     s.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--out", default=".", help="folder for the JSON, CSV and PNG (default: %(default)s)")

@@ -49,11 +49,9 @@ def sweeps(tmp_path_factory):
     """{'kv': result, 'batch': result}: two 5-rate sweeps into one DuckDB file (one model for both)."""
     pytest.importorskip("transformers")
     from phasescope.cli.demo import DemoConfig, build_model
-    from phasescope.cli.sweep import run_sweep
+    from phasescope.cli.sweep import TINY, run_sweep
 
-    base = DemoConfig(requests=6, layers=2, hidden_size=128, heads=4, kv_heads=2, vocab_size=1024,
-                      system_prompt_tokens=16, short_prompt=(8, 32), long_prompt_share=0.0, short_output=(3, 6),
-                      long_output_share=0.0, page_size=16, max_batch_tokens=128, device="cpu")
+    base = DemoConfig(requests=6, device="cpu", **TINY)  # `phasescope sweep --tiny`
     model, device = build_model(base)
     db = str(tmp_path_factory.mktemp("sweep") / "sweep.duckdb")
     import dataclasses
