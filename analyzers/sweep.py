@@ -42,6 +42,12 @@ GOOD_SQL = """SELECT count(*) AS requests, count(*) FILTER (WHERE status = 'fini
            count(*) / nullif((max(arrival_ns) - min(arrival_ns)) / 1e9, 0) AS achieved_rate_per_s
     FROM requests WHERE run_id = $run"""
 
+# the requests that missed an SLO at a point, and how many of them were preempted / mostly queued
+MISSED_SQL = """SELECT count(*) AS missed, count(*) FILTER (WHERE preemptions > 0) AS missed_preempted,
+           count(*) FILTER (WHERE queue_s >= 0.5 * ttft_s) AS missed_mostly_queued
+    FROM requests WHERE run_id = $run AND NOT coalesce(status = 'finished' AND ttft_s <= $ttft
+                                                      AND coalesce(tpot_s, 0) <= $tpot AND e2e_s <= $e2e, false)"""
+
 CEILING_SQL = f"""WITH st AS ({RUN_STEPS})
     SELECT count(*) AS steps, max(num_seqs) AS max_running,
            count(*) FILTER (WHERE num_seqs >= $cap) / nullif(count(*), 0) AS at_cap_share,
@@ -134,7 +140,17 @@ def _pick(d: dict, keys: Sequence[str]) -> dict:
     return {k: d.get(k) for k in keys}
 
 
-def _kv(con, run_id: str, labels: dict, runtime: str) -> Constraint:
+def _explains(figs: dict, missed: dict | None, key: str, min_share: float) -> bool:
+    """Adds `missed` and `key` to `figs`; False when requests missed an SLO and fewer than `min_share` of them
+    carry the constraint's mark (it cannot be why the point missed); True otherwise."""
+    if missed is None:
+        return True
+    figs["missed"], figs[key] = missed["missed"], missed[key]
+    return not missed["missed"] or missed[key] / missed["missed"] >= min_share
+
+
+def _kv(con, run_id: str, labels: dict, runtime: str, missed: dict | None = None,
+        min_explained_share: float = 0.5) -> Constraint:
     f = kv_near_cap(con, run_id, labels=labels)
     p = preemption_recompute(con, run_id)
     if not f:
@@ -158,11 +174,12 @@ def _kv(con, run_id: str, labels: dict, runtime: str) -> Constraint:
                   f"{max(1, (e['total_pages'] or 0) // per_seq)} so admitted requests keep their pages")
     else:
         change = f[0].suggestion
-    return Constraint("kv-capacity", True, figs, change, "kv-near-cap")
+    binds = _explains(figs, missed, "missed_preempted", min_explained_share)
+    return Constraint("kv-capacity", binds, figs, change, "kv-near-cap")
 
 
 def _ceiling(con, run_id: str, labels: dict, runtime: str, min_at_cap_share: float,
-             min_queue_share: float) -> Constraint:
+             min_queue_share: float, missed: dict | None = None, min_explained_share: float = 0.5) -> Constraint:
     key = "max_num_seqs" if runtime == "vllm" else "max_requests_per_batch"
     try:
         cap = int(float(labels.get(key) or 0))
@@ -177,6 +194,7 @@ def _ceiling(con, run_id: str, labels: dict, runtime: str, min_at_cap_share: flo
             "queue_share_of_ttft": q["queue_share_of_ttft"]}
     binds = (c["max_running"] == cap and (c["at_cap_share"] or 0) >= min_at_cap_share
              and (q["queue_share_of_ttft"] or 0) >= min_queue_share)
+    binds = _explains(figs, missed, "missed_mostly_queued", min_explained_share) and binds
     if runtime == "vllm":
         lim = vllm_limits(labels)
         change = f"--max-num-seqs {2 * cap} (now {cap})"
@@ -195,16 +213,22 @@ def _from_finding(name: str, findings: list, keys: Sequence[str]) -> Constraint:
     return Constraint(name, True, _pick(f.evidence, keys), f.suggestion, f.id)
 
 
-def constraints_at(con: Any, run_id: str, labels: dict | None = None, *, min_at_cap_share: float = 0.5,
-                   min_queue_share: float = 0.5) -> list[Constraint]:
+def constraints_at(con: Any, run_id: str, labels: dict | None = None, slo: Slo | None = None, *,
+                   min_at_cap_share: float = 0.5, min_queue_share: float = 0.5,
+                   min_explained_share: float = 0.5) -> list[Constraint]:
     """Every candidate constraint of one run, in `PRECEDENCE` order (the first that binds is the binding one).
     `min_at_cap_share`: share of steps running at the batch cap to call it a ceiling; `min_queue_share`: share of
-    the summed TTFT spent queued that shows requests waited for it (a ratio: the same on a fast or a slow host)."""
+    the summed TTFT spent queued that shows requests waited for it (a ratio: the same on a fast or a slow host).
+    With `slo`, KV capacity binds only when >= `min_explained_share` of the requests that missed it were preempted,
+    the batch ceiling only when as many spent >= half their TTFT queued (no misses: no such condition)."""
     labels = dict(labels or {})
     runtime = runtime_of(labels)
+    missed = None if slo is None else one(con, MISSED_SQL, run_id, ttft=_big(slo.ttft_s), tpot=_big(slo.tpot_s),
+                                          e2e=_big(slo.e2e_s))
     out = {
-        "kv-capacity": _kv(con, run_id, labels, runtime),
-        "batch-ceiling": _ceiling(con, run_id, labels, runtime, min_at_cap_share, min_queue_share),
+        "kv-capacity": _kv(con, run_id, labels, runtime, missed, min_explained_share),
+        "batch-ceiling": _ceiling(con, run_id, labels, runtime, min_at_cap_share, min_queue_share, missed,
+                                  min_explained_share),
         "prefill-interference": _from_finding("prefill-interference", prefill_stalls_decode(con, run_id, labels=labels),
                                               ("stall_ratio", "cosched_steps", "decode_steps", "cosched_p50_ms",
                                                "pure_decode_p50_ms", "suggested_chunk_tokens")),

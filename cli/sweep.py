@@ -56,7 +56,7 @@ def run_sweep(db: str, base: DemoConfig, rates: Sequence[float], slo: Any, targe
             points.append({"point": i, "rate_per_s": rate, "run_id": run_id, **an.point_metrics(con, run_id, slo)})
         knee = an.find_knee(points, target)
         at = an.evidence_point(points, target)
-        cons = an.constraints_at(con, points[at]["run_id"], read_run_info(con, points[at]["run_id"])) \
+        cons = an.constraints_at(con, points[at]["run_id"], read_run_info(con, points[at]["run_id"]), slo) \
             if at is not None else []
     finally:
         con.close()

@@ -17,7 +17,8 @@ import statistics
 import duckdb
 import pytest
 
-from phasescope.analyzers.sweep import PRECEDENCE, Slo, evidence_point, find_knee, point_metrics
+from phasescope.analyzers.runinfo import read_run_info
+from phasescope.analyzers.sweep import PRECEDENCE, Slo, constraints_at, evidence_point, find_knee, point_metrics
 
 RATES = [4.0, 8.0, 16.0, 64.0, 256.0]  # the top one is near a burst: concurrency on a fast host too
 LOOSE = Slo(ttft_s=1000.0, tpot_s=1000.0)
@@ -177,3 +178,24 @@ def test_outputs_json_csv_and_summary(sweeps, tmp_path):
     text = console.export_text()
     assert "binding constraint: batch-ceiling" in text and "knee: 256 req/s" in text
     assert len(text.splitlines()) <= 30  # one screen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,name,mark", [("kv", "kv-capacity", "missed_preempted"),
+                                            ("batch", "batch-ceiling", "missed_mostly_queued")])
+def test_with_misses_a_constraint_binds_only_when_it_marks_half_the_missed_requests(sweeps, case, name, mark):
+    db, out = sweeps
+    res = out[case]
+    run = res["points"][res["evidence_point"]]["run_id"]
+    con = _con(db)
+    try:
+        rows = con.execute("SELECT ttft_s, coalesce(preemptions, 0), queue_s FROM requests WHERE run_id = ?",
+                           [run]).fetchall()
+        slo = Slo(ttft_s=statistics.median(r[0] for r in rows), tpot_s=1000.0)  # about half the requests miss
+        c = next(x for x in constraints_at(con, run, read_run_info(con, run), slo) if x.name == name)
+    finally:
+        con.close()
+    missed = [r for r in rows if not r[0] <= slo.ttft_s]
+    marked = sum(r[1] > 0 for r in missed) if mark == "missed_preempted" else sum(r[2] >= 0.5 * r[0] for r in missed)
+    assert c.figures["missed"] == len(missed) >= 1 and c.figures[mark] == marked
+    assert c.binds == (marked / len(missed) >= 0.5)
