@@ -141,8 +141,8 @@ def print_summary(result: dict[str, Any], paths: dict[str, str | None], console:
     console.print(t)
     knee = result["knee_rate_per_s"]
     at = result["points"][result["evidence_point"]] if result["evidence_point"] is not None else None
-    console.print(f"[bold]knee[/]: {'none: the lowest rate misses the target' if knee is None else f'{knee:g} req/s'}"
-                  + (f" (* above); constraint read at point {at['point']} ({at['rate_per_s']:g} req/s, attainment "
+    console.print(f"[bold]knee[/]: {'none: the lowest rate misses the target' if knee is None else f'{knee:g} req/s (*)'}"
+                  + (f"; constraint read at point {at['point']} ({at['rate_per_s']:g} req/s, attainment "
                      f"{at['attainment']:.0%})" if at and at["attainment"] is not None else ""))
     b = result["binding"]
     if b is None:
