@@ -55,6 +55,7 @@ class DemoConfig:
     page_size: int = 32  # tokens per KV page (continuous batching)
     num_pages: int = 96  # KV pages: 3072 tokens, tight enough to show pressure (and preemption)
     max_batch_tokens: int = 256  # token budget per step: longer prompts are prefilled in chunks
+    max_requests_per_batch: int = 0  # continuous batching's cap on requests per step (0: transformers' default)
     vocab_size: int = 4096
     hidden_size: int = 256
     layers: int = 4
@@ -160,7 +161,8 @@ def serve_cb(model: Any, adapter: Any, workload: list[DemoRequest], cfg: DemoCon
     from phasescope.agent.probe.adapters.hf_cb import cb_config
 
     gen = GenerationConfig(max_new_tokens=max(r.output_tokens for r in workload), do_sample=False, eos_token_id=-1)
-    cb = cb_config(cfg.page_size, cfg.num_pages, cfg.max_batch_tokens)
+    cap = {"max_requests_per_batch": cfg.max_requests_per_batch} if cfg.max_requests_per_batch > 0 else {}
+    cb = cb_config(cfg.page_size, cfg.num_pages, cfg.max_batch_tokens, **cap)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     results: dict[str, list[int]] = {}
 
@@ -209,11 +211,12 @@ def demo_labels(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], model: Any = None,
-                    device: Any = None, console: Any = None, labels: dict[str, Any] | None = None) -> str:
+                    device: Any = None, console: Any = None, labels: dict[str, Any] | None = None,
+                    title: str | None = None) -> str:
     """Serve `workload` with the probe attached and an in-process sidecar writing `db_path`.
 
     Returns the run id. `labels` are added to (and override) `demo_labels(cfg)`; a rich
-    `console` gets a progress bar.
+    `console` gets a progress bar (headed `title`, default "serving (RUNTIME)").
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -246,7 +249,7 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
             timer = threading.Timer(cfg.adapter_silent_after_s, silence)
             timer.daemon = True
             timer.start()
-        with Progress(TextColumn(f"[bold]serving ({runtime})"), BarColumn(), MofNCompleteColumn(),
+        with Progress(TextColumn(f"[bold]{title or f'serving ({runtime})'}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console, transient=False,
                       disable=console is None) as bar:
             task = bar.add_task("serve", total=len(workload))

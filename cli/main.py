@@ -465,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .verify import add_commands as add_verify_commands  # verify
 
     add_verify_commands(sub)
+    from .sweep import add_commands as add_sweep_commands  # sweep
+
+    add_sweep_commands(sub)
     return p
 
 

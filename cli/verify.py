@@ -25,6 +25,8 @@ from .options import add_command
 
 # knobs of DemoConfig that are not the workload's or the engine's (the device is this machine's)
 _NOT_REPLAYED = ("extra", "device", "adapter_silent_after_s")
+# knobs added after runs were recorded without them: absent, their default is what those runs ran with
+_ADDED_LATER = ("max_requests_per_batch",)
 
 
 def config_from_labels(labels: dict[str, str]) -> Any:
@@ -43,7 +45,8 @@ def config_from_labels(labels: dict[str, str]) -> Any:
         if f.name in _NOT_REPLAYED:
             continue
         if f.name not in labels:
-            missing.append(f.name)
+            if f.name not in _ADDED_LATER:
+                missing.append(f.name)
             continue
         values[f.name] = _parse(labels[f.name], f.default)
     if missing:

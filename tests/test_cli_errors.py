@@ -169,6 +169,11 @@ BAD = [
     (["demo", "--requests", "-5", "--db", "{d}/demo.duckdb"], 2, "--requests"),
     (["demo", "--db", "{d}/foreign.duckdb", "--requests", "2", "--device", "cpu"], 1, "no phasescope meta table"),
     (["demo", "--runtime", "vllm"], 2, "invalid choice"),
+    (["sweep", "--rates", "0,4"], 2, "rates must be > 0"),
+    (["sweep", "--rates", "fast"], 2, "comma-separated requests/s"),
+    (["sweep", "--requests", "0"], 2, "--requests must be > 0"),
+    (["sweep", "--target", "1.5"], 2, "--target must be in (0, 1]"),
+    (["sweep", "--ttft-slo", "-1"], 2, "--ttft-slo"),
 ]
 if not _cuda():
     BAD.append((["demo", "--device", "cuda", "--db", "{d}/demo.duckdb"], 1, "CUDA is not available"))

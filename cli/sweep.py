@@ -1,0 +1,219 @@
+"""`phasescope sweep`: HF continuous batching in-process over a rate sweep, to the SLO knee and why (issue 28).
+
+Each rate is one recorded run of the demo's random-weight Llama (cli/demo.py: `record_workload`) in one
+DuckDB file, labelled `sweep_id`, `sweep_point` and `sweep_rate_per_s`; the figures and the binding
+constraint come from analyzers/sweep.py over that file. Outputs: JSON and CSV of the points, a PNG plot
+when matplotlib is installed (it is not a phasescope dependency: without it the plot is skipped and the
+summary says so), and a one-screen rich summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import uuid
+from typing import Any, Sequence
+
+from .demo import DemoConfig, build_model, make_workload, record_workload
+from .errors import UsageError
+from .options import add_command
+
+
+# `--tiny`: a 2-layer model with short prompts and outputs (the tests' sweeps): seconds per point on a CPU
+TINY: dict[str, Any] = dict(layers=2, hidden_size=128, heads=4, kv_heads=2, vocab_size=1024, system_prompt_tokens=16,
+                            short_prompt=(8, 32), long_prompt_share=0.0, short_output=(3, 6), long_output_share=0.0,
+                            page_size=16, max_batch_tokens=128)
+
+
+def run_sweep(db: str, base: DemoConfig, rates: Sequence[float], slo: Any, target: float = 0.9,
+              console: Any = None, sweep_id: str | None = None, model: Any = None,
+              device: Any = None) -> dict[str, Any]:
+    """Record one run per rate (requests/s) into `db`, then measure every point and the constraint at the knee.
+    Returns the sweep's result (what the JSON output holds). `model`/`device`: a model `build_model(base)` made."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.analyzers import sweep as an
+    from phasescope.analyzers.runinfo import read_run_info
+
+    rates = sorted(float(r) for r in rates)
+    if len(rates) < 1 or any(r <= 0 for r in rates):
+        raise ValueError(f"rates must be > 0 requests/s, got {rates}")
+    sweep_id = sweep_id or uuid.uuid4().hex[:12]
+    if model is None:
+        model, device = build_model(base)
+    runs = []
+    for i, rate in enumerate(rates):
+        cfg = dataclasses.replace(base, arrival_rate_per_s=rate)
+        labels = {"sweep_id": sweep_id, "sweep_point": i, "sweep_rate_per_s": rate}
+        runs.append(record_workload(db, cfg, make_workload(cfg), model, device, console=console, labels=labels,
+                                    title=f"point {i + 1}/{len(rates)} at {rate:g} req/s"))
+    con = Store.open_readonly(db)
+    try:
+        points = []
+        for i, (rate, run_id) in enumerate(zip(rates, runs)):
+            points.append({"point": i, "rate_per_s": rate, "run_id": run_id, **an.point_metrics(con, run_id, slo)})
+        knee = an.find_knee(points, target)
+        at = an.evidence_point(points, target)
+        cons = an.constraints_at(con, points[at]["run_id"], read_run_info(con, points[at]["run_id"]), slo) \
+            if at is not None else []
+    finally:
+        con.close()
+    bind = an.binding(cons)
+    return {"sweep_id": sweep_id, "db": db, "runtime": "hf-cb", "slo": dataclasses.asdict(slo), "target": target,
+            "points": points, "knee_point": knee, "knee_rate_per_s": None if knee is None else points[knee]["rate_per_s"],
+            "evidence_point": at, "binding": None if bind is None else dataclasses.asdict(bind),
+            "constraints": [dataclasses.asdict(c) for c in cons]}
+
+
+def write_outputs(result: dict[str, Any], out_dir: str) -> dict[str, str | None]:
+    """JSON and CSV of the points (and the PNG plot when matplotlib is importable) in `out_dir`; their paths."""
+    from phasescope.analyzers.findings import _clean
+    from phasescope.analyzers.sweep import POINT_KEYS
+
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"sweep-{result['sweep_id']}")
+    with open(base + ".json", "w") as f:
+        json.dump(_clean(result), f, indent=2, default=str)
+    with open(base + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(POINT_KEYS), extrasaction="ignore")
+        w.writeheader()
+        for p in result["points"]:
+            w.writerow(p)
+    return {"json": base + ".json", "csv": base + ".csv", "png": plot_png(result, base + ".png")}
+
+
+def plot_png(result: dict[str, Any], path: str) -> str | None:
+    """Goodput and p99 TTFT / TPOT against offered load, the knee marked; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    pts = result["points"]
+    x = [p["rate_per_s"] for p in pts]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(x, [p["goodput_req_per_s"] for p in pts], "o-", label="goodput (req/s)")
+    ax1.plot(x, x, ":", color="grey", label="offered")
+    ax1.set_ylabel("requests/s")
+    ax2.plot(x, [(p["ttft_p99_s"] or float("nan")) * 1e3 for p in pts], "o-", label="p99 TTFT (ms)")
+    ax2.plot(x, [(p["tpot_p99_s"] or float("nan")) * 1e3 for p in pts], "s-", label="p99 TPOT (ms)")
+    ax2.set_ylabel("ms")
+    ax2.set_xlabel("offered load (requests/s, log scale)")
+    ax2.set_xscale("log", base=2)
+    if result["knee_rate_per_s"] is not None:
+        b = result["binding"]
+        for ax in (ax1, ax2):
+            ax.axvline(result["knee_rate_per_s"], color="red", linestyle="--")
+        ax1.annotate(f"knee {result['knee_rate_per_s']:g} req/s" + (f": {b['name']}" if b else ""),
+                     (result["knee_rate_per_s"], ax1.get_ylim()[1] * 0.9), color="red")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def print_summary(result: dict[str, Any], paths: dict[str, str | None], console: Any) -> None:
+    """One screen: a row per point, the knee, and the binding constraint with its figures and change."""
+    from rich.table import Table
+
+    t = Table(title=f"sweep {result['sweep_id']} (SLO {result['slo']}, target {result['target']:.0%})")
+    for c in ("#", "rate/s", "reqs", "goodput/s", "attain", "survive", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+              "ITL p99 ms", "preempt"):
+        t.add_column(c, justify="right")
+    for p in result["points"]:
+        mark = " *" if p["point"] == result["knee_point"] else ""
+        t.add_row(f"{p['point']}{mark}", f"{p['rate_per_s']:g}", str(p["requests"]),
+                  "-" if p["goodput_req_per_s"] is None else f"{p['goodput_req_per_s']:.2f}",
+                  "-" if p["attainment"] is None else f"{p['attainment']:.0%}",
+                  "-" if p["survival"] is None else f"{p['survival']:.0%}",
+                  f"{_ms(p['ttft_p50_s'])}/{_ms(p['ttft_p99_s'])}", f"{_ms(p['tpot_p50_s'])}/{_ms(p['tpot_p99_s'])}",
+                  _ms(p["itl_p99_s"]), str(p["preemptions"] or 0))
+    console.print(t)
+    knee = result["knee_rate_per_s"]
+    at = result["points"][result["evidence_point"]] if result["evidence_point"] is not None else None
+    console.print(f"[bold]knee[/]: {'none: the lowest rate misses the target' if knee is None else f'{knee:g} req/s (*)'}"
+                  + (f"; constraint read at point {at['point']} ({at['rate_per_s']:g} req/s, attainment "
+                     f"{at['attainment']:.0%})" if at and at["attainment"] is not None else ""))
+    b = result["binding"]
+    if b is None:
+        console.print("[bold]binding constraint[/]: none of the known constraints shows in the per-step evidence")
+    else:
+        figs = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in b["figures"].items())
+        console.print(f"[bold]binding constraint[/]: [red]{b['name']}[/] ({figs})")
+        console.print(f"[bold]change[/]: {b['change']}")
+        also = [c["name"] for c in result["constraints"] if c["binds"] and c["name"] != b["name"]]
+        if also:
+            console.print(f"also present: {', '.join(also)}")
+    console.print(f"wrote {paths['json']}, {paths['csv']}"
+                  + (f", {paths['png']}" if paths.get("png") else " (no PNG: matplotlib is not installed; "
+                     "`pip install matplotlib` for the plot)"))
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated requests/s, got {text!r}") from None
+    if not out or any(r <= 0 for r in out):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return out
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from phasescope.analyzers.sweep import Slo
+
+    if args.requests <= 0:
+        raise UsageError(f"--requests must be > 0, got {args.requests}")
+    if not 0 < args.target <= 1:
+        raise UsageError(f"--target must be in (0, 1], got {args.target}")
+    if args.num_blocks <= 0 or args.max_requests_per_batch < 0:
+        raise UsageError("--num-blocks must be > 0 and --max-requests-per-batch >= 0")
+    try:
+        slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, e2e_s=args.e2e_slo)
+    except ValueError as exc:
+        raise UsageError(f"--{str(exc).split()[1].replace('_s', '').replace('_', '-')}-slo: {exc}") from None
+    base = DemoConfig(requests=args.requests, seed=args.seed, device=args.device, num_pages=args.num_blocks,
+                      max_requests_per_batch=args.max_requests_per_batch, **(TINY if args.tiny else {}))
+    console = Console(stderr=True)
+    result = run_sweep(args.db, base, args.rates, slo, args.target, console=console)
+    paths = write_outputs(result, args.out)
+    print_summary(result, paths, Console())
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register `sweep` on an argparse subparsers object."""
+    s = add_command(sub, cmd_sweep, "sweep", help="sweep HF continuous batching over arrival rates to the SLO knee",
+                    description="Serve the demo's random-weight Llama with HF continuous batching at each arrival "
+                                "rate (one labelled run per rate in --db), then report TTFT/TPOT/ITL percentiles, "
+                                "goodput, SLO attainment and survival per rate, the knee, and the constraint that "
+                                "binds there with the change that would move it.")
+    s.add_argument("--db", default="phasescope-sweep.duckdb", help="DuckDB file (default: %(default)s)")
+    s.add_argument("--rates", type=_rates, default=[2.0, 4.0, 8.0, 16.0, 32.0],
+                   help="arrival rates, requests/s, comma-separated (default: 2,4,8,16,32)")
+    s.add_argument("--requests", type=int, default=24, help="requests per point (default: %(default)s)")
+    s.add_argument("--ttft-slo", type=float, default=2.5, help="TTFT SLO, s (default: %(default)s)")
+    s.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT SLO, s (default: %(default)s)")
+    s.add_argument("--e2e-slo", type=float, default=None, help="end-to-end SLO, s (default: none)")
+    s.add_argument("--target", type=float, default=0.9, help="SLO attainment the knee keeps (default: %(default)s)")
+    s.add_argument("--num-blocks", type=int, default=96, help="KV pages of the pool (default: %(default)s)")
+    s.add_argument("--max-requests-per-batch", type=int, default=0,
+                   help="continuous batching's cap on requests per step (default: transformers' own)")
+    s.add_argument("--tiny", action="store_true",
+                   help="a 2-layer model, 16 tokens per KV page, short prompts and 3-6 output tokens (seconds per "
+                        "point on a CPU; default: the demo's model and workload)")
+    s.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--out", default=".", help="folder for the JSON, CSV and PNG (default: %(default)s)")
