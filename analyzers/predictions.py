@@ -29,17 +29,17 @@ from .runinfo import runtime_of
 METRICS: dict[str, tuple[str, str]] = {
     "itl_p99_ms": ("p99 inter-token latency", "ms"),
     "kv_internal_fragmentation": ("mean slack inside used KV pages", "fraction"),
+    "preemptions": ("preemptions in the run", "count"),
 }
 
 # relative error of each prediction model, the half-width of its stated interval: measured by the verify suite
 # (docs/verify.md, `python benchmarks/verify_suite.py`); revised there when the suite says otherwise
-MODEL_ERROR: dict[str, float] = {"itl_p99_ms": 0.25, "kv_internal_fragmentation": 0.25}
+MODEL_ERROR: dict[str, float] = {"itl_p99_ms": 0.25, "kv_internal_fragmentation": 0.25, "preemptions": 0.0}
 
 NOT_PREDICTED: dict[str, str] = {
     "prefill-stalls-decode": "predicts the co-scheduled step time at the suggested chunk, a figure that has no steps "
                              "left to measure once prefills are chunked: verified through itl-spikes-prefill's p99 ITL",
     "ttft-queueing": "names where capacity is missing (budget, replicas, admission), not one change with a number",
-    "kv-near-cap": "lists several changes (fp8 KV, a sequence cap, GQA); none is predicted alone yet",
     "preemption-recompute": "states the cost of recompute, not the effect of one change",
     "kv-external-fragmentation": "the effect of compaction on allocation failures is not modelled",
     "kv-headroom-low": "a warning on headroom, not a change with a predicted number",
@@ -96,6 +96,12 @@ def predict(finding: Finding, labels: Mapping[str, str] | None = None) -> Predic
         now = float(e["internal_fragmentation_mean"])
         after = now + float(e["predicted_waste_suggested"]) - float(e["predicted_waste_current"])
         return _make(finding, "kv_internal_fragmentation", now, max(after, 0.0), change, runtime)
+    if finding.id == "kv-near-cap" and e.get("max_seqs_without_preemption") and e.get("preemptions"):
+        # the sequence cap of its suggestion: that many p95-long sequences fit the cache, so none is preempted
+        # (a longer one still may: the p95, not the longest, sizes the cap)
+        fit = int(e["max_seqs_without_preemption"])
+        change = {"--max-num-seqs": fit} if runtime == "vllm" else {"max_requests_per_batch": fit}
+        return _make(finding, "preemptions", float(e["preemptions"]), 0.0, change, runtime)
     return None
 
 

@@ -4,6 +4,8 @@ effects is written to docs/verify.md, with each case's raw result in benchmarks/
 
     PYTHONPATH=tests python benchmarks/verify_suite.py [--cases NAME ...] [--max-pairs 3]
 
+The table is rewritten from every case's latest result file, so `--cases NAME` refreshes one case.
+
 Re-runs are real: the scenario's workload served again by HF continuous batching on this machine (its timing
 is this machine's, so a case's measured values are compared between the two arms, never with the fixture).
 """
@@ -108,9 +110,14 @@ def main() -> int:
         with open(os.path.join(OUT, f"{name}--{finding}.json"), "w", encoding="utf-8") as f:
             json.dump(r, f, indent=2, default=str)
         results.append(r)
-    if not args.cases:  # the whole suite: the table in docs
-        with open(DOC, "w", encoding="utf-8") as f:
-            f.write(table_md(results, skipped))
+    # the table holds every case's latest raw result (a --cases run refreshes those cases only)
+    kept = []
+    for fn in sorted(os.listdir(OUT)):
+        if fn.endswith(".json"):
+            with open(os.path.join(OUT, fn), encoding="utf-8") as f:
+                kept.append(json.load(f))
+    with open(DOC, "w", encoding="utf-8") as f:
+        f.write(table_md(kept, skipped))
     t = Table("case", "verdict", "predicted effect", "measured effect", "error")
     for r in results:
         p = r["prediction"]

@@ -72,12 +72,14 @@ def measure(con: Any, run_id: str, metric: str) -> float:
     """The prediction's metric (`predictions.METRICS`) of one run, by the query its finding reads."""
     from phasescope.agent.read.queries import itl_attribution
     from phasescope.analyzers.kvcache import INTERNAL_SQL
-    from phasescope.analyzers.sql import one
+    from phasescope.analyzers.sql import PREEMPTIONS, one
 
     if metric == "itl_p99_ms":
         value = itl_attribution(con, run_id)["itl_p99_ms"]
     elif metric == "kv_internal_fragmentation":
         value = one(con, INTERNAL_SQL, run_id)["internal_fragmentation_mean"]
+    elif metric == "preemptions":
+        value = one(con, PREEMPTIONS, run_id)["preemptions"]
     else:
         raise ValueError(f"no measurement for metric {metric!r}")
     if value is None:

@@ -95,3 +95,12 @@ def test_the_predicted_effect_is_relative_to_the_rerun_baseline():
     assert v.expected == pytest.approx(-8.0) and v.error == pytest.approx(0.0, abs=1e-9) and v.verdict == "keep"
     # the absolute prediction (-4) would have been off by 50%
     assert verdict(_pred(10.0, 6.0), [20.0, 20.2, 19.8], [16.1, 15.9, 16.0]).verdict == "keep-but-mispredicted"
+
+
+def test_the_sequence_cap_predicts_no_preemption():
+    f = _finding("kv-near-cap", max_seqs_without_preemption=3, preemptions=17)
+    p = predict(f, {"runtime": "cb"})
+    assert (p.metric, p.current, p.predicted, p.change) == ("preemptions", 17.0, 0.0, {"max_requests_per_batch": 3})
+    assert predict(f, {"runtime": "vllm"}).change == {"--max-num-seqs": 3}
+    # a p95 sequence longer than the whole cache: no cap helps, no prediction
+    assert predict(_finding("kv-near-cap", max_seqs_without_preemption=0, preemptions=17), {}) is None
