@@ -145,18 +145,20 @@ def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *,
            min_pairs: int = 2, width: float = 0.1, tolerance: float = 0.2,
            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Verify one finding of a run (default: the latest run, its first finding that predicts a number)."""
-    from phasescope.agent.read.queries import latest_run
-    from phasescope.agent.sidecar.store import Store
+    from phasescope.agent.read.queries import runs
+    from phasescope.agent.read.reader import connect_readonly, require_run
     from phasescope.analyzers.diagnose import diagnose
     from phasescope.analyzers.predictions import predict, verdict, why_not_predicted
     from phasescope.analyzers.runinfo import read_run_info
 
-    con = Store.open_readonly(db)
+    con = connect_readonly(db)  # one line for a missing, foreign or held file
     try:
-        run_id = run_id or latest_run(con)
-        if run_id is None:
-            raise CliError(f"{db} holds no run")
+        run_id = require_run(runs(con), run_id, db)
         labels = read_run_info(con, run_id)
+        if not labels.get("runtime"):  # as diagnose does: the probes say which runtime they measured
+            row = con.execute("SELECT any_value(runtime) FROM sources WHERE run_id = ? AND runtime != 'sidecar'",
+                              [run_id]).fetchone()
+            labels = {**labels, "runtime": row[0] if row else None}
         findings = diagnose(con, run_id)
     finally:
         con.close()

@@ -174,6 +174,10 @@ BAD = [
     (["sweep", "--requests", "0"], 2, "--requests must be > 0"),
     (["sweep", "--target", "1.5"], 2, "--target must be in (0, 1]"),
     (["sweep", "--ttft-slo", "-1"], 2, "--ttft-slo"),
+    (["verify", "--db", "{d}/missing.duckdb"], 1, "no such file"),
+    (["verify", "--db", "{d}/good.duckdb", "--min-pairs", "1"], 2, "--min-pairs must be >= 2"),
+    (["verify", "--db", "{d}/good.duckdb", "--run", "nosuchrun"], 1, "no run 'nosuchrun'"),
+    (["verify", "--db", "{d}/good.duckdb"], 1, "cannot be replayed exactly"),
 ]
 if not _cuda():
     BAD.append((["demo", "--device", "cuda", "--db", "{d}/demo.duckdb"], 1, "CUDA is not available"))
