@@ -57,6 +57,11 @@ def _checked_threshold(key: str, text: str, value: float, default: Any) -> float
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
+    """findings with evidence and tuning suggestions for one run
+
+    Run every analyzer over a run of a DuckDB file no agent holds. Model geometry and GPU come from the run's
+    labels (run_info) unless given.
+    """
     from phasescope.agent.read.reader import connect_readonly, open_reader, require_run
 
     from phasescope.analyzers.diagnose import diagnose, thresholds
@@ -153,6 +158,11 @@ def _geometry_from_flags(args: argparse.Namespace) -> Any:
 
 
 def cmd_plan_kv(args: argparse.Namespace) -> int:
+    """KV capacity planner: bytes per token, sequences that fit a budget
+
+    Per TP layout and KV dtype: KV bytes per token and per sequence on each GPU, and how many sequences of
+    --context tokens fit the per-GPU KV budget.
+    """
     from dataclasses import asdict
 
     from phasescope.analyzers.geometry import dtype_bytes, load_config
@@ -221,6 +231,10 @@ def cmd_plan_kv(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """two runs side by side: TTFT, TPOT, throughput, OOM/preemptions, labels
+
+    RUN is FILE (its latest run), FILE::RUN_ID, or a run id in --db FILE.
+    """
     from phasescope.analyzers.compare import compare, resolve
     from phasescope.analyzers.render import print_compare
 
@@ -240,9 +254,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register the three subcommands on an argparse subparsers object."""
-    d = add_command(sub, cmd_diagnose, "diagnose", help="findings with evidence and tuning suggestions for one run",
-                    description="Run every analyzer over a run of a DuckDB file no agent holds. Model geometry "
-                                "and GPU come from the run's labels (run_info) unless given.")
+    d = add_command(sub, cmd_diagnose)
     d.add_argument("db", nargs="?", help="DuckDB file no agent holds")
     add_api_url(d, "diagnose a running agent's store through its read API")
     d.add_argument("--run", help="run id (default: the latest)")
@@ -255,10 +267,7 @@ def add_commands(sub: Any) -> None:
     d.add_argument("--fleet", metavar="GLOB", help="compare hosts over Parquet exports (host=/date=/table=), "
                                                   "e.g. 'exports/**/*.parquet' or 's3://bucket/phasescope/**/*.parquet'")
 
-    p = add_command(sub, cmd_plan_kv, "plan-kv",
-                    help="KV capacity planner: bytes per token, sequences that fit a budget",
-                    description="Per TP layout and KV dtype: KV bytes per token and per sequence on each GPU, "
-                                "and how many sequences of --context tokens fit the per-GPU KV budget.")
+    p = add_command(sub, cmd_plan_kv)
     p.add_argument("--config", help="HF config.json")
     p.add_argument("--layers", type=int)
     p.add_argument("--heads", type=int)
@@ -277,9 +286,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--kv-dtype", default="bf16", help="KV dtypes, comma-separated (bf16,fp8,int8,int4)")
     p.add_argument("--json", action="store_true")
 
-    c = add_command(sub, cmd_compare, "compare",
-                    help="two runs side by side: TTFT, TPOT, throughput, OOM/preemptions, labels",
-                    description="RUN is FILE (its latest run), FILE::RUN_ID, or a run id in --db FILE.")
+    c = add_command(sub, cmd_compare)
     c.add_argument("run_a")
     c.add_argument("run_b")
     c.add_argument("--db", help="DuckDB file holding both run ids")

@@ -58,6 +58,13 @@ def build_run_env(agent: str | None, run_id: str | None, labels: list[str] | Non
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """run a program with the probe attached to the models it serves (zero code)
+
+    Start PROGRAM with phasescope attached, like opentelemetry-instrument: HF transformers models get a probe
+    when loaded (from_pretrained) or first used (generate, init_continuous_batching); vLLM's plugin reads the
+    same variables. Without a running agent the program runs as it would alone (records are dropped, counted,
+    nothing printed).
+    """
     argv = list(args.program)
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -95,6 +102,12 @@ def api_address(args: argparse.Namespace, environ: Any = os.environ) -> str:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    """ask the local agent whether it is alive (or ready); exit 0 if so
+
+    GET /healthz (alive: the loop and writer threads run) or, with --ready, /readyz (also: the store answers,
+    every probe socket exists, the ingest queue has room, retention is not failing) from the agent's read API;
+    print each check. For container HEALTHCHECKs and Kubernetes exec probes.
+    """
     addr = api_address(args)
     url = f"http://{addr}/{'readyz' if args.ready else 'healthz'}"
     try:
@@ -130,6 +143,12 @@ def start_agent_extras(args: argparse.Namespace, sidecar: Any) -> Any:
 
 
 def cmd_retention(args: argparse.Namespace) -> int:
+    """roll old rows of a DuckDB file no agent holds (rollups + Parquet)
+
+    One retention roll: rows older than --retention-days, or the oldest beyond --retention-max-gib, are
+    aggregated per minute into rollup_* tables, written as Parquet under --export-dir (host=/date=/table=) and
+    deleted.
+    """
     from phasescope.agent.sidecar.retention import Retention
     from phasescope.agent.sidecar.store import Store
 
@@ -170,13 +189,7 @@ def _host_port_arg(text: str) -> str:
 
 def add_commands(sub: Any) -> None:
     """Register run, health and retention on the CLI's subparsers."""
-    r = add_command(sub, cmd_run, "run",
-                    help="run a program with the probe attached to the models it serves (zero code)",
-                    description="Start PROGRAM with phasescope attached, like opentelemetry-instrument: HF "
-                                "transformers models get a probe when loaded (from_pretrained) or first used "
-                                "(generate, init_continuous_batching); vLLM's plugin reads the same "
-                                "variables. Without a running agent the program runs as it would "
-                                "alone (records are dropped, counted, nothing printed).")
+    r = add_command(sub, cmd_run)
     add_address(r, "where the sidecar listens, unix:/path/agent.sock or tcp:HOST:PORT (default: $PHASESCOPE_AGENT "
                    "or the default socket)")
     r.add_argument("--run-id", help="run id for every process of the program (default: a new one)")
@@ -184,11 +197,7 @@ def add_commands(sub: Any) -> None:
     r.add_argument("--no-cuda-timing", action="store_true", help="time forwards on the host only")
     r.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
 
-    h = add_command(sub, cmd_health, "health", help="ask the local agent whether it is alive (or ready); exit 0 if so",
-                    description="GET /healthz (alive: the loop and writer threads run) or, with --ready, "
-                                "/readyz (also: the store answers, every probe socket exists, the ingest "
-                                "queue has room, retention is not failing) from the agent's read API; print "
-                                "each check. For container HEALTHCHECKs and Kubernetes exec probes.")
+    h = add_command(sub, cmd_health)
     h.add_argument("--ready", action="store_true", help="readiness instead of liveness")
     h.add_argument("--api", metavar="HOST:PORT", type=_host_port_arg,
                    help="the agent's read API (default: $PHASESCOPE_API, the config file's api, or 127.0.0.1:7702)")
@@ -196,11 +205,7 @@ def add_commands(sub: Any) -> None:
     h.add_argument("--timeout-s", type=_timeout, default=3.0, help="HTTP timeout, s, > 0 and <= 600 "
                                                                   "(default: %(default)s)")
 
-    t = add_command(sub, cmd_retention, "retention",
-                    help="roll old rows of a DuckDB file no agent holds (rollups + Parquet)",
-                    description="One retention roll: rows older than --retention-days, or the oldest beyond "
-                                "--retention-max-gib, are aggregated per minute into rollup_* tables, written "
-                                "as Parquet under --export-dir (host=/date=/table=) and deleted.")
+    t = add_command(sub, cmd_retention)
     t.add_argument("db", help="DuckDB file")
     # the agent's own retention settings (AgentSettings), with their defaults; flags only
     settings.add_arguments(t, only=("export_dir", "host", "retention_days", "retention_max_gib", "rollup_days"),

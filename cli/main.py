@@ -61,6 +61,13 @@ def _check_agent_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
+    """open the Streamlit diagnostics app on a DuckDB file, a live agent or a folder of Parquet exports (hosts
+    compared on its Fleet page)
+
+    Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. Live: --api
+    http://127.0.0.1:7702 (the agent's read API). Exports: a folder of retention's Parquet exports
+    (host=/date=/table=), one host at a time (picked in the sidebar), read in place.
+    """
     from pathlib import Path
 
     try:
@@ -134,6 +141,12 @@ def _run_child(cmd: list[str]) -> int:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
+    """run the sidecar: receive probe records and write DuckDB
+
+    Run the sidecar agent. Probes connect over a 0600 Unix socket (default
+    $XDG_RUNTIME_DIR/phasescope/agent.sock or /tmp/phasescope-UID/agent.sock) or tcp:127.0.0.1:PORT.
+    SIGTERM/SIGINT write what was received and checkpoint.
+    """
     from prometheus_client import CollectorRegistry
 
     from phasescope.agent.settings import print_config, resolve
@@ -260,6 +273,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _cmd_rules(args: argparse.Namespace) -> int:
+    """print the Prometheus alerting rules (or the Grafana dashboard)
+
+    Print the Prometheus rule file: SLO burn-rate, KV, prefix-cache, tensor-parallel, probe and GPU alerts, each
+    with a runbook naming the analyzer finding, on the analyzers' own thresholds. Save it and list it under
+    rule_files in prometheus.yml.
+    """
     from phasescope.exporters.rules import dashboard_text, rules_text
 
     if args.grafana:
@@ -275,6 +294,12 @@ def _cmd_rules(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    """run a small random-weight Llama under a service-like workload and summarise
+
+    Build a small Llama with random weights (no download), serve a workload with a shared system prompt, short
+    and long prompts and outputs, with the probe and an in-process sidecar writing the DuckDB file; print a
+    per-phase summary.
+    """
     from .demo import DemoConfig, run_demo
 
     if args.requests <= 0:
@@ -295,6 +320,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_summary(args: argparse.Namespace) -> int:
+    """print a run's per-phase summary from a DuckDB file no agent holds
+
+    Per-phase step times and request latencies of one run.
+    """
     from phasescope.agent.read.reader import open_reader, require_run
     from phasescope.agent.read.summary import print_summary
 
@@ -327,6 +356,10 @@ def _cmd_summary(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    """print the store's tables and columns
+
+    Every table and column of the DuckDB store, with units.
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -396,10 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"phasescope {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    a = add_command(sub, _cmd_agent, "agent", help="run the sidecar: receive probe records and write DuckDB",
-                    description="Run the sidecar agent. Probes connect over a 0600 Unix socket "
-                                "(default $XDG_RUNTIME_DIR/phasescope/agent.sock or /tmp/phasescope-UID/agent.sock) "
-                                "or tcp:127.0.0.1:PORT. SIGTERM/SIGINT write what was received and checkpoint.")
+    a = add_command(sub, _cmd_agent)
     from phasescope.agent.settings import ENV_CONFIG, add_arguments
 
     a.add_argument("--config", metavar="FILE", help=f"TOML config file (default: ${ENV_CONFIG} if set)")
@@ -407,24 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every setting and where it came from (flag, env, file, default), then exit")
     add_arguments(a)  # every field of AgentSettings: also PHASESCOPE_<KEY> and a key of the --config file
 
-    r = add_command(sub, _cmd_rules, "rules", help="print the Prometheus alerting rules (or the Grafana dashboard)",
-                    description="Print the Prometheus rule file: SLO burn-rate, KV, prefix-cache, "
-                                "tensor-parallel, probe and GPU alerts, each with a runbook naming the analyzer "
-                                "finding, on the analyzers' own thresholds. Save it and list it under rule_files "
-                                "in prometheus.yml.")
+    r = add_command(sub, _cmd_rules)
     r.add_argument("--grafana", action="store_true", help="print the Grafana dashboard JSON instead")
     r.add_argument("--ttft-slo-s", type=float, metavar="S",
                    help="TTFT SLO in seconds, a bucket bound of the TTFT histogram (default 2.5)")
     r.add_argument("--tpot-slo-s", type=float, metavar="S",
                    help="TPOT SLO in seconds, a bucket bound of the TPOT histogram (default 0.1)")
 
-    db = add_command(sub, _cmd_dashboard, "dashboard",
-                     help="open the Streamlit diagnostics app on a DuckDB file, a live agent "
-                                       "or a folder of Parquet exports (hosts compared on its Fleet page)",
-                     description="Launch the diagnostics app on 127.0.0.1. Offline: a DuckDB file no agent holds. "
-                                 "Live: --api http://127.0.0.1:7702 (the agent's read API). "
-                                 "Exports: a folder of retention's Parquet exports (host=/date=/table=), one host "
-                                 "at a time (picked in the sidebar), read in place.")
+    db = add_command(sub, _cmd_dashboard)
     db.add_argument("db", nargs="?", default="phasescope.duckdb",
                     help="DuckDB file, or a folder / *.parquet glob / s3:// prefix of Parquet exports "
                          "(default: %(default)s)")
@@ -432,11 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
     db.add_argument("--port", type=_port, default=8501, help="port, 0-65535 (0: a free one; default: %(default)s)")
 
-    d = add_command(sub, _cmd_demo, "demo",
-                    help="run a small random-weight Llama under a service-like workload and summarise",
-                    description="Build a small Llama with random weights (no download), serve a workload with a "
-                                "shared system prompt, short and long prompts and outputs, with the probe and an "
-                                "in-process sidecar writing the DuckDB file; print a per-phase summary.")
+    d = add_command(sub, _cmd_demo)
     d.add_argument("--db", default="phasescope.duckdb", help="DuckDB file (default: %(default)s)")
     d.add_argument("--requests", type=int, default=48, help="number of requests (default: %(default)s)")
     d.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
@@ -445,16 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cb: HF continuous batching with a paged KV cache (default); generate: static batches")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
 
-    s = add_command(sub, _cmd_summary, "summary",
-                    help="print a run's per-phase summary from a DuckDB file no agent holds",
-                    description="Per-phase step times and request latencies of one run.")
+    s = add_command(sub, _cmd_summary)
     s.add_argument("db", nargs="?", help="DuckDB file no agent holds")
     add_api_url(s, "read a running agent's read API instead")
     s.add_argument("--run", help="run id (default: the latest)")
     s.add_argument("--json", action="store_true", help="JSON output")
 
-    add_command(sub, _cmd_schema, "schema", help="print the store's tables and columns",
-                description="Every table and column of the DuckDB store, with units.")
+    add_command(sub, _cmd_schema)
 
     from phasescope.cli.analyze import add_commands  # diagnose, plan-kv, compare
 

@@ -5,6 +5,7 @@ sidecar address `phasescope run` gives the probes (`--address ADDR`), each with 
 from __future__ import annotations
 
 import argparse
+import inspect
 import warnings
 from typing import Any
 
@@ -29,9 +30,16 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_command(sub: Any, func: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """Subcommand `name` (its `help`, `description` ... as `add_parser` takes them), run by `func(args)`."""
-    p = sub.add_parser(name, **kwargs)
+def add_command(sub: Any, func: Any, **kwargs: Any) -> argparse.ArgumentParser:
+    """Subcommand run by `func(args)` and named for it (`cmd_plan_kv` and `_cmd_plan_kv`: plan-kv). Its text is
+    declared once, as `func`'s docstring: the first paragraph is the one-line help of the command list, the rest
+    the description of its --help. `kwargs`: anything else `add_parser` takes."""
+    name = func.__name__.lstrip("_").removeprefix("cmd_").replace("_", "-")
+    help, _, description = inspect.cleandoc(func.__doc__ or "").partition("\n\n")
+    if not help:
+        raise TypeError(f"command {name}: {func.__name__} has no docstring (its help)")
+    p = sub.add_parser(name, help=" ".join(help.split()), description=" ".join(description.split()) or None,
+                       **kwargs)
     p.set_defaults(func=func)
     return p
 

@@ -45,6 +45,7 @@ from phasescope.agent.sidecar import Batch, Chunk, SidecarStats
 
 from . import buckets
 from .bulk import BulkHistogram
+from .families import SourceCollector, families
 from .requests import RequestTiming, RequestTracker
 from .sources import LabelCap, Source, SourceTable
 from .steps import StepMetrics
@@ -420,115 +421,23 @@ class _SnapshotCollector(Collector):
 
     @staticmethod
     def _prefix(rows: list) -> Iterator[Metric]:
-        labels = ["model", "rank"]
-        fams = [
-            (CounterMetricFamily("phasescope_prefix_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-                                 labels=labels), "queried_tokens_total"),
-            (CounterMetricFamily("phasescope_prefix_hit_tokens", "Prompt tokens served from the prefix cache.",
-                                 labels=labels), "hit_tokens_total"),
-            (CounterMetricFamily("phasescope_prefix_recomputed_tokens",
-                                 "Tokens recomputed after preemption (never counted as hits).", labels=labels),
-             "recomputed_tokens_total"),
-            (CounterMetricFamily("phasescope_prefix_evicted_blocks", "Prefix-cache blocks evicted.", labels=labels),
-             "evicted_blocks_total"),
-        ]
-        yield from _per_model_rank(fams, rows)
+        yield from families("prefix", (([model, str(rank)], rec) for (model, rank), rec in rows), ["model", "rank"])
 
     @staticmethod
     def _probe(rows: list) -> Iterator[Metric]:
-        labels = ["model", "rank"]
-        fams = [
-            (CounterMetricFamily("phasescope_probe_records", "Records the probe produced.", labels=labels),
-             "records_total"),
-            (CounterMetricFamily("phasescope_probe_dropped_records", "Records the probe dropped (ring full).",
-                                 labels=labels), "dropped_total"),
-            (CounterMetricFamily("phasescope_probe_errors", "Errors caught in probe hooks.", labels=labels),
-             "errors_total"),
-            (CounterMetricFamily("phasescope_probe_frames_sent", "Frames sent to the sidecar.", labels=labels),
-             "frames_sent_total"),
-            (CounterMetricFamily("phasescope_probe_send_failures", "Frames that could not be sent.", labels=labels),
-             "send_failures_total"),
-            (CounterMetricFamily("phasescope_probe_gpu_unsampled_steps", "Steps without a GPU time.",
-                                 labels=labels), "gpu_unsampled_total"),
-            (CounterMetricFamily("phasescope_probe_gpu_timed_steps",
-                                 "Steps timed with CUDA events (sampled under the probe's host-cost budget).",
-                                 labels=labels), "gpu_timed_total"),
-            (GaugeMetricFamily("phasescope_probe_gpu_sample_ratio",
-                               "Fraction of steps timed with CUDA events (1 on CPU: host time only).",
-                               labels=labels), "gpu_sample_rate"),
-            (CounterMetricFamily("phasescope_probe_captured_forwards",
-                                 "Forwards inside a CUDA-graph capture (not recorded as steps).",
-                                 labels=labels), "captured_total"),
-            (CounterMetricFamily("phasescope_probe_cpu_seconds",
-                                 "CPU time of everything the probe does: hooks and its background thread.",
-                                 labels=labels), "probe_cpu_s_total"),
-            (CounterMetricFamily("phasescope_probe_gil_wait_estimated_seconds",
-                                 "Estimated host wait for the GIL held by the probe's background thread.",
-                                 labels=labels), "gil_wait_est_s_total"),
-            (GaugeMetricFamily("phasescope_probe_cost_ratio",
-                               "Probe CPU time / wall time over the probe's last interval (budgeted by gpu_budget).",
-                               labels=labels), "cost_share"),
-        ]
-        yield from _per_model_rank(fams, rows)
+        yield from families("probe", (([model, str(rank)], rec) for (model, rank), rec in rows), ["model", "rank"])
 
     @staticmethod
     def _gpu(rows: list) -> Iterator[Metric]:
-        labels = ["gpu"]
-        util = GaugeMetricFamily("phasescope_gpu_utilization_ratio", "GPU busy fraction (NVML utilization / 100).",
-                                 labels=labels)
-        used = GaugeMetricFamily("phasescope_gpu_memory_used_bytes", "GPU memory used.", labels=labels)
-        total = GaugeMetricFamily("phasescope_gpu_memory_total_bytes", "GPU memory total.", labels=labels)
-        power = GaugeMetricFamily("phasescope_gpu_power_watts", "GPU power draw.", labels=labels)
-        temp = GaugeMetricFamily("phasescope_gpu_temperature_celsius", "GPU temperature.", labels=labels)
-        clock = GaugeMetricFamily("phasescope_gpu_sm_clock_hertz", "GPU SM clock.", labels=labels)
-        xid = CounterMetricFamily("phasescope_gpu_xid_errors", "XID / uncorrected ECC errors seen.", labels=labels)
-        for idx, s in rows:
-            lv = [str(idx)]
-            util.add_metric(lv, s.util_pct / 100.0)
-            used.add_metric(lv, s.mem_used_bytes)
-            total.add_metric(lv, s.mem_total_bytes)
-            power.add_metric(lv, s.power_w)
-            temp.add_metric(lv, s.temp_c)
-            clock.add_metric(lv, s.sm_clock_mhz * 1e6)
-            xid.add_metric(lv, s.xid_errors_total)
-        yield from (util, used, total, power, temp, clock, xid)
+        yield from families("gpu", (([str(idx)], s) for idx, s in rows), ["gpu"])
 
 
-class SidecarStatsCollector(Collector):
-    """The sidecar's own counters (ingest, bad frames, drops, sink and collector errors)."""
+class SidecarStatsCollector(SourceCollector):
+    """The sidecar's own counters (ingest, bad frames, drops, sink and collector errors) of a `SidecarStats`."""
 
-    def __init__(self, stats: SidecarStats) -> None:
-        self.stats = stats
+    source = "sidecar"
 
-    def collect(self) -> Iterator[Metric]:
-        st = self.stats
-        for name, doc, value in (
-            ("phasescope_sidecar_connections", "Probe connections accepted.", st.connections_total),
-            ("phasescope_sidecar_frames", "Frames received.", st.frames_total),
-            ("phasescope_sidecar_records", "Records received.", st.records_total),
-            ("phasescope_sidecar_bad_frames", "Frames rejected (their connection closed).", st.bad_frames_total),
-            ("phasescope_sidecar_dropped_records", "Records the sidecar let go unstored (0: it applies backpressure).",
-             st.records_dropped_total),
-            ("phasescope_sidecar_rows_written", "Rows written to the store.", st.rows_written_total),
-            ("phasescope_sidecar_sink_errors", "Exporter (sink) failures.", st.sink_errors_total),
-            ("phasescope_sidecar_sink_dropped_records", "Records the exporters did not see because they lagged.",
-             st.sink_dropped_records_total),
-            ("phasescope_sidecar_collector_errors", "Collector (NVML, ...) failures.", st.collector_errors_total),
-            ("phasescope_sidecar_connections_refused", "Connections refused over the connection cap.",
-             st.connections_refused_total),
-            ("phasescope_sidecar_auth_failures", "Connections refused for a wrong or missing token.",
-             st.auth_failures_total),
-            ("phasescope_sidecar_timeouts", "Connections closed because a read deadline passed.", st.timeouts_total),
-            ("phasescope_sidecar_write_retries", "Batches that failed on their data and were retried in halves.",
-             st.write_retries_total),
-            ("phasescope_sidecar_store_errors", "Writes or checkpoints that failed on the file (disk full, I/O).",
-             st.store_errors_total),
-            ("phasescope_sidecar_store_reopens", "Times the store connection was reopened after a failure.",
-             st.store_reopens_total),
-        ):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
+    def more(self, st: SidecarStats) -> Iterator[Metric]:
         closed = CounterMetricFamily("phasescope_sidecar_connections_closed",
                                      "Probe connections closed, by reason (end, timeout, handshake_timeout, bad_frame, "
                                      "auth, evicted, lost, shutdown, error, refused).", labels=["reason"])
@@ -541,20 +450,7 @@ class SidecarStatsCollector(Collector):
         for reason, n in sorted(dict(st.records_rejected_total).items()):
             rej.add_metric([reason], n)
         yield rej
-        for name, doc, value in (
-            ("phasescope_sidecar_store_up", "1 when the last write succeeded, 0 while the store fails (disk full).",
-             st.store_ok),
-            ("phasescope_sidecar_unwritten_bytes", "Bytes received and not yet written (the memory budget in use).",
-             st.unwritten_bytes),
-            ("phasescope_sidecar_memory_budget_bytes", "Bytes of received-but-unwritten frames held at most.",
-             st.memory_budget_bytes),
-        ):
-            gg = GaugeMetricFamily(name, doc)
-            gg.add_metric([], value)
-            yield gg
-        g = GaugeMetricFamily("phasescope_sidecar_open_connections", "Probe connections open now.")
-        g.add_metric([], st.open_connections)
-        yield g
+        yield from families("sidecar_gauges", [([], st)])
 
 
 def _check_kv(s: KVSnapshot) -> None:
@@ -632,11 +528,3 @@ def _host_checked(app: Callable, server: "MetricsServer") -> Callable:
         return app(environ, start_response)
 
     return checked
-
-
-def _per_model_rank(fams: list, rows: list) -> list:
-    """Fill (family, record field) pairs from the latest record of each (model, rank)."""
-    for (model, rank), rec in rows:
-        for fam, field in fams:
-            fam.add_metric([model, str(rank)], getattr(rec, field))
-    return [fam for fam, _ in fams]

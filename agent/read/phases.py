@@ -54,14 +54,24 @@ _AGG = ("bin, sum(steps), min(ms_min), max(ms_max), CAST(sum(prefill_tokens) AS 
         "CAST(sum(decode_tokens) AS HUGEINT), sum(gpu_timed)")
 
 
-def phase_summary(con: Any, run_id: str | None) -> list[dict[str, Any]] | None:
-    wm = steprollup.usable(con, run_id) if run_id is not None else None
+def _groups(con: Any, run_id: str, keys: list[str], where: str = "true") -> dict[tuple, dict[str, Any]] | None:
+    """The run's rollup cells in `where` grouped by `keys` (columns, or `expression AS name`) and step-time bin ->
+    per group: its histogram and sums (`_hists`); None when the rollup cannot answer (steprollup.usable)."""
+    wm = steprollup.usable(con, run_id)
     if wm is None:
         return None
-    rows = con.execute(f"SELECT phase, {_AGG} FROM ({steprollup.cells('$run', wm)}) GROUP BY phase, bin "
-                       "ORDER BY phase, bin", {"run": run_id}).fetchall()
+    names = ", ".join(k.rpartition(" AS ")[2] for k in keys)
+    rows = con.execute(f"SELECT {', '.join(keys)}, {_AGG} FROM ({steprollup.cells('$run', wm)}) WHERE {where} "
+                       f"GROUP BY {names}, bin ORDER BY {names}, bin", {"run": run_id}).fetchall()
+    return _hists(rows, len(keys))
+
+
+def phase_summary(con: Any, run_id: str | None) -> list[dict[str, Any]] | None:
+    groups = _groups(con, run_id, ["phase"]) if run_id is not None else None
+    if groups is None:
+        return None
     out = []
-    for (phase,), g in _hists(rows, 1).items():
+    for (phase,), g in groups.items():
         p50, p95, p99 = steprollup.quantiles(g["hist"], [0.5, 0.95, 0.99])
         out.append({"phase": phase, "steps": g["steps"], "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
                     "prefill_tokens": g["prefill"], "decode_tokens": g["decode"], "gpu_timed": g["gpu"]})
@@ -73,14 +83,12 @@ def step_timeline(con: Any, run_id: str | None, bucket_s: float, since_s: float 
     where = _window(since_s, until_s)
     if where is None or run_id is None or bucket_s < steprollup.CELL_S or not _whole(bucket_s):
         return None
-    wm = steprollup.usable(con, run_id)
-    if wm is None:
-        return None
     b = int(bucket_s)
-    rows = con.execute(f"SELECT sec // {b} * {b} AS k, phase, {_AGG} FROM ({steprollup.cells('$run', wm)}) "
-                       f"WHERE {where} GROUP BY k, phase, bin ORDER BY k, phase, bin", {"run": run_id}).fetchall()
+    groups = _groups(con, run_id, [f"sec // {b} * {b} AS k", "phase"], where)
+    if groups is None:
+        return None
     out = []
-    for (k, phase), g in _hists(rows, 2).items():
+    for (k, phase), g in groups.items():
         p50, p95 = steprollup.quantiles(g["hist"], [0.5, 0.95])
         out.append({"t_s": float(k), "phase": phase, "steps": g["steps"], "p50_ms": p50, "p95_ms": p95,
                     "prefill_tokens": g["prefill"], "decode_tokens": g["decode"]})
@@ -92,13 +100,11 @@ def interference(con: Any, run_id: str | None, long_prefill_tokens: int, since_s
     where = _window(since_s, until_s)
     if where is None or run_id is None or long_prefill_tokens != steprollup.LONG_PREFILL_TOKENS:
         return None
-    wm = steprollup.usable(con, run_id)
-    if wm is None:
+    groups = _groups(con, run_id, ["cls"], f"{where} AND cls > 0")
+    if groups is None:
         return None
-    rows = con.execute(f"SELECT cls, {_AGG} FROM ({steprollup.cells('$run', wm)}) WHERE {where} AND cls > 0 "
-                       "GROUP BY cls, bin ORDER BY cls, bin", {"run": run_id}).fetchall()
     out = []
-    for (cls,), g in _hists(rows, 1).items():
+    for (cls,), g in groups.items():
         p50, p95 = steprollup.quantiles(g["hist"], [0.5, 0.95])
         out.append({"class": CLASSES[cls], "steps": g["steps"], "p50_ms": p50, "p95_ms": p95,
                     "prefill_tokens_mean": g["prefill"] / g["steps"], "decode_tokens": g["decode"]})

@@ -49,9 +49,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import steprollup
+from .columns import Tables, table_ddl
 
-# table -> (column DDL, one-line doc)
-TABLES: dict[str, list[tuple[str, str, str]]] = {
+# table -> its columns (name, DuckDB type, one-line doc) in insert order (records/columns.py)
+TABLES: Tables = {
     "request_rows": [
         ("run_id", "VARCHAR", "sources.run_id"),
         ("request_id", "VARCHAR", "request_log.request_id: the runtime id, '#<n>' added for its n-th arrival"),
@@ -350,12 +351,7 @@ ADDED = (("request_rows", "queued_ns", "BIGINT"),)
 
 def ddl(rowids: bool = True) -> list[str]:
     """Statements creating the derived tables and their views (idempotent; the views read the state)."""
-    out = []
-    for table, cols in TABLES.items():
-        out.append(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t, _ in cols)})")
-        out.extend(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {c} {t}" for tb, c, t in ADDED if tb == table)
-        for c, _, doc in cols:
-            out.append(f"COMMENT ON COLUMN {table}.{c} IS '{doc.replace(chr(39), chr(39) * 2)}'")
+    out = table_ddl(TABLES, ADDED)
     for view, sql in views(None, rowids).items():
         out.append(f"CREATE OR REPLACE VIEW {view} AS {sql}")
     return out

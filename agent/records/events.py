@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from typing import Iterable, NamedTuple, Union
+from typing import Iterable, NamedTuple, Union, get_args
 
 WIRE_VERSION = 2  # the newest version this build speaks
 SUPPORTED_VERSIONS = (1, 2)
@@ -72,6 +72,8 @@ REQUEST_EVENTS = ("arrival", "scheduled", "token", "finished", "aborted", "preem
 class Hello(NamedTuple):
     """First record on every connection: who is sending."""
 
+    WIRE = (1, "<qqIHH16s48s16s")  # type byte, struct format of the fields below
+
     ts_ns: int
     wall_minus_mono_ns: int  # add to a ts_ns to get Unix-epoch nanoseconds
     pid: int
@@ -84,6 +86,8 @@ class Hello(NamedTuple):
 
 class Step(NamedTuple):
     """One engine step = one forward of the model on one rank."""
+
+    WIRE = (2, "<qQHBIIIQdd")  # type byte, struct format of the fields below
 
     ts_ns: int  # host time the forward started
     step_id: int
@@ -100,6 +104,8 @@ class Step(NamedTuple):
 class RequestEvent(NamedTuple):
     """One lifecycle event of one request."""
 
+    WIRE = (3, "<qHB32sII")  # type byte, struct format of the fields below
+
     ts_ns: int
     rank: int
     event: int  # index into REQUEST_EVENTS
@@ -110,6 +116,8 @@ class RequestEvent(NamedTuple):
 
 class KVSnapshot(NamedTuple):
     """State of the paged KV cache of one rank at one instant."""
+
+    WIRE = (4, "<qHIIIIIIQIQIQQQ12s")  # type byte, struct format of the fields below
 
     ts_ns: int
     rank: int
@@ -132,6 +140,8 @@ class KVSnapshot(NamedTuple):
 class PrefixCounters(NamedTuple):
     """Monotonic prefix-cache counters of one rank (rates come from deltas)."""
 
+    WIRE = (5, "<qHQQQQ")  # type byte, struct format of the fields below
+
     ts_ns: int
     rank: int
     queried_tokens_total: int
@@ -142,6 +152,8 @@ class PrefixCounters(NamedTuple):
 
 class GpuSample(NamedTuple):
     """One NVML reading of one GPU."""
+
+    WIRE = (6, "<qHfQQfffQ")  # type byte, struct format of the fields below
 
     ts_ns: int
     gpu_index: int
@@ -156,6 +168,8 @@ class GpuSample(NamedTuple):
 
 class ProbeHealth(NamedTuple):
     """The probe's own counters (monotonic) of one process."""
+
+    WIRE = (7, "<qHIQQQQQQQdQdddd")  # type byte, struct format of the fields below
 
     ts_ns: int
     rank: int
@@ -178,6 +192,8 @@ class ProbeHealth(NamedTuple):
 class RunLabel(NamedTuple):
     """One key/value label of the sender's run (config, model geometry, GPU); the latest value wins."""
 
+    WIRE = (8, "<q32s96s")  # type byte, struct format of the fields below
+
     ts_ns: int
     key: str  # <= 32 bytes
     value: str  # <= 96 bytes
@@ -186,6 +202,8 @@ class RunLabel(NamedTuple):
 class Session(NamedTuple):
     """v2: first record of a connection. `nonce` names the sender for its whole life (across
     reconnects); `token` is the shared secret a sidecar may require (empty when none)."""
+
+    WIRE = (10, "<Q64s")  # type byte, struct format of the fields below
 
     nonce: int  # random u64, fixed for the life of the sender
     token: str  # <= 64 bytes
@@ -203,6 +221,8 @@ class Ack(NamedTuple):
 class ServerMetric(NamedTuple):
     """One sample of an inference server's own metric (scraped /metrics, or vLLM's stat logger)."""
 
+    WIRE = (9, "<qH64s64sd")  # type byte, struct format of the fields below
+
     ts_ns: int
     engine: int  # the server's engine index (data-parallel engine); 0 when it has one
     name: str  # <= 64 bytes, the server's metric name, e.g. "vllm:kv_cache_usage_perc"
@@ -214,6 +234,8 @@ class PrefixLookup(NamedTuple):
     """One prefix-cache lookup of one prompt, at a request's admission, with what the adapter's bounded
     table of earlier prompts' page hashes says about it: the facts that split its missed tokens
     (`prompt_tokens - hit_tokens`) into causes (analyzers/prefix_miss.py)."""
+
+    WIRE = (11, "<qH32s8sIIIIIIdIQ")  # type byte, struct format of the fields below
 
     ts_ns: int
     rank: int
@@ -233,6 +255,8 @@ class PrefixLookup(NamedTuple):
 class PageEvent(NamedTuple):
     """One event of a sampled KV page's life (the adapter follows one page id in `sample_every`)."""
 
+    WIRE = (12, "<qHI8sddIQ")  # type byte, struct format of the fields below
+
     ts_ns: int
     rank: int
     page_id: int
@@ -246,21 +270,11 @@ class PageEvent(NamedTuple):
 Record = Union[Hello, Step, RequestEvent, KVSnapshot, PrefixCounters, GpuSample, ProbeHealth, RunLabel,
                ServerMetric, Session, PrefixLookup, PageEvent]
 
-# type byte -> (class, struct); the order of fields equals the NamedTuple's
+# type byte -> (class, struct), from each record's WIRE: its type byte and its struct format (the fields in order)
 _LAYOUT: dict[int, tuple[type, struct.Struct]] = {
-    1: (Hello, struct.Struct("<qqIHH16s48s16s")),
-    2: (Step, struct.Struct("<qQHBIIIQdd")),
-    3: (RequestEvent, struct.Struct("<qHB32sII")),
-    4: (KVSnapshot, struct.Struct("<qHIIIIIIQIQIQQQ12s")),
-    5: (PrefixCounters, struct.Struct("<qHQQQQ")),
-    6: (GpuSample, struct.Struct("<qHfQQfffQ")),
-    7: (ProbeHealth, struct.Struct("<qHIQQQQQQQdQdddd")),
-    8: (RunLabel, struct.Struct("<q32s96s")),
-    9: (ServerMetric, struct.Struct("<qH64s64sd")),
-    10: (Session, struct.Struct("<Q64s")),
-    11: (PrefixLookup, struct.Struct("<qH32s8sIIIIIIdIQ")),
-    12: (PageEvent, struct.Struct("<qHI8sddIQ")),
-}
+    cls.WIRE[0]: (cls, struct.Struct(cls.WIRE[1])) for cls in get_args(Record)}
+if len(_LAYOUT) != len(get_args(Record)):  # pragma: no cover - a declaration error
+    raise TypeError("two records declare one type byte")
 LAYOUTS = _LAYOUT  # read-only use by columnar decoders (agent/sidecar/columnar.py)
 
 # --- value ranges ---

@@ -9,11 +9,12 @@ Views derive the per-request metrics exactly as README.md ("Definitions") define
 from __future__ import annotations
 
 from . import derived
+from .columns import Tables, comment, table_ddl
 
 SCHEMA_VERSION = 1
 
-# table -> (column DDL, one-line doc); the order is the insert order
-TABLES: dict[str, list[tuple[str, str, str]]] = {
+# table -> its columns (name, DuckDB type, one-line doc) in insert order (records/columns.py)
+TABLES: Tables = {
     "sources": [
         ("source_id", "INTEGER", "one row per probe connection (a process/rank of a run)"),
         ("connected_ns", "BIGINT", "sidecar wall clock at connect, Unix ns"),
@@ -249,17 +250,11 @@ VIEWS: dict[str, str] = {
 def ddl() -> list[str]:
     """Statements that create the schema (idempotent)."""
     out = ["CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)"]
-    for table, cols in TABLES.items():
-        body = ", ".join(f"{name} {typ}" for name, typ, _ in cols)
-        out.append(f"CREATE TABLE IF NOT EXISTS {table} ({body})")
-        for name, _, doc in cols:
-            out.append(f"COMMENT ON COLUMN {table}.{name} IS '{doc.replace(chr(39), chr(39) * 2)}'")
+    out.extend(table_ddl(TABLES))
     out.append(RUN_INFO_DDL)
     out.append(PROGRESS_DDL)
-    for name, doc in PROGRESS_DOC.items():
-        out.append(f"COMMENT ON COLUMN ingest_progress.{name} IS '{doc}'")
-    for name, doc in RUN_INFO_DOC.items():
-        out.append(f"COMMENT ON COLUMN run_info.{name} IS '{doc}'")
+    out.extend(comment("ingest_progress", name, doc) for name, doc in PROGRESS_DOC.items())
+    out.extend(comment("run_info", name, doc) for name, doc in RUN_INFO_DOC.items())
     for view, sql in VIEWS.items():
         out.append(f"CREATE OR REPLACE VIEW {view} AS {sql}")
     out.extend(derived.ddl())  # request_rows, token_gaps and the views over them: requests, itl

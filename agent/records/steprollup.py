@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .columns import Tables, table_ddl
+
 LONG_PREFILL_TOKENS = 128  # agent/read/thresholds.py's long_prefill_tokens default (the floor cannot import it)
 BINS_PER_DOUBLING = 64
 BIN_RATIO = 2.0 ** (1 / BINS_PER_DOUBLING)
@@ -35,7 +37,7 @@ ZERO_BIN = -32768  # step times <= 0 (and NaN): read as their least value
 # are small enough to read whole
 CELL_S = 10
 
-TABLES: dict[str, list[tuple[str, str, str]]] = {
+TABLES: Tables = {  # records/columns.py
     "step_rollup": [
         ("run_id", "VARCHAR", "sources.run_id"),
         ("sec", "BIGINT", "seconds since the run's first step (wall time: ts_ns + wall_minus_mono_ns), "
@@ -79,12 +81,7 @@ def cells_sql(where: str, starts: str) -> str:
 
 
 def ddl() -> list[str]:
-    out = []
-    for table, cols in TABLES.items():
-        out.append(f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(f'{c} {t}' for c, t, _ in cols)})")
-        for c, _, doc in cols:
-            out.append(f"COMMENT ON COLUMN {table}.{c} IS '{doc.replace(chr(39), chr(39) * 2)}'")
-    return out
+    return table_ddl(TABLES)
 
 
 def _state(con: Any) -> tuple[int, int] | None:

@@ -253,6 +253,29 @@ def _demo_labels(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def _short_only(**demo: Any) -> dict[str, Any]:
+    """DemoConfig overrides of a workload of short prompts and outputs only (no long share)."""
+    return dict(long_prompt_share=0.0, long_output_share=0.0, **demo)
+
+
+# the healthy workload: light load, short prompts behind a 64-token system prompt, ample pages of 16 tokens
+HEALTHY = _short_only(requests=24, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
+                      short_output=[8, 24], page_size=16, num_pages=512, max_batch_tokens=256)
+
+
+def _prefix_labels(kind: str, cfg: Any) -> dict[str, Any]:
+    """The prefix layout of a demo-built workload as run labels: the demo's own (`cli.demo.demo_labels`: the BOS
+    token and the system prompt lead every prompt), the system prompt alone placed last (`prefix_last_workload`),
+    or the crafted miss workload's mixed layout."""
+    if kind == "demo":
+        from phasescope.cli.demo import demo_labels
+
+        return {k: demo_labels(cfg)[k] for k in ("shared_prefix_tokens", "prefix_position")}
+    if kind == "prefix-last":
+        return {"shared_prefix_tokens": cfg.system_prompt_tokens, "prefix_position": "last"}
+    return {"shared_prefix_tokens": 0, "prefix_position": "mixed"}  # miss_workload
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("healthy", "demo",
              "Light load, short prompts behind a shared system prompt, ample KV pages of 16 tokens, "
@@ -260,10 +283,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "thread at nice -20, ahead of the other work of a shared machine, so the engine gets the CPU "
              "it asks for.",
              expect=(),
-             demo=dict(requests=24, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
-                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
-                       page_size=16, num_pages=512, max_batch_tokens=256),
-             labels=dict(shared_prefix_tokens=65, prefix_position="first"), nice=-20, torch_threads=1),
+             demo=HEALTHY, nice=-20, torch_threads=1),
     Scenario("prefill-interference", "demo",
              "Long prompts (1-1.5k tokens) prefilled whole (token budget 4096, so never chunked) while "
              "other requests decode long outputs: decode steps share the forward with long prefills, and the decodes "
@@ -272,8 +292,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              demo=dict(requests=20, arrival_rate_per_s=3.0, system_prompt_tokens=32, short_prompt=[8, 32],
                        long_prompt=[1024, 1536], long_prompt_share=0.5, short_output=[32, 64],
                        long_output=[96, 160], long_output_share=0.5, page_size=32, num_pages=1024,
-                       max_batch_tokens=4096),
-             labels=dict(shared_prefix_tokens=33, prefix_position="first")),
+                       max_batch_tokens=4096)),
     Scenario("kv-pressure", "demo",
              "A KV cache of 24 pages x 32 tokens (768 tokens) under long prompts and outputs: the cache "
              "fills and requests are preempted and recomputed.",
@@ -281,61 +300,47 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              demo=dict(requests=24, arrival_rate_per_s=12.0, system_prompt_tokens=32, short_prompt=[32, 96],
                        long_prompt=[192, 320], long_prompt_share=0.5, short_output=[16, 48],
                        long_output=[96, 160], long_output_share=0.5, page_size=32, num_pages=24,
-                       max_batch_tokens=256),
-             labels=dict(shared_prefix_tokens=33, prefix_position="first")),
+                       max_batch_tokens=256)),
     Scenario("internal-fragmentation", "demo",
              "Pages of 256 tokens holding short sequences (16-token system prompt, 8-48-token prompts, "
              "4-16 output tokens): most of every page is empty.",
              expect=("kv-internal-fragmentation",),
-             demo=dict(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=16, short_prompt=[8, 48],
-                       long_prompt_share=0.0, short_output=[4, 16], long_output_share=0.0,
-                       page_size=256, num_pages=64, max_batch_tokens=256),
-             labels=dict(shared_prefix_tokens=17, prefix_position="first")),
+             demo=_short_only(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=16, short_prompt=[8, 48],
+                             short_output=[4, 16], page_size=256, num_pages=64, max_batch_tokens=256)),
     Scenario("queueing", "demo",
              "Arrivals at 60/s of 64-128-token prompts against a token budget of 32 per step (decode "
              "tokens included): the offered prefill load is about twice what the engine prefills, so "
              "requests wait to be scheduled far longer than their prefill takes.",
              expect=("ttft-queueing",),
-             demo=dict(requests=48, arrival_rate_per_s=60.0, system_prompt_tokens=32, short_prompt=[64, 128],
-                       long_prompt_share=0.0, short_output=[4, 12], long_output_share=0.0,
-                       page_size=16, num_pages=1024, max_batch_tokens=32),
-             labels=dict(shared_prefix_tokens=33, prefix_position="first")),
+             demo=_short_only(requests=48, arrival_rate_per_s=60.0, system_prompt_tokens=32, short_prompt=[64, 128],
+                             short_output=[4, 12], page_size=16, num_pages=1024, max_batch_tokens=32)),
     Scenario("prefix-miss", "prefix-last",
              "Every prompt carries the same 128-token system prompt, but after the variable user part, "
              "so no prompt shares a leading page with another.",
              expect=("prefix-hit-collapse",),
-             demo=dict(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=128, short_prompt=[8, 48],
-                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
-                       page_size=16, num_pages=512, max_batch_tokens=256),
-             labels=dict(shared_prefix_tokens=128, prefix_position="last")),
+             demo=_short_only(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=128, short_prompt=[8, 48],
+                             short_output=[8, 24], page_size=16, num_pages=512, max_batch_tokens=256)),
     Scenario("service-mix", "demo",
              "The demo's own default workload (DemoConfig()): a shared system prompt, 30% long prompts "
              "prefilled in chunks of 256 tokens, 30% long outputs, 12 arrivals/s into 96 pages of 32 tokens. "
              "Chunk-sized prefills next to decode, scattered free pages under churn, a KV cache that peaks "
              "near full (queueing too when the machine is busy: timing-dependent, not expected).",
              expect=("prefill-stalls-decode", "kv-external-fragmentation", "kv-headroom-low"),
-             demo={},
-             labels=dict(shared_prefix_tokens=97, prefix_position="first")),
+             demo={}),
     Scenario("host-bound", "demo",
              "The healthy workload with the engine made host-bound on purpose: every thread of the serving "
              "process (engine, torch on one thread, the in-process sidecar) pinned to one CPU that two "
              "busy-spinning processes also run on, so the engine waits on the run queue for most of the time "
              "it wants the CPU.",
              expect=("host-bound",),
-             demo=dict(requests=24, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
-                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
-                       page_size=16, num_pages=512, max_batch_tokens=256),
-             labels=dict(shared_prefix_tokens=65, prefix_position="first"),
+             demo=HEALTHY,
              contention=dict(busy_processes=2, torch_threads=1)),
     Scenario("telemetry-silent", "demo",
              "The healthy workload (32 requests at 2/s) whose runtime adapter stops reporting KV snapshots and "
              "prefix counters 4 s into serving while steps and requests go on, as an adapter that lost its "
              "hooks would: KV and prefix figures go stale for the remaining ~12 s.",
              expect=("telemetry-kv-snapshots-stopped", "telemetry-prefix-counters-stuck"),
-             demo=dict(requests=32, arrival_rate_per_s=2.0, system_prompt_tokens=64, short_prompt=[8, 32],
-                       long_prompt_share=0.0, short_output=[8, 24], long_output_share=0.0,
-                       page_size=16, num_pages=512, max_batch_tokens=256, adapter_silent_after_s=4.0),
-             labels=dict(shared_prefix_tokens=65, prefix_position="first"), nice=-20, torch_threads=1),
+             demo={**HEALTHY, "requests": 32, "adapter_silent_after_s": 4.0}, nice=-20, torch_threads=1),
     Scenario("prefix-miss-causes", "miss",
              "The crafted miss workload (miss_workload): pages of 16 tokens, a cache of 32 pages. First-admission "
              "misses: 716 tokens with no shared prefix, 60 shared inside a partly shared first page (5 x 12), 64 "
@@ -344,8 +349,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              expect=("prefix-miss-sub-page", "prefix-miss-evicted", "prefix-miss-readmission",
                      "prefix-miss-no-shared-prefix", "kv-evicted-before-reuse"),
              demo=dict(requests=15, page_size=16, num_pages=32, max_batch_tokens=256, vocab_size=4096,
-                       hidden_size=64, layers=2, heads=4, kv_heads=2),
-             labels=dict(shared_prefix_tokens=0, prefix_position="mixed")),
+                       hidden_size=64, layers=2, heads=4, kv_heads=2)),
     Scenario("prefix-miss-vllm", "vllm",
              "vLLM 0.32 CPU (offline LLM API, tiny random-weight Llama, pages of 32 tokens, a pool of 8 pages) "
              "serving vllm_workload.prefix_miss_workload() one prompt at a time. First admissions: 1044 tokens "
@@ -469,7 +473,7 @@ def build_db(name: str, db_path: str) -> tuple[str, dict[str, Any]]:
             else:
                 workload = prefix_last_workload(cfg) if sc.kind == "prefix-last" else miss_workload(cfg)
                 run_id = run_workload(db_path, cfg, workload)
-        labels = {**_demo_labels(cfg), **sc.labels}
+        labels = {**_demo_labels(cfg), **_prefix_labels(sc.kind, cfg), **sc.labels}
         if sc.contention:
             labels.update({f"contention_{k}": v for k, v in sc.contention.items()}, contention_cpu=how["cpu"])
         if sc.nice:

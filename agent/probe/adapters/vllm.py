@@ -193,8 +193,37 @@ def _err(probe_ref: Callable[[], Probe | None], exc: BaseException) -> None:
 
 # --- run labels -------------------------------------------------------------
 
+# run label -> (the VllmConfig part it is read from, its attribute); "hf": the model's HF text config
+CONFIG_LABELS: dict[str, tuple[str, str]] = {
+    "model_layers": ("hf", "num_hidden_layers"),
+    "model_heads": ("hf", "num_attention_heads"),
+    "model_kv_heads": ("hf", "num_key_value_heads"),  # else model_heads
+    "model_head_dim": ("hf", "head_dim"),  # else hidden // heads
+    "model_hidden": ("hf", "hidden_size"),
+    "model_intermediate": ("hf", "intermediate_size"),
+    "model_vocab": ("hf", "vocab_size"),
+    "model_dtype": ("model_config", "dtype"),  # torch.float16 -> float16
+    "max_model_len": ("model_config", "max_model_len"),
+    "enforce_eager": ("model_config", "enforce_eager"),
+    "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
+    "max_num_seqs": ("scheduler_config", "max_num_seqs"),
+    "enable_chunked_prefill": ("scheduler_config", "enable_chunked_prefill"),
+    "async_scheduling": ("scheduler_config", "async_scheduling"),
+    "block_size": ("cache_config", "block_size"),
+    "page_size": ("cache_config", "block_size"),
+    "enable_prefix_caching": ("cache_config", "enable_prefix_caching"),
+    "kv_cache_dtype": ("cache_config", "cache_dtype"),
+    "gpu_memory_utilization": ("cache_config", "gpu_memory_utilization"),
+    "num_gpu_blocks": ("cache_config", "num_gpu_blocks"),
+    "tp": ("parallel_config", "tensor_parallel_size"),
+    "pp": ("parallel_config", "pipeline_parallel_size"),
+    "dp": ("parallel_config", "data_parallel_size"),
+}
+
+
 def config_labels(vllm_config: Any) -> dict[str, str]:
-    """Run labels from a `VllmConfig`: model geometry and the vLLM flags the analyzers name."""
+    """Run labels from a `VllmConfig`: model geometry and the vLLM flags the analyzers name (CONFIG_LABELS);
+    a label whose part or attribute is missing, None or empty is left out."""
     out: dict[str, str] = {"runtime": RUNTIME}
     try:
         import vllm
@@ -202,49 +231,16 @@ def config_labels(vllm_config: Any) -> dict[str, str]:
         out["vllm_version"] = str(vllm.__version__)
     except Exception:  # noqa: BLE001
         pass
-    mc = getattr(vllm_config, "model_config", None)
-    sc = getattr(vllm_config, "scheduler_config", None)
-    cc = getattr(vllm_config, "cache_config", None)
-    pc = getattr(vllm_config, "parallel_config", None)
-    fields: dict[str, Any] = {}
-    if mc is not None:
-        hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
-        heads = getattr(hf, "num_attention_heads", None)
-        hidden = getattr(hf, "hidden_size", None)
-        fields.update(
-            model_layers=getattr(hf, "num_hidden_layers", None),
-            model_heads=heads,
-            model_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            model_head_dim=getattr(hf, "head_dim", None) or (hidden // heads if hidden and heads else None),
-            model_hidden=hidden,
-            model_intermediate=getattr(hf, "intermediate_size", None),
-            model_vocab=getattr(hf, "vocab_size", None),
-            model_dtype=str(getattr(mc, "dtype", "")).replace("torch.", "") or None,
-            max_model_len=getattr(mc, "max_model_len", None),
-            enforce_eager=getattr(mc, "enforce_eager", None),
-        )
-    if sc is not None:
-        fields.update(
-            max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", None),
-            max_num_seqs=getattr(sc, "max_num_seqs", None),
-            enable_chunked_prefill=getattr(sc, "enable_chunked_prefill", None),
-            async_scheduling=getattr(sc, "async_scheduling", None),
-        )
-    if cc is not None:
-        fields.update(
-            block_size=getattr(cc, "block_size", None),
-            page_size=getattr(cc, "block_size", None),
-            enable_prefix_caching=getattr(cc, "enable_prefix_caching", None),
-            kv_cache_dtype=getattr(cc, "cache_dtype", None),
-            gpu_memory_utilization=getattr(cc, "gpu_memory_utilization", None),
-            num_gpu_blocks=getattr(cc, "num_gpu_blocks", None),
-        )
-    if pc is not None:
-        fields.update(
-            tp=getattr(pc, "tensor_parallel_size", None),
-            pp=getattr(pc, "pipeline_parallel_size", None),
-            dp=getattr(pc, "data_parallel_size", None),
-        )
+    parts = {part: getattr(vllm_config, part, None)
+             for part in ("model_config", "scheduler_config", "cache_config", "parallel_config")}
+    mc = parts["model_config"]
+    parts["hf"] = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    fields = {label: getattr(parts[part], attr, None) for label, (part, attr) in CONFIG_LABELS.items()}
+    heads, hidden = fields["model_heads"], fields["model_hidden"]
+    fields["model_kv_heads"] = fields["model_kv_heads"] or heads
+    fields["model_head_dim"] = fields["model_head_dim"] or (hidden // heads if hidden and heads else None)
+    if mc is not None:  # str() of a torch dtype, without its module
+        fields["model_dtype"] = str(getattr(mc, "dtype", "")).replace("torch.", "") or None
     for k, v in fields.items():
         if v is not None and v != "":
             out[k] = str(v)[:96]
