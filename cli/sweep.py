@@ -170,6 +170,11 @@ def _rates(text: str) -> list[float]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    """sweep HF continuous batching over arrival rates to the SLO knee
+
+    Serve the demo's random-weight Llama with HF continuous batching at each arrival rate (one labelled run per
+    rate in --db), then report TTFT/TPOT/ITL percentiles, goodput, SLO attainment and survival per rate, the knee,
+    and the constraint that binds there with the change that would move it."""
     from rich.console import Console
 
     from phasescope.analyzers.sweep import Slo
@@ -195,11 +200,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register `sweep` on an argparse subparsers object."""
-    s = add_command(sub, cmd_sweep, "sweep", help="sweep HF continuous batching over arrival rates to the SLO knee",
-                    description="Serve the demo's random-weight Llama with HF continuous batching at each arrival "
-                                "rate (one labelled run per rate in --db), then report TTFT/TPOT/ITL percentiles, "
-                                "goodput, SLO attainment and survival per rate, the knee, and the constraint that "
-                                "binds there with the change that would move it.")
+    s = add_command(sub, cmd_sweep)
     s.add_argument("--db", default="phasescope-sweep.duckdb", help="DuckDB file (default: %(default)s)")
     s.add_argument("--rates", type=_rates, default=[2.0, 4.0, 8.0, 16.0, 32.0],
                    help="arrival rates, requests/s, comma-separated (default: 2,4,8,16,32)")

@@ -184,6 +184,11 @@ def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *,
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """apply one finding's suggestion, re-run the same workload, and keep or revert it
+
+    Re-run a recorded HF continuous-batching demo run's workload with and without one finding's suggested change,
+    interleaved, and compare the measured effect with the finding's prediction (keep, keep-but-mispredicted,
+    revert)."""
     from rich.console import Console
 
     if args.max_pairs < args.min_pairs or args.min_pairs < 2:
@@ -211,11 +216,7 @@ def describe(r: dict[str, Any]) -> str:
 
 
 def add_commands(sub: Any) -> None:
-    v = add_command(sub, cmd_verify, "verify",
-                    help="apply one finding's suggestion, re-run the same workload, and keep or revert it",
-                    description="Re-run a recorded HF continuous-batching demo run's workload with and without one "
-                                "finding's suggested change, interleaved, and compare the measured effect with the "
-                                "finding's prediction (keep, keep-but-mispredicted, revert).")
+    v = add_command(sub, cmd_verify)
     v.add_argument("--db", default="phasescope.duckdb", help="DuckDB file no agent holds (default: %(default)s)")
     v.add_argument("--run", help="run id (default: the latest)")
     v.add_argument("--finding", help="finding id (default: the first that predicts a number)")
