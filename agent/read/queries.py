@@ -11,7 +11,7 @@ from typing import Any
 
 import duckdb
 
-from . import phases
+from . import kvreads, phases
 from .thresholds import T
 
 STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
@@ -116,7 +116,11 @@ def probe_health(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> d
 
 
 def kv_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> list[dict[str, Any]]:
-    """Per rank: paged-KV figures over the run's snapshots (means are per snapshot; churn per second)."""
+    """Per rank: paged-KV figures over the run's snapshots (means are per snapshot; churn per second).
+    From the ten-second KV rollup where it answers (agent/read/kvreads.py: the same figures)."""
+    out = kvreads.kv_summary(con, run_id)
+    if out is not None:
+        return out
     where, params = _run_filter(run_id)
     rows = con.execute(
         f"""SELECT k.rank, count(*) AS snapshots, any_value(page_size_tokens), max(total_pages),
@@ -296,7 +300,11 @@ def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, tt
 
 def kv_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
                 since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
-    """Per bucket and rank: mean block and token usage, internal/external fragmentation, pages allocated/freed per s."""
+    """Per bucket and rank: mean block and token usage, internal/external fragmentation, pages allocated/freed per s.
+    From the ten-second KV rollup for buckets and windows of whole cells (agent/read/kvreads.py: the same figures)."""
+    out = kvreads.kv_timeline(con, run_id, bucket_s, since_s, until_s)
+    if out is not None:
+        return out
     t, where, params = _window(run_id, since_s, until_s, table="k")
     return _rows(con, f"""
         SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank,
@@ -357,7 +365,11 @@ def prefix_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, b
 
 def rank_kv(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
             since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
-    """Per bucket and rank: mean KV bytes, and per bucket the imbalance max_r/mean_r - 1 (heatmap data)."""
+    """Per bucket and rank: mean KV bytes, and per bucket the imbalance max_r/mean_r - 1 (heatmap data).
+    From the ten-second KV rollup for buckets and windows of whole cells (agent/read/kvreads.py: the same figures)."""
+    out = kvreads.rank_kv(con, run_id, bucket_s, since_s, until_s)
+    if out is not None:
+        return out
     t, where, params = _window(run_id, since_s, until_s, table="k")
     return _rows(con, f"""
         WITH r AS (SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank, avg(kv_bytes) AS kv

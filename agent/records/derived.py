@@ -39,7 +39,7 @@ earliest one left are recomputed from what is left, the gaps whose steps may hav
 re-tied; when the request rows then do not hold every raw event once (rows were deleted
 elsewhere) it rebuilds them all.
 
-`refresh` also folds the per-second step rollup (steprollup.py) in the same transaction.
+`refresh` also folds the ten-second step and KV rollups (steprollup.py, kvrollup.py) in the same transaction.
 
 Pure SQL over a connection the caller passes; imports nothing of ours outside this floor.
 """
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import steprollup
+from . import kvrollup, steprollup
 
 # table -> (column DDL, one-line doc)
 TABLES: dict[str, list[tuple[str, str, str]]] = {
@@ -552,5 +552,6 @@ def fold(con: Any) -> int:
             con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
     con.execute("DROP TABLE IF EXISTS temp.forced")
     _attribute(con, new_gaps=bool(new) or deleted or st is None)
-    steprollup.refresh(con)  # the per-second step rollup, by its own watermark
+    steprollup.refresh(con)  # the ten-second step rollup, by its own watermark
+    kvrollup.refresh(con)  # the ten-second KV rollup (counts from the step rollup's run starts)
     return new
