@@ -385,8 +385,7 @@ def rank_steps(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     (max/median - 1). Above `max_rows` steps, every k-th step id (all ranks of each
     sampled step kept) bounds the cost; shares and medians are estimates then."""
     where, params = _run_filter(run_id)
-    n = con.execute(f"SELECT count(*) FROM steps t JOIN sources s USING (source_id) WHERE true {where}",
-                    params).fetchone()[0]
+    n = con.execute(*_per_source_steps(run_id)).fetchone()[0]
     k = max(1, -(-n // max_rows))
     return _rows(con, f"""
         WITH t AS (SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
@@ -486,11 +485,19 @@ def host_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
 
 def run_span(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
     """Steps of the run and the seconds between its first and last step (the time-range filter's span)."""
-    where, params = _run_filter(run_id)
-    n, lo, hi = con.execute(
-        f"""SELECT count(*), min(t.ts_ns + s.wall_minus_mono_ns), max(t.ts_ns + s.wall_minus_mono_ns)
-            FROM steps t JOIN sources s USING (source_id) WHERE true {where}""", params).fetchone()
+    n, lo, hi = con.execute(*_per_source_steps(run_id)).fetchone()
     return {"steps": n, "span_s": (hi - lo) / 1e9 if n else 0.0}
+
+
+def _per_source_steps(run_id: str | None) -> tuple[str, list[Any]]:
+    """SQL (and params) of one row: the run's steps, its first and last step on wall time (ns). Per source
+    first, then over the run's sources: the same count and extremes as over every step joined to its source
+    (the wall offset is one per source), without a join per step (every page's sidebar reads it)."""
+    where, params = _run_filter(run_id)
+    return (f"""SELECT CAST(coalesce(sum(x.n), 0) AS BIGINT), min(x.lo + s.wall_minus_mono_ns),
+                       max(x.hi + s.wall_minus_mono_ns)
+                FROM (SELECT source_id, count(*) AS n, min(ts_ns) AS lo, max(ts_ns) AS hi FROM steps
+                      GROUP BY source_id) x JOIN sources s USING (source_id) WHERE true {where}""", params)
 
 
 def memory_budget(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
