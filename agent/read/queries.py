@@ -387,15 +387,34 @@ def rank_steps(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     where, params = _run_filter(run_id)
     n = con.execute(*_per_source_steps(run_id)).fetchone()[0]
     k = max(1, -(-n // max_rows))
+    steps = f"""SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+                   WHERE t.step_id % {k} = 0 {where}"""
+    keys = ("rank", "p50_ms", "slowest_share", "skew_mean")
+    # two ranks a step (TP 2, no rank twice): a step's median is lo + (hi - lo) * 0.5, DuckDB's own interpolation
+    # (the product by 0.5 is exact, so a fused multiply-add gives the same), every row is in a step of 2+ ranks
+    # (a rank's median is over all its rows: no join back), and each step counts once for each of its two ranks
+    world = con.execute(f"SELECT max(world_size) FROM sources s WHERE true {where}", params).fetchone()[0]
+    rows = [] if world != 2 else con.execute(f"""
+        WITH t AS ({steps}),
+             g AS MATERIALIZED (SELECT count(*) AS n, min(rank) AS r0, max(rank) AS r1, max(ms) AS mx,
+                                       min(ms) + (max(ms) - min(ms)) * 0.5 AS med, arg_max(rank, ms) AS slow
+                                FROM t GROUP BY step_id),
+             ok AS (SELECT coalesce(bool_and(n = 2 AND r0 < r1), false) AS two FROM g),
+             per AS (SELECT r, count(*) FILTER (WHERE slow = r) AS slowest, sum(mx / nullif(med, 0) - 1) AS skew_sum,
+                            count(mx / nullif(med, 0) - 1) AS skew_n
+                     FROM (SELECT r0 AS r, slow, mx, med FROM g UNION ALL SELECT r1, slow, mx, med FROM g) GROUP BY r),
+             m AS (SELECT rank, median(ms) AS p50, count(*) AS n FROM t GROUP BY rank)
+        SELECT m.rank, m.p50, per.slowest / m.n, per.skew_sum / nullif(per.skew_n, 0), ok.two
+        FROM m JOIN per ON per.r = m.rank, ok ORDER BY m.rank""", params).fetchall()
+    if rows and all(r[-1] for r in rows):
+        return [dict(zip(keys, r[:-1])) for r in rows]
     return _rows(con, f"""
-        WITH t AS (SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
-                   WHERE t.step_id % {k} = 0 {where}),
+        WITH t AS ({steps}),
              g AS (SELECT step_id, max(ms) AS mx, median(ms) AS med, arg_max(rank, ms) AS slow
                    FROM t GROUP BY step_id HAVING count(*) > 1)
         SELECT t.rank, median(t.ms), count(*) FILTER (WHERE g.slow = t.rank) / count(*),
                avg(g.mx / nullif(g.med, 0) - 1)
-        FROM t JOIN g USING (step_id) GROUP BY t.rank ORDER BY t.rank""", params,
-        ("rank", "p50_ms", "slowest_share", "skew_mean"))
+        FROM t JOIN g USING (step_id) GROUP BY t.rank ORDER BY t.rank""", params, keys)
 
 
 def gpu_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
