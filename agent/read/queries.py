@@ -11,6 +11,7 @@ from typing import Any
 
 import duckdb
 
+from ..records import derived
 from . import kvreads, phases
 from .thresholds import T
 
@@ -82,7 +83,7 @@ def request_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -
                    sum(output_tokens), sum(prompt_tokens),
                    (max(last_token_ns) - min(arrival_ns)) / 1e9,
                    count(*) FILTER (WHERE status = 'aborted'), sum(preemptions)
-            FROM requests {where}""",
+            FROM {_requests(con)} {where}""",
         params,
     ).fetchone()
     n, fin, ttft, tpot, queue, e2e, out_tok, in_tok, span, aborted, pre = row
@@ -156,7 +157,7 @@ def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) ->
     ).fetchone()
     queried, hit, recomputed, evicted = (int(v) if v is not None else None for v in row)
     preempted = con.execute(
-        f"""SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) FROM requests s WHERE true {where}""",
+        f"""SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) FROM {_requests(con)} s WHERE true {where}""",
         params).fetchone()[0]
     return {"queried_tokens": queried, "hit_tokens": hit,
             "hit_rate": hit / queried if queried else None,
@@ -254,6 +255,20 @@ def interference(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
 LATENCY_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": "queue_s"}
 
 
+def _stored(con: duckdb.DuckDBPyConnection) -> dict[str, str] | None:
+    """The `requests` and `itl` views' rows read from the stored tables when nothing is left to derive
+    (derived.stored: the same rows)."""
+    try:
+        return derived.stored(con)
+    except duckdb.Error:  # a store without the derived tables (an older build's, or Parquet exports)
+        return None
+
+
+def _requests(con: duckdb.DuckDBPyConnection) -> str:
+    """What to read the `requests` view's rows from: the stored rows when nothing is left to derive, else the view."""
+    return (_stored(con) or {}).get("requests", "requests")
+
+
 def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None, metric: str = "ttft",
                       bins: int = 30) -> list[dict[str, Any]]:
     """Log-spaced histogram of a per-request latency (ttft, tpot, e2e, queue) or of ITL (itl: one count per
@@ -269,8 +284,9 @@ def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         raise ValueError(f"metric must be one of {sorted(LATENCY_METRICS) + ['itl']}")
     where = "" if run_id is None else " AND run_id = $run_id"
     named: dict[str, Any] = {"bins": bins} if run_id is None else {"bins": bins, "run_id": run_id}
+    src = (_stored(con) or {}).get(src, src)
     return _rows(con, f"""
-        WITH v AS (SELECT {col} AS x, {weight} AS w FROM {src} WHERE {col} > 0{where}),
+        WITH v AS MATERIALIZED (SELECT {col} AS x, {weight} AS w FROM {src} WHERE {col} > 0{where}),
              b AS (SELECT ln(min(x)) AS lo, greatest(ln(max(x)) - ln(min(x)), 1e-9) AS span FROM v),
              k AS (SELECT least(floor((ln(x) - lo) / span * $bins), $bins - 1) AS i, w FROM v, b)
         SELECT exp(lo + i * span / $bins) AS lo_s, exp(lo + (i + 1) * span / $bins) AS hi_s, CAST(sum(w) AS BIGINT)
@@ -288,7 +304,7 @@ def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, tt
                count(*) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
                sum(output_tokens) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
                (max(last_token_ns) - min(arrival_ns)) / 1e9
-        FROM requests WHERE status = 'finished'{where}""",
+        FROM {_requests(con)} WHERE status = 'finished'{where}""",
         [ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s] + params).fetchone()
     n, ttft_ok, tpot_ok, both, tokens, span = row
     span = span or 0
@@ -332,7 +348,7 @@ def page_size_whatif(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     where = "" if run_id is None else " AND run_id = ?"
     params = [] if run_id is None else [run_id]
     return _rows(con, f"""
-        WITH n AS (SELECT prompt_tokens + output_tokens AS n FROM requests
+        WITH n AS (SELECT prompt_tokens + output_tokens AS n FROM {_requests(con)}
                    WHERE prompt_tokens IS NOT NULL{where}),
              p AS (SELECT unnest(?::INTEGER[]) AS page_size)
         SELECT page_size, 1 - sum(n) / sum(ceil(n / page_size) * page_size), sum(ceil(n / page_size))

@@ -403,6 +403,21 @@ def attribution_current(con: Any) -> bool:
     return True
 
 
+def stored(con: Any) -> dict[str, str] | None:
+    """SQL of the views `requests` and `itl` over the stored rows alone (no delta to derive), when they hold every
+    raw request event in the store now (nothing written since the last fold, nothing deleted): the same rows as
+    the views, without planning and running their delta. None otherwise (read the views)."""
+    st = state(con)
+    if st is None or con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = 'request_events'").fetchone()[0]:
+        return None
+    wm, n = st
+    below, above = con.execute(f"SELECT count(*) FILTER (WHERE rowid <= {wm}), count(*) FILTER (WHERE rowid > {wm}) "
+                               "FROM request_events").fetchone()
+    if below != n or above:
+        return None
+    return {"requests": f"({REQUESTS_SELECT} FROM request_rows)", "itl": f"({ITL_SELECT} FROM token_gaps)"}
+
+
 def _temp(con: Any, stages: list[tuple[str, str]], new_filter: str = "") -> None:
     for name, sql in stages:  # each stage once, as a temp table the later stages read by its name
         con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql.replace('{new}', new_filter)}")
