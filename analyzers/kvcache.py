@@ -59,11 +59,13 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
                 labels: dict | None = None, **_: object) -> list[Finding]:
     """Fires when block usage reaches `near_cap` (fraction of pages) and >= `min_preemptions` requests
     were preempted."""
-    e = _usage(con, run_id, near_cap)
-    if not e["snapshots"] or e["block_usage_max"] < near_cap:
-        return []
+    # preemptions first: one pass over the request rows, where the usage is a quantile over every snapshot
+    # (which kv_headroom_low reads anyway when nothing was preempted); the same two conditions either way
     pre = one(con, PREEMPTIONS, run_id)
     if pre["preemptions"] < min_preemptions:
+        return []
+    e = _usage(con, run_id, near_cap)
+    if not e["snapshots"] or e["block_usage_max"] < near_cap:
         return []
     px = one(con, PREFIX_TOTALS, run_id)
     seq = one(con, SEQ_LEN_SQL, run_id)

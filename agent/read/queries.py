@@ -12,7 +12,8 @@ from typing import Any
 
 import duckdb
 
-from . import phases
+from ..records import derived
+from . import kvreads, phases
 from .thresholds import T
 
 STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
@@ -83,7 +84,7 @@ def request_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -
                    sum(output_tokens), sum(prompt_tokens),
                    (max(last_token_ns) - min(arrival_ns)) / 1e9,
                    count(*) FILTER (WHERE status = 'aborted'), sum(preemptions)
-            FROM requests {where}""",
+            FROM {_requests(con)} {where}""",
         params,
     ).fetchone()
     n, fin, ttft, tpot, queue, e2e, out_tok, in_tok, span, aborted, pre = row
@@ -117,7 +118,11 @@ def probe_health(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> d
 
 
 def kv_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> list[dict[str, Any]]:
-    """Per rank: paged-KV figures over the run's snapshots (means are per snapshot; churn per second)."""
+    """Per rank: paged-KV figures over the run's snapshots (means are per snapshot; churn per second).
+    From the ten-second KV rollup where it answers (agent/read/kvreads.py: the same figures)."""
+    out = kvreads.kv_summary(con, run_id)
+    if out is not None:
+        return out
     where, params = _run_filter(run_id)
     rows = con.execute(
         f"""SELECT k.rank, count(*) AS snapshots, any_value(page_size_tokens), max(total_pages),
@@ -153,7 +158,7 @@ def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) ->
     ).fetchone()
     queried, hit, recomputed, evicted = (int(v) if v is not None else None for v in row)
     preempted = con.execute(
-        f"""SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) FROM requests s WHERE true {where}""",
+        f"""SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) FROM {_requests(con)} s WHERE true {where}""",
         params).fetchone()[0]
     return {"queried_tokens": queried, "hit_tokens": hit,
             "hit_rate": hit / queried if queried else None,
@@ -251,6 +256,20 @@ def interference(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
 LATENCY_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": "queue_s"}
 
 
+def _stored(con: duckdb.DuckDBPyConnection) -> dict[str, str] | None:
+    """The `requests` and `itl` views' rows read from the stored tables when nothing is left to derive
+    (derived.stored: the same rows)."""
+    try:
+        return derived.stored(con)
+    except duckdb.Error:  # a store without the derived tables (an older build's, or Parquet exports)
+        return None
+
+
+def _requests(con: duckdb.DuckDBPyConnection) -> str:
+    """What to read the `requests` view's rows from: the stored rows when nothing is left to derive, else the view."""
+    return (_stored(con) or {}).get("requests", "requests")
+
+
 def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None, metric: str = "ttft",
                       bins: int = 30) -> list[dict[str, Any]]:
     """Log-spaced histogram of a per-request latency (ttft, tpot, e2e, queue) or of ITL (itl: one count per
@@ -266,8 +285,9 @@ def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         raise ValueError(f"metric must be one of {sorted(LATENCY_METRICS) + ['itl']}")
     where = "" if run_id is None else " AND run_id = $run_id"
     named: dict[str, Any] = {"bins": bins} if run_id is None else {"bins": bins, "run_id": run_id}
+    src = (_stored(con) or {}).get(src, src)
     return _rows(con, f"""
-        WITH v AS (SELECT {col} AS x, {weight} AS w FROM {src} WHERE {col} > 0{where}),
+        WITH v AS MATERIALIZED (SELECT {col} AS x, {weight} AS w FROM {src} WHERE {col} > 0{where}),
              b AS (SELECT ln(min(x)) AS lo, greatest(ln(max(x)) - ln(min(x)), 1e-9) AS span FROM v),
              k AS (SELECT least(floor((ln(x) - lo) / span * $bins), $bins - 1) AS i, w FROM v, b)
         SELECT exp(lo + i * span / $bins) AS lo_s, exp(lo + (i + 1) * span / $bins) AS hi_s, CAST(sum(w) AS BIGINT)
@@ -285,7 +305,7 @@ def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, tt
                count(*) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
                sum(output_tokens) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
                (max(last_token_ns) - min(arrival_ns)) / 1e9
-        FROM requests WHERE status = 'finished'{where}""",
+        FROM {_requests(con)} WHERE status = 'finished'{where}""",
         [ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s] + params).fetchone()
     n, ttft_ok, tpot_ok, both, tokens, span = row
     span = span or 0
@@ -297,7 +317,11 @@ def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, tt
 
 def kv_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
                 since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
-    """Per bucket and rank: mean block and token usage, internal/external fragmentation, pages allocated/freed per s."""
+    """Per bucket and rank: mean block and token usage, internal/external fragmentation, pages allocated/freed per s.
+    From the ten-second KV rollup for buckets and windows of whole cells (agent/read/kvreads.py: the same figures)."""
+    out = kvreads.kv_timeline(con, run_id, bucket_s, since_s, until_s)
+    if out is not None:
+        return out
     t, where, params = _window(run_id, since_s, until_s, table="k")
     return _rows(con, f"""
         SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank,
@@ -325,7 +349,7 @@ def page_size_whatif(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     where = "" if run_id is None else " AND run_id = ?"
     params = [] if run_id is None else [run_id]
     return _rows(con, f"""
-        WITH n AS (SELECT prompt_tokens + output_tokens AS n FROM requests
+        WITH n AS (SELECT prompt_tokens + output_tokens AS n FROM {_requests(con)}
                    WHERE prompt_tokens IS NOT NULL{where}),
              p AS (SELECT unnest(?::INTEGER[]) AS page_size)
         SELECT page_size, 1 - sum(n) / sum(ceil(n / page_size) * page_size), sum(ceil(n / page_size))
@@ -358,7 +382,11 @@ def prefix_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, b
 
 def rank_kv(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
             since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
-    """Per bucket and rank: mean KV bytes, and per bucket the imbalance max_r/mean_r - 1 (heatmap data)."""
+    """Per bucket and rank: mean KV bytes, and per bucket the imbalance max_r/mean_r - 1 (heatmap data).
+    From the ten-second KV rollup for buckets and windows of whole cells (agent/read/kvreads.py: the same figures)."""
+    out = kvreads.rank_kv(con, run_id, bucket_s, since_s, until_s)
+    if out is not None:
+        return out
     t, where, params = _window(run_id, since_s, until_s, table="k")
     return _rows(con, f"""
         WITH r AS (SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank, avg(kv_bytes) AS kv
@@ -374,18 +402,36 @@ def rank_steps(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     (max/median - 1). Above `max_rows` steps, every k-th step id (all ranks of each
     sampled step kept) bounds the cost; shares and medians are estimates then."""
     where, params = _run_filter(run_id)
-    n = con.execute(f"SELECT count(*) FROM steps t JOIN sources s USING (source_id) WHERE true {where}",
-                    params).fetchone()[0]
+    n = con.execute(*_per_source_steps(run_id)).fetchone()[0]
     k = max(1, -(-n // max_rows))
+    steps = f"""SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+                   WHERE t.step_id % {k} = 0 {where}"""
+    keys = ("rank", "p50_ms", "slowest_share", "skew_mean")
+    # two ranks a step (TP 2, no rank twice): a step's median is lo + (hi - lo) * 0.5, DuckDB's own interpolation
+    # (the product by 0.5 is exact, so a fused multiply-add gives the same), every row is in a step of 2+ ranks
+    # (a rank's median is over all its rows: no join back), and each step counts once for each of its two ranks
+    world = con.execute(f"SELECT max(world_size) FROM sources s WHERE true {where}", params).fetchone()[0]
+    rows = [] if world != 2 else con.execute(f"""
+        WITH t AS ({steps}),
+             g AS MATERIALIZED (SELECT count(*) AS n, min(rank) AS r0, max(rank) AS r1, max(ms) AS mx,
+                                       min(ms) + (max(ms) - min(ms)) * 0.5 AS med, arg_max(rank, ms) AS slow
+                                FROM t GROUP BY step_id),
+             ok AS (SELECT coalesce(bool_and(n = 2 AND r0 < r1), false) AS two FROM g),
+             per AS (SELECT r, count(*) FILTER (WHERE slow = r) AS slowest, sum(mx / nullif(med, 0) - 1) AS skew_sum,
+                            count(mx / nullif(med, 0) - 1) AS skew_n
+                     FROM (SELECT r0 AS r, slow, mx, med FROM g UNION ALL SELECT r1, slow, mx, med FROM g) GROUP BY r),
+             m AS (SELECT rank, median(ms) AS p50, count(*) AS n FROM t GROUP BY rank)
+        SELECT m.rank, m.p50, per.slowest / m.n, per.skew_sum / nullif(per.skew_n, 0), ok.two
+        FROM m JOIN per ON per.r = m.rank, ok ORDER BY m.rank""", params).fetchall()
+    if rows and all(r[-1] for r in rows):
+        return [dict(zip(keys, r[:-1])) for r in rows]
     return _rows(con, f"""
-        WITH t AS (SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
-                   WHERE t.step_id % {k} = 0 {where}),
+        WITH t AS ({steps}),
              g AS (SELECT step_id, max(ms) AS mx, median(ms) AS med, arg_max(rank, ms) AS slow
                    FROM t GROUP BY step_id HAVING count(*) > 1)
         SELECT t.rank, median(t.ms), count(*) FILTER (WHERE g.slow = t.rank) / count(*),
                avg(g.mx / nullif(g.med, 0) - 1)
-        FROM t JOIN g USING (step_id) GROUP BY t.rank ORDER BY t.rank""", params,
-        ("rank", "p50_ms", "slowest_share", "skew_mean"))
+        FROM t JOIN g USING (step_id) GROUP BY t.rank ORDER BY t.rank""", params, keys)
 
 
 def gpu_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
@@ -475,11 +521,19 @@ def host_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
 
 def run_span(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
     """Steps of the run and the seconds between its first and last step (the time-range filter's span)."""
-    where, params = _run_filter(run_id)
-    n, lo, hi = con.execute(
-        f"""SELECT count(*), min(t.ts_ns + s.wall_minus_mono_ns), max(t.ts_ns + s.wall_minus_mono_ns)
-            FROM steps t JOIN sources s USING (source_id) WHERE true {where}""", params).fetchone()
+    n, lo, hi = con.execute(*_per_source_steps(run_id)).fetchone()
     return {"steps": n, "span_s": (hi - lo) / 1e9 if n else 0.0}
+
+
+def _per_source_steps(run_id: str | None) -> tuple[str, list[Any]]:
+    """SQL (and params) of one row: the run's steps, its first and last step on wall time (ns). Per source
+    first, then over the run's sources: the same count and extremes as over every step joined to its source
+    (the wall offset is one per source), without a join per step (every page's sidebar reads it)."""
+    where, params = _run_filter(run_id)
+    return (f"""SELECT CAST(coalesce(sum(x.n), 0) AS BIGINT), min(x.lo + s.wall_minus_mono_ns),
+                       max(x.hi + s.wall_minus_mono_ns)
+                FROM (SELECT source_id, count(*) AS n, min(ts_ns) AS lo, max(ts_ns) AS hi FROM steps
+                      GROUP BY source_id) x JOIN sources s USING (source_id) WHERE true {where}""", params)
 
 
 def memory_budget(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ earliest one left are recomputed from what is left, the gaps whose steps may hav
 re-tied; when the request rows then do not hold every raw event once (rows were deleted
 elsewhere) it rebuilds them all.
 
-`refresh` also folds the per-second step rollup (steprollup.py) in the same transaction.
+`refresh` also folds the ten-second step and KV rollups (steprollup.py, kvrollup.py) in the same transaction.
 
 Pure SQL over a connection the caller passes; imports nothing of ours outside this floor.
 """
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import steprollup
+from . import kvrollup, steprollup
 from .columns import Tables, table_ddl
 
 # table -> its columns (name, DuckDB type, one-line doc) in insert order (records/columns.py)
@@ -399,6 +399,21 @@ def attribution_current(con: Any) -> bool:
     return True
 
 
+def stored(con: Any) -> dict[str, str] | None:
+    """SQL of the views `requests` and `itl` over the stored rows alone (no delta to derive), when they hold every
+    raw request event in the store now (nothing written since the last fold, nothing deleted): the same rows as
+    the views, without planning and running their delta. None otherwise (read the views)."""
+    st = state(con)
+    if st is None or con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = 'request_events'").fetchone()[0]:
+        return None
+    wm, n = st
+    below, above = con.execute(f"SELECT count(*) FILTER (WHERE rowid <= {wm}), count(*) FILTER (WHERE rowid > {wm}) "
+                               "FROM request_events").fetchone()
+    if below != n or above:
+        return None
+    return {"requests": f"({REQUESTS_SELECT} FROM request_rows)", "itl": f"({ITL_SELECT} FROM token_gaps)"}
+
+
 def _temp(con: Any, stages: list[tuple[str, str]], new_filter: str = "") -> None:
     for name, sql in stages:  # each stage once, as a temp table the later stages read by its name
         con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql.replace('{new}', new_filter)}")
@@ -548,5 +563,6 @@ def fold(con: Any) -> int:
             con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
     con.execute("DROP TABLE IF EXISTS temp.forced")
     _attribute(con, new_gaps=bool(new) or deleted or st is None)
-    steprollup.refresh(con)  # the per-second step rollup, by its own watermark
+    steprollup.refresh(con)  # the ten-second step rollup, by its own watermark
+    kvrollup.refresh(con)  # the ten-second KV rollup (counts from the step rollup's run starts)
     return new
