@@ -68,8 +68,19 @@ def run_case(name: str, finding: str, max_pairs: int) -> dict:
     return r
 
 
+def _converged(r: dict, width: float = 0.1) -> bool:
+    """The effect's interval narrower than `width` x the baseline's mean (as verify stops on it)."""
+    from phasescope.analyzers.predictions import welch_interval
+
+    if "converged" in r:
+        return bool(r["converged"])
+    _, lo, hi = welch_interval(r["baseline"], r["changed"])
+    return hi - lo <= width * abs(sum(r["baseline"]) / len(r["baseline"]))
+
+
 def table_md(results: list[dict], skipped: list[tuple[str, str, str]]) -> str:
-    rows = ["| case | change | prediction | measured effect (95% interval) | verdict | error |", "|---|---|---|---|---|---|"]
+    rows = ["| case | change | prediction | measured effect (95% interval) | verdict | error | load avg (2 cores) |",
+            "|---|---|---|---|---|---|---|"]
     for r in results:
         p = r["prediction"]
         change = ", ".join(f"{k}={v}" for k, v in p["change"].items())
@@ -77,7 +88,8 @@ def table_md(results: list[dict], skipped: list[tuple[str, str, str]]) -> str:
         rows.append(f"| {r['case']} / {p['finding_id']} | {change} | {p['metric']} {p['current']:.4g} -> "
                     f"{p['predicted']:.4g}; expected effect on the re-runs {r['expected']:+.4g} | {r['effect']:+.4g} "
                     f"({r['effect_low']:+.4g} .. {r['effect_high']:+.4g}), {len(r['baseline'])}+{len(r['changed'])} runs "
-                    f"| {r['verdict']} | {err} |")
+                    f"| {r['verdict']}{'' if _converged(r) else ' (interval not converged)'} | {err} "
+                    f"| {r['load_avg'][0]:.1f} |")
     within = [r for r in results if r["error"] is not None and r["error"] <= 0.2]
     bad_keep = [r for r in results if r["verdict"].startswith("keep") and r["effect_high"] >= 0]
     lines = ["# Advice checked by a re-run", "",

@@ -122,7 +122,9 @@ def run_arms(db: str, cfg: Any, change: dict[str, Any], metric: str, *, verify_o
             mean = sum(values["baseline"]) / len(values["baseline"])
             if hi - lo <= width * abs(mean):
                 break
-    return {"values": values, "runs": runs}
+    _, lo, hi = welch_interval(values["baseline"], values["changed"])
+    mean = sum(values["baseline"]) / len(values["baseline"])
+    return {"values": values, "runs": runs, "converged": hi - lo <= width * abs(mean)}
 
 
 def store_verification(db: str, run_id: str, verify_id: str, result: dict[str, Any]) -> None:
@@ -177,7 +179,8 @@ def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *,
     arms = run_arms(db, cfg, prediction.change, prediction.metric, verify_of=run_id, verify_id=verify_id,
                     max_pairs=max_pairs, min_pairs=min_pairs, width=width, progress=progress)
     v = verdict(prediction, arms["values"]["baseline"], arms["values"]["changed"], tolerance, arms["runs"])
-    result = {**v.to_dict(), "verify_id": verify_id, "suggestion": finding.suggestion,
+    # converged: the interval got narrower than `width`; else the run cap ended it and a revert may be a "not shown"
+    result = {**v.to_dict(), "verify_id": verify_id, "suggestion": finding.suggestion, "converged": arms["converged"],
               "settings": {"max_pairs": max_pairs, "min_pairs": min_pairs, "width": width, "tolerance": tolerance}}
     store_verification(db, run_id, verify_id, result)
     return result
@@ -212,7 +215,9 @@ def describe(r: dict[str, Any]) -> str:
             f"(effect {p['predicted'] - p['current']:+.4g}; on these re-runs' baseline {r['expected']:+.4g})\n"
             f"measured over {len(r['baseline'])} + {len(r['changed'])} interleaved runs: effect {r['effect']:+.4g} "
             f"(95% interval {r['effect_low']:+.4g} .. {r['effect_high']:+.4g}); prediction error {err}\n"
-            f"verdict: {r['verdict']}")
+            f"verdict: {r['verdict']}" + ("" if r.get("converged", True) else
+                                          f" (the interval is still wider than --width after {len(r['baseline'])} "
+                                          "pairs: a gain this noisy is not shown; raise --max-pairs)"))
 
 
 def add_commands(sub: Any) -> None:
