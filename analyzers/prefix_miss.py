@@ -14,8 +14,11 @@ because those pages had been evicted:
                                                  request was still computing them)
 
 so (a) + (b) + (c) + in-flight = L - h exactly. Lookups of a re-admission after preemption
-are (d) `readmission` (L - h, recomputation, never a miss of the first admission); prompts
-admitted with the prefix cache off are (e) `cache-disabled` (L).
+are (d) `readmission`: the recomputation, max(0, min(L, D) - h) with D the positions the
+preemption dropped (the `recomputed_tokens` counter's figure, never a miss of the first
+admission; after a decode D = L - 1: the latest sampled token was never computed, and its
+position is a decode, not recomputation); prompts admitted with the prefix cache off are
+(e) `cache-disabled` (L).
 """
 
 from __future__ import annotations

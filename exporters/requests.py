@@ -99,8 +99,8 @@ class RequestListener(Protocol):
 
 
 class _Req:
-    __slots__ = ("arrival", "scheduled", "first", "last", "prompt", "cached", "tokens", "preempt", "touched", "model",
-                 "waiting", "queued")
+    __slots__ = ("arrival", "scheduled", "first", "last", "last_at", "prompt", "cached", "tokens", "preempt", "touched",
+                 "model", "waiting", "queued")
 
     def __init__(self, model: str = "") -> None:
         self.model = model
@@ -110,6 +110,7 @@ class _Req:
         self.scheduled: int | None = None
         self.first: int | None = None
         self.last: int | None = None
+        self.last_at: int | None = None  # engine time of the last token (ITL's clock; the store's token_gaps)
         self.prompt = 0
         self.cached = 0
         self.tokens = 0
@@ -168,16 +169,18 @@ class RequestTracker:
         req.touched = ts
         if kind == REQ_TOKEN:
             n = max(1, tokens)
+            at = ts - 1000 * cached_tokens  # the engine's output time (vLLM's ITL clock); ts where it gives none
             if req.first is None:
                 req.first = ts
                 if req.arrival is not None:
                     self.listener.first_token(source, (ts - req.arrival) * NS)
-            elif req.last is not None:
+            elif req.last_at is not None:
                 if itl is None:
-                    self.listener.inter_token(source, (ts - req.last) * NS / n, n)
+                    self.listener.inter_token(source, (at - req.last_at) * NS / n, n)
                 else:
-                    itl.append(((ts - req.last) * NS / n, n))
+                    itl.append(((at - req.last_at) * NS / n, n))
             req.last = ts
+            req.last_at = at
             req.tokens += n
         elif kind == REQ_ARRIVAL:
             req.arrival = ts

@@ -57,11 +57,12 @@ VIEWS = {
             (queued_ns - arrival_ns) / 1e9 AS frontend_s
         FROM agg""",
     # one row per output token after the first token event: a chunk of k tokens
-    # arriving `gap` after the previous one gives k samples of gap / k
+    # arriving `gap` after the previous one gives k samples of gap / k; on the engine's clock
+    # (issue 27: a token event's ts_ns less its cached_tokens lead in us)
     "itl": """
         WITH t AS (
-            SELECT run_id, request_id, ts_ns, tokens,
-                   lag(ts_ns) OVER (PARTITION BY run_id, request_id ORDER BY ts_ns) AS prev_ns
+            SELECT run_id, request_id, ts_ns - 1000 * cached_tokens AS ts_ns, tokens,
+                   lag(ts_ns - 1000 * cached_tokens) OVER (PARTITION BY run_id, request_id ORDER BY ts_ns) AS prev_ns
             FROM request_log
             WHERE event = 'token' AND tokens > 0
         )

@@ -8,7 +8,8 @@ per output token). Now:
   as mergeable partial aggregates: min/max times, summed tokens, counts, flags;
 - `token_gaps` holds one row per token event (tokens > 0) after a request's first: the
   gap since the previous one (`prev_ns`), the tokens it brought and whether the request
-  was preempted inside it. A gap bringing k tokens stands for k ITL samples of gap / k:
+  was preempted inside it, on the engine's clock (a token event's ts_ns less its `cached_tokens`
+  lead in us: vLLM's output stamps; HF's events have none). A gap bringing k tokens stands for k ITL samples of gap / k:
   it is never expanded into k rows (`tokens` is a weight);
 - each gap also keeps its steps (the run's lowest rank): how many ended in it, the last one
   ended by its token, its neighbours' counts: what ITL attribution joins (agent/read/itl.py);
@@ -68,7 +69,7 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("preemptions", "BIGINT", "preempted events"),
         ("aborted", "BOOLEAN", "an aborted event was seen"),
         ("finished", "BOOLEAN", "a finished event was seen"),
-        ("last_gap_ns", "BIGINT", "last token event with tokens > 0 (where the next gap starts)"),
+        ("last_gap_ns", "BIGINT", "engine time of the last token event with tokens > 0 (where the next gap starts)"),
         ("last_preempted_ns", "BIGINT", "last preempted event"),
         ("last_ts", "BIGINT", "its last event of any kind"),
         ("events", "BIGINT", "its events"),
@@ -78,8 +79,9 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
     "token_gaps": [
         ("run_id", "VARCHAR", "sources.run_id"),
         ("request_id", "VARCHAR", "request_rows.request_id"),
-        ("ts_ns", "BIGINT", "the token event"),
-        ("prev_ns", "BIGINT", "the request's previous token event with tokens > 0"),
+        ("ts_ns", "BIGINT", "the token event's engine time (ts_ns - 1000 * cached_tokens: the runtime's output "
+                            "stamp where it gives one, vLLM's ITL clock; else its ts_ns)"),
+        ("prev_ns", "BIGINT", "the request's previous token event with tokens > 0, engine time likewise"),
         ("tokens", "INTEGER", "tokens the event brought: the gap stands for this many ITL samples"),
         ("preempted", "BOOLEAN", "a preempted event of the request lies in (prev_ns, ts_ns]"),
         # its steps (the run's lowest rank): what ITL attribution needs that no threshold changes
@@ -172,7 +174,7 @@ STAGES: list[tuple[str, str]] = [
                      CAST(sum(cached_tokens) FILTER (WHERE code = 1) AS HUGEINT) AS scheduled_cached_sum,
                      count(*) FILTER (WHERE code = 5) AS preemptions,
                      bool_or(code = 4) AS aborted, bool_or(code = 3) AS finished,
-                     max(ts_ns) FILTER (WHERE code = 2 AND tokens > 0) AS last_gap_ns,
+                     max(ts_ns - 1000 * cached_tokens) FILTER (WHERE code = 2 AND tokens > 0) AS last_gap_ns,
                      max(ts_ns) FILTER (WHERE code = 5) AS last_preempted_ns,
                      max(ts_ns) AS last_ts, count(*) AS events, min(ts_ns + wall) AS first_wall_ns,
                      min(ts_ns) FILTER (WHERE code = 7) AS queued_ns
@@ -204,7 +206,8 @@ STAGES: list[tuple[str, str]] = [
                      FROM folded),
             pre AS (SELECT DISTINCT key_id, arrival_no FROM named WHERE code = 5
                     UNION SELECT key_id, arrival_no FROM tail WHERE pre),
-            s AS (SELECT key_id, arrival_no, ts_ns, code = 2 AS is_token, tokens FROM named
+            s AS (SELECT key_id, arrival_no, CASE WHEN code = 2 THEN ts_ns - 1000 * cached_tokens ELSE ts_ns END AS ts_ns,
+                         code = 2 AS is_token, tokens FROM named
                   WHERE (code = 2 AND tokens > 0) OR code = 5
                   UNION ALL SELECT key_id, arrival_no, last_gap_ns, true, NULL FROM tail WHERE last_gap_ns IS NOT NULL
                   UNION ALL SELECT f.key_id, f.arrival_no, f.last_preempted_ns, false, NULL FROM folded f

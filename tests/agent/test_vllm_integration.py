@@ -97,14 +97,29 @@ def _counters(text: str) -> dict[str, float]:
     return out
 
 
+def _buckets(text: str) -> dict[str, dict[float, float]]:
+    """Per histogram: cumulative count per upper bound `le`, summed over the other labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[float, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_bucket"):
+                le = float(s.labels["le"])
+                h = out.setdefault(s.name[: -len("_bucket")], {})
+                h[le] = h.get(le, 0.0) + s.value
+    return out
+
+
 def _q(con, sql: str, *params):
     return con.execute(sql, list(params)).fetchall()
 
 
 # --- the OpenAI-compatible server -------------------------------------------------------
 
-def _serve(vllm_env, extra: list[str], requests: int):
-    """Sidecar + scraper here, the OpenAI server with the plugin on, a shared-prefix workload.
+def _serve(vllm_env, extra: list[str], requests: int, long_first: bool = False):
+    """Sidecar + scraper here, the OpenAI server with the plugin on, a shared-prefix workload (`long_first`: one
+    600-token prompt alone before it, whose first 512-token chunk is a step that produces no output).
     Returns (tmp, db path, Δ of vLLM's /metrics counters)."""
     exe, env = vllm_env
     tmp = tempfile.mkdtemp(prefix="ps-vs-", dir="/tmp")
@@ -130,11 +145,14 @@ def _serve(vllm_env, extra: list[str], requests: int):
                 if proc.poll() is not None or time.monotonic() - t0 > 400:
                     pytest.fail("vLLM server did not start:\n" + open(f"{tmp}/server.log").read()[-4000:])
                 time.sleep(1)
-        before = _counters(_get(url + "/metrics"))
+        text = _get(url + "/metrics")
+        before, hist0 = _counters(text), _buckets(text)
 
         def complete(i: int) -> dict:
             # 4 in 5 requests share a 200-token prefix; 34 pages of 32 tokens force a preemption
             prompt = PREFIX + [300 + i] * 40 if i < requests * 4 // 5 else [500 + (i * 7 + k) % 400 for k in range(240)]
+            if i < 0:  # longer than --max-num-batched-tokens: prefilled in 2 chunks
+                prompt = [900 + k % 97 for k in range(600)]
             body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
                                "temperature": 0}).encode()
             req = urllib.request.Request(url + "/v1/completions", data=body,
@@ -142,10 +160,12 @@ def _serve(vllm_env, extra: list[str], requests: int):
             with urllib.request.urlopen(req, timeout=300) as f:
                 return json.loads(f.read())["usage"]
 
+        usage = [complete(-1)] if long_first else []
         with cf.ThreadPoolExecutor(8) as ex:
-            usage = list(ex.map(complete, range(requests)))
+            usage += list(ex.map(complete, range(requests)))
         time.sleep(1.5)  # the scraper's next poll and the probes' next flush
-        after = _counters(_get(url + "/metrics"))
+        text = _get(url + "/metrics")
+        after, hist1 = _counters(text), _buckets(text)
     finally:
         proc.terminate()
         try:
@@ -156,13 +176,15 @@ def _serve(vllm_env, extra: list[str], requests: int):
         side.stop()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     delta["client_completion_tokens"] = sum(u["completion_tokens"] for u in usage)
+    delta["buckets"] = {name: {le: n - hist0.get(name, {}).get(le, 0.0) for le, n in h.items()}
+                        for name, h in hist1.items()}
     return tmp, db, delta
 
 
 @pytest.fixture(scope="module")
 def server_run(vllm_env):
     """One server run with the plugin on and the scraper polling /metrics: (connection, Δ/metrics)."""
-    tmp, db, delta = _serve(vllm_env, [], 20)
+    tmp, db, delta = _serve(vllm_env, [], 19, long_first=True)
     con = duckdb.connect(db, read_only=True)
     yield con, delta
     con.close()
@@ -196,8 +218,13 @@ def test_server_prefix_requests_tokens_preemptions_equal_metrics(server_run):
     assert (c["queried_tokens"], c["hit_tokens"]) == (q, h)
     assert c["readmissions"] == events["preempted"][0]
     assert sum(c[k] for k in MISS_CAUSES if k not in ("readmission", "cache-disabled")) == c["missed_tokens"] == q - h
+    # issue 27 item 7: one definition of recomputation: the miss split's readmission IS recomputed_tokens. vLLM's
+    # resumed lookups (kept apart from its counters) hold more: a request preempted after a decode re-prefills its
+    # latest sampled token too, whose KV was never computed (1 per such re-admission; an unfinished prompt's rest)
     resumed = dict(_q(con, "SELECT key, value FROM run_info WHERE run_id = ?", run))
-    assert c["readmission"] == int(resumed["prefix_resumed_queried_tokens"]) - int(resumed["prefix_resumed_hit_tokens"])
+    assert c["readmission"] == recomputed > 0
+    resumed_missed = int(resumed["prefix_resumed_queried_tokens"]) - int(resumed["prefix_resumed_hit_tokens"])
+    assert resumed_missed - recomputed >= c["readmissions"], (resumed_missed, recomputed, c)
 
 
 def test_server_ttft_e2e_within_5pct_of_vllm_histograms(server_run):
@@ -249,8 +276,16 @@ def test_server_steps_match_scheduled_tokens(server_run):
     con, d = server_run
     pre, dec, n = _q(con, "SELECT sum(prefill_tokens), sum(decode_tokens), count(*) FROM steps")[0]
     recomputed = _q(con, "SELECT max(recomputed_tokens_total) FROM prefix_counters WHERE " + _plugin("vllm-%"))[0][0]
-    # one step record per engine iteration vLLM counts
-    assert n == d["vllm:iteration_tokens_total_count"]
+    # issue 27 item 6: two figures. Every forward pass is a step record; vLLM's iteration count skips a step that
+    # produced no output (the long prompt's first chunk, prefilled alone), which the engine counts apart
+    from phasescope.agent.read.queries import vllm_iterations
+
+    run = _q(con, "SELECT run_id FROM sources WHERE runtime = 'vllm-engine'")[0][0]
+    it = vllm_iterations(con, run)
+    assert it["output_iterations"] == d["vllm:iteration_tokens_total_count"]
+    assert it["forward_passes"] == n and it["no_output_steps"] >= 1, it
+    # a step without output computes only prompt chunks: never more of them than prefill-only steps
+    assert it["no_output_steps"] <= _q(con, "SELECT count(*) FROM steps WHERE decode_tokens = 0")[0][0]
     # every computed token is in exactly one step: prompts less cache hits, recomputation, and one
     # decode position per output token after the first
     assert pre + dec == (d["vllm:prompt_tokens_total"] - d["vllm:prefix_cache_hits_total"] + recomputed
@@ -325,6 +360,19 @@ def test_server_itl_gaps_are_charged_to_worker_steps(server_run):
     assert by.get("queueing", 0) <= 0.02 * n, by
     e = itl_attribution(con, run_id)
     assert e["itl_samples"] >= n and e["itl_p99_ms"] >= e["itl_p50_ms"] > 0
+
+def test_server_itl_equals_vllm_inter_token_histogram(server_run):
+    """Issue 27 item 3: ITL on the EngineCore's output stamps, as vLLM's own: equal count, sum and every bucket of
+    vllm:inter_token_latency_seconds (receive times had 74 vs 124 in the <= 10 ms bucket)."""
+    con, d = server_run
+    n, total = _q(con, "SELECT sum(tokens), sum(itl_s * tokens) FROM itl")[0]
+    name = "vllm:inter_token_latency_seconds"
+    assert n == d[name + "_count"] > 0
+    assert total == pytest.approx(d[name + "_sum"], rel=1e-6, abs=1e-6)
+    ours = {le: _q(con, "SELECT coalesce(sum(tokens), 0) FROM itl WHERE itl_s <= ?", le)[0][0]
+            for le in d["buckets"][name] if le != float("inf")}
+    assert ours == {le: v for le, v in d["buckets"][name].items() if le != float("inf")}
+    assert _q(con, "SELECT count(*) FROM request_events WHERE event = 'token' AND cached_tokens > 0")[0][0] > 0
 
 # --- the offline LLM API ---------------------------------------------------------------
 
