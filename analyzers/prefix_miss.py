@@ -128,8 +128,9 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
             f"Up to {c['in-flight']} prompt tokens become hits.")
     if c["readmission"] and share("readmission") >= prefix_miss_cause_share:
         add("readmission", "warning", "Preempted requests recompute their prompts on re-admission",
-            f"{c['readmission']} tokens ({share('readmission'):.0%} of all missed) were re-prefilled by "
-            f"{c['readmissions']} re-admissions after preemption (counted apart from the first admissions' misses). "
+            f"{c['readmission']} tokens ({share('readmission'):.0%} of all missed) were computed again by "
+            f"{c['readmissions']} re-admissions after preemption (their recomputed tokens; counted apart from the "
+            "first admissions' misses). "
             "Give the cache room for the running batch (more KV pages, a lower max batch / --max-num-seqs), or swap "
             "to CPU instead of recomputing (HF cpu_offload_space).",
             f"{c['readmission']} recomputed tokens saved.")

@@ -386,8 +386,14 @@ def test_frontend_token_events_carry_the_engine_output_stamp(monkeypatch, tmp_pa
         processor.process_outputs([NS(request_id="a", new_token_ids=[6], finish_reason=None)],
                                   engine_core_timestamp=stamp + 0.005)
         processor.process_outputs([NS(request_id="a", new_token_ids=[7], finish_reason=None)])  # no stamp
+        # vLLM's own frontend stamp (IterationStats.iteration_timestamp, wall s): TTFT and E2E end there
+        its = time.time() - 0.25
+        processor.process_outputs([NS(request_id="a", new_token_ids=[8], finish_reason=None)],
+                                  engine_core_timestamp=time.monotonic() - 0.3, iteration_stats=NS(iteration_timestamp=its))
         tok = [r for r in emitted if r.event == REQ_TOKEN]
         assert [r.ts_ns - 1000 * r.cached_tokens for r in tok[:2]] == [int(stamp * 1e9), int((stamp + 0.005) * 1e9)]
         assert 12345 <= tok[0].cached_tokens <= 10**6 and tok[2].cached_tokens == 0
+        want = int(its * 1e9) - (time.time_ns() - time.monotonic_ns())
+        assert abs(tok[3].ts_ns - want) < 2_000_000 and 49_000 <= tok[3].cached_tokens <= 52_000  # 50 ms lead
     finally:
         adapter.close_channels(0.1)

@@ -271,18 +271,24 @@ def test_server_prefix_requests_tokens_preemptions_equal_metrics(server_run):
 
 def test_server_request_latencies_equal_vllm_histograms(server_run):
     """Every per-request figure against vLLM's: TTFT of every request that got a first token (vLLM observes it at
-    the first output, hung-up requests included), E2E and the engine-clock figures of the finished ones. Queue is
-    vLLM's own timestamps (exact); TTFT/E2E are stamped when the frontend hook runs, just after vLLM's own stamp;
-    prefill/decode/TPOT run on receive times where vLLM's run on the engine's (README: not aligned yet)."""
+    the first output, hung-up requests included), E2E and the engine-clock figures of the finished ones. Queue,
+    TTFT and E2E are vLLM's own stamps; prefill/decode/TPOT run on receive times where vLLM's run on the engine's
+    (README: not aligned yet)."""
     con, d = server_run
     n, ttft = _q(con, "SELECT count(*), sum(ttft_s) FROM requests WHERE first_token_ns IS NOT NULL")[0]
     assert n == d["vllm:time_to_first_token_seconds_count"]
     assert 20 + HANGUPS <= n <= 20 + 2 * HANGUPS  # a hung-up choice may end before its first token
-    assert ttft == pytest.approx(d["vllm:time_to_first_token_seconds_sum"], rel=0.05)
+    # both ends are vLLM's own wall stamps (arrival_time, iteration_timestamp), put on the monotonic clock when
+    # they are seen: equal up to the clocks' slew and the reading jitter
+    assert abs(ttft - d["vllm:time_to_first_token_seconds_sum"]) <= 2e-4 * n, (ttft, d)
     n, e2e, queue, prefill, decode, tpot = _q(con, "SELECT count(*), sum(e2e_s), sum(queue_s), sum(prefill_s), "
                                                    "sum(decode_s), sum(tpot_s) FROM requests WHERE status = 'finished'")[0]
     assert n == d["vllm:e2e_request_latency_seconds_count"] == d["vllm:request_queue_time_seconds_count"] == 20
-    assert e2e == pytest.approx(d["vllm:e2e_request_latency_seconds_sum"], rel=0.05)
+    print("vLLM latencies ours/theirs: ttft", ttft, d["vllm:time_to_first_token_seconds_sum"], "e2e", e2e,
+          d["vllm:e2e_request_latency_seconds_sum"], "queue", queue, d["vllm:request_queue_time_seconds_sum"],
+          "prefill", prefill, d["vllm:request_prefill_time_seconds_sum"], "decode", decode,
+          d["vllm:request_decode_time_seconds_sum"], "tpot", tpot, d["vllm:request_time_per_output_token_seconds_sum"])
+    assert abs(e2e - d["vllm:e2e_request_latency_seconds_sum"]) <= 2e-4 * n, (e2e, d)
     assert abs(queue - d["vllm:request_queue_time_seconds_sum"]) <= 1e-6 * n
     assert prefill == pytest.approx(d["vllm:request_prefill_time_seconds_sum"], rel=0.1)
     assert decode == pytest.approx(d["vllm:request_decode_time_seconds_sum"], rel=0.1)
@@ -344,6 +350,7 @@ def test_server_steps_match_scheduled_tokens(server_run):
 
     run = _q(con, "SELECT run_id FROM sources WHERE runtime = 'vllm-engine'")[0][0]
     it = vllm_iterations(con, run)
+    print("vLLM iterations", it, "recomputed", recomputed)
     assert it["output_iterations"] == d["vllm:iteration_tokens_total_count"]
     assert it["forward_passes"] == n and it["no_output_steps"] >= 1, it
     # a step without output computes only prompt chunks: never more of them than prefill-only steps
@@ -432,6 +439,7 @@ def test_server_itl_equals_vllm_inter_token_histogram(server_run):
     con, d = server_run
     n, total = _q(con, "SELECT sum(tokens), sum(itl_s * tokens) FROM itl")[0]
     name = "vllm:inter_token_latency_seconds"
+    print("vLLM ITL ours/theirs", n, d[name + "_count"], total, d[name + "_sum"], d["buckets"][name])
     assert n == d[name + "_count"] > 0
     assert total == pytest.approx(d[name + "_sum"], rel=1e-6, abs=1e-6)
     ours = {le: _q(con, "SELECT coalesce(sum(tokens), 0) FROM itl WHERE itl_s <= ?", le)[0][0]

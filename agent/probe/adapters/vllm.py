@@ -329,7 +329,6 @@ class EngineHooks:
         self.probe = channel("engine", self.rank0, self.tp * pp * max(1, int(labels.get("dp", "1"))),
                              _model_name(cfg), labels)
         self.sched = scheduler
-        self.wall_minus_mono_ns = time.time_ns() - time.monotonic_ns()
         self.kv_every = max(1, int(os.environ.get(ENV_KV_EVERY, "1") or 1))
         self.steps = 0
         # issue 27 item 6: iterations that produced output, as vLLM counts them (`vllm:iteration_tokens_total`
@@ -400,7 +399,7 @@ class EngineHooks:
 
     # lifecycle
     def _mono_of_wall(self, wall_s: float) -> int:
-        return int(wall_s * 1e9) - self.wall_minus_mono_ns
+        return mono_of_wall(wall_s)
 
     def _event(self, ts: int, event: int, rid: str, tokens: int = 0, cached: int = 0) -> None:
         self.probe.emit(RequestEvent(ts, self.rank0, event, short_id(rid), tokens, cached))
@@ -664,6 +663,27 @@ def _core_event_ns(request: Any, kind: str) -> int | None:
     return None
 
 
+def wall_minus_mono_ns(tries: int = 3) -> int:
+    """time.time_ns() - time.monotonic_ns() now, from the tightest of `tries` mono-wall-mono readings (a thread
+    descheduled between two reads would put the offset off by that long)."""
+    best = None
+    for _ in range(tries):
+        a = time.monotonic_ns()
+        w = time.time_ns()
+        b = time.monotonic_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) // 2)
+        if b - a < 20_000:
+            break
+    return best[1]
+
+
+def mono_of_wall(wall_s: float) -> int:
+    """A wall-clock stamp of vLLM's (time.time(), s) on this process's monotonic clock (ns), by the offset now:
+    two such stamps taken apart differ by their wall difference up to the clock's slew between the conversions."""
+    return int(wall_s * 1e9) - wall_minus_mono_ns()
+
+
 def engine_lead_us(received_ns: int, engine_ns: int) -> tuple[int, int]:
     """(lead, ts_ns) of a token event received at `received_ns` that the engine stamped at `engine_ns` (monotonic
     ns, one host): lead = ceil((received - engine) / 1 us) and ts_ns = engine_ns + 1000 * lead (the receive time,
@@ -704,6 +724,12 @@ class FrontendHooks:
         # ts_ns the receive time, cached_tokens the lead of the engine's stamp in whole microseconds, with ts_ns
         # rounded up to make ts_ns - 1000 * lead the engine's stamp to the nanosecond (engine_lead_us)
         eng = a[0] if a else k.get("engine_core_timestamp")
+        # vLLM's TTFT and E2E end at IterationStats.iteration_timestamp (time.time() when the frontend took the
+        # batch): the receive time is that stamp where vLLM makes one (log stats on; our stat logger forces it)
+        stats = a[1] if len(a) > 1 else k.get("iteration_stats")
+        its = getattr(stats, "iteration_timestamp", None)
+        if its:
+            now = mono_of_wall(its)
         lead = 0
         if eng:
             lead, now = engine_lead_us(now, int(eng * 1e9))
