@@ -43,16 +43,18 @@ VIEWS = {
                 CASE WHEN bool_or(event IN ('aborted', 'cancelled')) THEN 'aborted'
                      WHEN bool_or(event = 'finished') THEN 'finished'
                      ELSE 'running' END AS status,
-                min(ts_ns) FILTER (WHERE event = 'queued') AS queued_ns
+                min(ts_ns) FILTER (WHERE event = 'queued') AS queued_ns,
+                min(ts_ns - 1000 * cached_tokens) FILTER (WHERE event = 'token') AS first_at,
+                max(ts_ns - 1000 * cached_tokens) FILTER (WHERE event = 'token') AS last_at
             FROM request_log GROUP BY run_id, request_id
         )
-        SELECT * EXCLUDE (queued_ns),
+        SELECT * EXCLUDE (queued_ns, first_at, last_at),
             (scheduled_ns - coalesce(queued_ns, arrival_ns)) / 1e9 AS queue_s,
             (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
-            (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
-            (last_token_ns - first_token_ns) / 1e9 AS decode_s,
+            (first_at - scheduled_ns) / 1e9 AS prefill_s,
+            (last_at - first_at) / 1e9 AS decode_s,
             CASE WHEN output_tokens > 1
-                 THEN (last_token_ns - first_token_ns) / 1e9 / (output_tokens - 1) END AS tpot_s,
+                 THEN (last_at - first_at) / 1e9 / (output_tokens - 1) END AS tpot_s,
             (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
             (queued_ns - arrival_ns) / 1e9 AS frontend_s
         FROM agg""",

@@ -75,6 +75,8 @@ TABLES: dict[str, list[tuple[str, str, str]]] = {
         ("events", "BIGINT", "its events"),
         ("first_wall_ns", "BIGINT", "its first event, wall clock (Unix ns): rows deleted before it leave it whole"),
         ("queued_ns", "BIGINT", "first queued event (the engine's own queue entry, e.g. vLLM's QUEUED); NULL: none"),
+        ("first_token_at_ns", "BIGINT", "engine time of its first token event (ts_ns - 1000 * cached_tokens)"),
+        ("last_token_at_ns", "BIGINT", "engine time of its last token event"),
     ],
     "token_gaps": [
         ("run_id", "VARCHAR", "sources.run_id"),
@@ -177,7 +179,9 @@ STAGES: list[tuple[str, str]] = [
                      max(ts_ns - 1000 * cached_tokens) FILTER (WHERE code = 2 AND tokens > 0) AS last_gap_ns,
                      max(ts_ns) FILTER (WHERE code = 5) AS last_preempted_ns,
                      max(ts_ns) AS last_ts, count(*) AS events, min(ts_ns + wall) AS first_wall_ns,
-                     min(ts_ns) FILTER (WHERE code = 7) AS queued_ns
+                     min(ts_ns) FILTER (WHERE code = 7) AS queued_ns,
+                     min(ts_ns - 1000 * cached_tokens) FILTER (WHERE code = 2) AS first_token_at_ns,
+                     max(ts_ns - 1000 * cached_tokens) FILTER (WHERE code = 2) AS last_token_at_ns
               FROM named GROUP BY key_id, arrival_no) a JOIN keys k USING (key_id)"""),
     ("folded", """SELECT q.*, k.key_id FROM request_rows q
         JOIN (SELECT DISTINCT run_id, request_id FROM part) p ON p.run_id = q.run_id AND p.request_id = q.request_id
@@ -194,7 +198,8 @@ STAGES: list[tuple[str, str]] = [
                bool_or(aborted) AS aborted, bool_or(finished) AS finished, max(last_gap_ns) AS last_gap_ns,
                max(last_preempted_ns) AS last_preempted_ns, max(last_ts) AS last_ts,
                CAST(sum(events) AS BIGINT) AS events, min(first_wall_ns) AS first_wall_ns,
-               min(queued_ns) AS queued_ns
+               min(queued_ns) AS queued_ns, min(first_token_at_ns) AS first_token_at_ns,
+               max(last_token_at_ns) AS last_token_at_ns
         FROM (SELECT * FROM part UNION ALL BY NAME SELECT * EXCLUDE (key_id) FROM folded)
         GROUP BY run_id, request_id"""),
     # per request: its new token events (tokens > 0) after the stored tail of the request it continues (its
@@ -294,10 +299,11 @@ REQUESTS_SELECT = """SELECT run_id, request_id, runtime_request_id, arrival_ns, 
            CASE WHEN aborted THEN 'aborted' WHEN finished THEN 'finished' ELSE 'running' END AS status,
            (scheduled_ns - coalesce(queued_ns, arrival_ns)) / 1e9 AS queue_s,
            (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
-           (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
-           (last_token_ns - first_token_ns) / 1e9 AS decode_s,
+           (coalesce(first_token_at_ns, first_token_ns) - scheduled_ns) / 1e9 AS prefill_s,
+           (coalesce(last_token_at_ns, last_token_ns) - coalesce(first_token_at_ns, first_token_ns)) / 1e9 AS decode_s,
            CASE WHEN coalesce(output_tokens, 0) > 1
-                THEN (last_token_ns - first_token_ns) / 1e9 / (coalesce(output_tokens, 0) - 1) END AS tpot_s,
+                THEN (coalesce(last_token_at_ns, last_token_ns) - coalesce(first_token_at_ns, first_token_ns))
+                     / 1e9 / (coalesce(output_tokens, 0) - 1) END AS tpot_s,
            (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
            (queued_ns - arrival_ns) / 1e9 AS frontend_s"""
 
@@ -348,7 +354,8 @@ def views(state: tuple[int, int] | None = None, rowids: bool = True) -> dict[str
 
 
 # columns added after files were written: (table, column, type); NULL in the rows made before (no such events then)
-ADDED = (("request_rows", "queued_ns", "BIGINT"),)
+ADDED = (("request_rows", "queued_ns", "BIGINT"), ("request_rows", "first_token_at_ns", "BIGINT"),
+         ("request_rows", "last_token_at_ns", "BIGINT"))
 
 
 def ddl(rowids: bool = True) -> list[str]:

@@ -321,8 +321,9 @@ def test_itl_runs_on_the_engine_stamps_ttft_on_the_receive_times(tmp_path):
     for _ in range(2):  # derived at read time, then folded into the stored tables
         assert [r[0] for r in con.execute("SELECT itl_s FROM itl ORDER BY ts_ns").fetchall()] == want
         assert current(con) == reference(con)
-        ttft, e2e = con.execute("SELECT ttft_s, e2e_s FROM requests").fetchone()
+        ttft, e2e, decode, tpot = con.execute("SELECT ttft_s, e2e_s, decode_s, tpot_s FROM requests").fetchone()
         assert (ttft, e2e) == (leads[0][1] / 1e9, leads[-1][1] / 1e9)
+        assert (decode, tpot) == ((engine[2] - engine[0]) / 1e9, (engine[2] - engine[0]) / 1e9 / 2)  # vLLM's clock
         store.refresh_derived()
     store.close()
     gaps: list = []
