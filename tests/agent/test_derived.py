@@ -335,9 +335,15 @@ def test_itl_runs_on_the_engine_stamps_ttft_on_the_receive_times(tmp_path):
         def inter_token(self, source, gap_s, n):
             gaps.append(gap_s)
 
+        def finished(self, timing):
+            gaps.append(("decode", timing.decode_s, timing.tpot_s, timing.ttft_s))
+
     tracker = RequestTracker(Listener())
     from types import SimpleNamespace as NS
 
     for e in ev:
         tracker.on_event(1, NS(model="m"), e)
-    assert gaps == pytest.approx(want, abs=1e-12)
+    assert gaps[:2] == pytest.approx(want, abs=1e-12)
+    d = (engine[2] - engine[0]) / 1e9
+    assert gaps[2] == ("decode", pytest.approx(d, abs=1e-12), pytest.approx(d / 2, abs=1e-12),
+                       pytest.approx(leads[0][1] / 1e9, abs=1e-12))  # live exporter: the store's figures
