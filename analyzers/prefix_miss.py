@@ -14,8 +14,11 @@ because those pages had been evicted:
                                                  request was still computing them)
 
 so (a) + (b) + (c) + in-flight = L - h exactly. Lookups of a re-admission after preemption
-are (d) `readmission` (L - h, recomputation, never a miss of the first admission); prompts
-admitted with the prefix cache off are (e) `cache-disabled` (L).
+are (d) `readmission`: the recomputation, max(0, min(L, D) - h) with D the positions the
+preemption dropped (the `recomputed_tokens` counter's figure, never a miss of the first
+admission; after a decode D = L - 1: the latest sampled token was never computed, and its
+position is a decode, not recomputation); prompts admitted with the prefix cache off are
+(e) `cache-disabled` (L).
 """
 
 from __future__ import annotations
@@ -125,8 +128,9 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
             f"Up to {c['in-flight']} prompt tokens become hits.")
     if c["readmission"] and share("readmission") >= prefix_miss_cause_share:
         add("readmission", "warning", "Preempted requests recompute their prompts on re-admission",
-            f"{c['readmission']} tokens ({share('readmission'):.0%} of all missed) were re-prefilled by "
-            f"{c['readmissions']} re-admissions after preemption (counted apart from the first admissions' misses). "
+            f"{c['readmission']} tokens ({share('readmission'):.0%} of all missed) were computed again by "
+            f"{c['readmissions']} re-admissions after preemption (their recomputed tokens; counted apart from the "
+            "first admissions' misses). "
             "Give the cache room for the running batch (more KV pages, a lower max batch / --max-num-seqs), or swap "
             "to CPU instead of recomputing (HF cpu_offload_space).",
             f"{c['readmission']} recomputed tokens saved.")

@@ -51,6 +51,10 @@ class RequestTiming(NamedTuple):
     preemptions: int
     aborted: bool
     queued_ns: int | None = None  # the engine's own queue entry (vLLM's QUEUED event); None: the runtime has none
+    # the first and last token's engine output stamps (vLLM's; the store's first/last_token_at_ns): prefill, decode
+    # and TPOT run on them, as vLLM's do; None: the receive times stand in
+    first_token_at_ns: int | None = None
+    last_token_at_ns: int | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -68,11 +72,11 @@ class RequestTiming(NamedTuple):
 
     @property
     def prefill_s(self) -> float | None:
-        return _span(self.scheduled_ns, self.first_token_ns)
+        return _span(self.scheduled_ns, _or(self.first_token_at_ns, self.first_token_ns))
 
     @property
     def decode_s(self) -> float | None:
-        return _span(self.first_token_ns, self.last_token_ns)
+        return _span(_or(self.first_token_at_ns, self.first_token_ns), _or(self.last_token_at_ns, self.last_token_ns))
 
     @property
     def tpot_s(self) -> float | None:
@@ -82,6 +86,10 @@ class RequestTiming(NamedTuple):
     @property
     def e2e_s(self) -> float | None:
         return _span(self.arrival_ns, self.last_token_ns if self.last_token_ns is not None else self.end_ns)
+
+
+def _or(a: int | None, b: int | None) -> int | None:
+    return a if a is not None else b
 
 
 def _span(a: int | None, b: int | None) -> float | None:
@@ -99,8 +107,8 @@ class RequestListener(Protocol):
 
 
 class _Req:
-    __slots__ = ("arrival", "scheduled", "first", "last", "prompt", "cached", "tokens", "preempt", "touched", "model",
-                 "waiting", "queued")
+    __slots__ = ("arrival", "scheduled", "first", "first_at", "last", "last_at", "prompt", "cached", "tokens", "preempt", "touched",
+                 "model", "waiting", "queued")
 
     def __init__(self, model: str = "") -> None:
         self.model = model
@@ -110,6 +118,8 @@ class _Req:
         self.scheduled: int | None = None
         self.first: int | None = None
         self.last: int | None = None
+        self.first_at: int | None = None  # engine time of the first token (prefill's end on vLLM's clock)
+        self.last_at: int | None = None  # engine time of the last token (ITL's clock; the store's token_gaps)
         self.prompt = 0
         self.cached = 0
         self.tokens = 0
@@ -168,16 +178,18 @@ class RequestTracker:
         req.touched = ts
         if kind == REQ_TOKEN:
             n = max(1, tokens)
+            at = ts - 1000 * cached_tokens  # the engine's output time (vLLM's ITL clock); ts where it gives none
             if req.first is None:
-                req.first = ts
+                req.first, req.first_at = ts, at
                 if req.arrival is not None:
                     self.listener.first_token(source, (ts - req.arrival) * NS)
-            elif req.last is not None:
+            elif req.last_at is not None:
                 if itl is None:
-                    self.listener.inter_token(source, (ts - req.last) * NS / n, n)
+                    self.listener.inter_token(source, (at - req.last_at) * NS / n, n)
                 else:
-                    itl.append(((ts - req.last) * NS / n, n))
+                    itl.append(((at - req.last_at) * NS / n, n))
             req.last = ts
+            req.last_at = at
             req.tokens += n
         elif kind == REQ_ARRIVAL:
             req.arrival = ts
@@ -202,7 +214,8 @@ class RequestTracker:
                 scheduled_ns=req.scheduled, first_token_ns=req.first, last_token_ns=req.last, end_ns=ts,
                 prompt_tokens=req.prompt, cached_tokens=req.cached,
                 output_tokens=tokens if tokens > 0 else req.tokens, preemptions=req.preempt,
-                aborted=kind != REQ_FINISHED, queued_ns=req.queued))  # a client's cancel ends it unfinished too
+                aborted=kind != REQ_FINISHED, queued_ns=req.queued, first_token_at_ns=req.first_at,
+                last_token_at_ns=req.last_at))  # a client's cancel ends it unfinished too
         if ts > self._newest_ns:
             self._newest_ns = ts
         self._evict()

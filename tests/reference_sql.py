@@ -43,25 +43,28 @@ VIEWS = {
                 CASE WHEN bool_or(event IN ('aborted', 'cancelled')) THEN 'aborted'
                      WHEN bool_or(event = 'finished') THEN 'finished'
                      ELSE 'running' END AS status,
-                min(ts_ns) FILTER (WHERE event = 'queued') AS queued_ns
+                min(ts_ns) FILTER (WHERE event = 'queued') AS queued_ns,
+                min(ts_ns - 1000 * cached_tokens) FILTER (WHERE event = 'token') AS first_at,
+                max(ts_ns - 1000 * cached_tokens) FILTER (WHERE event = 'token') AS last_at
             FROM request_log GROUP BY run_id, request_id
         )
-        SELECT * EXCLUDE (queued_ns),
+        SELECT * EXCLUDE (queued_ns, first_at, last_at),
             (scheduled_ns - coalesce(queued_ns, arrival_ns)) / 1e9 AS queue_s,
             (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
-            (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
-            (last_token_ns - first_token_ns) / 1e9 AS decode_s,
+            (first_at - scheduled_ns) / 1e9 AS prefill_s,
+            (last_at - first_at) / 1e9 AS decode_s,
             CASE WHEN output_tokens > 1
-                 THEN (last_token_ns - first_token_ns) / 1e9 / (output_tokens - 1) END AS tpot_s,
+                 THEN (last_at - first_at) / 1e9 / (output_tokens - 1) END AS tpot_s,
             (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
             (queued_ns - arrival_ns) / 1e9 AS frontend_s
         FROM agg""",
     # one row per output token after the first token event: a chunk of k tokens
-    # arriving `gap` after the previous one gives k samples of gap / k
+    # arriving `gap` after the previous one gives k samples of gap / k; on the engine's clock
+    # (issue 27: a token event's ts_ns less its cached_tokens lead in us)
     "itl": """
         WITH t AS (
-            SELECT run_id, request_id, ts_ns, tokens,
-                   lag(ts_ns) OVER (PARTITION BY run_id, request_id ORDER BY ts_ns) AS prev_ns
+            SELECT run_id, request_id, ts_ns - 1000 * cached_tokens AS ts_ns, tokens,
+                   lag(ts_ns - 1000 * cached_tokens) OVER (PARTITION BY run_id, request_id ORDER BY ts_ns) AS prev_ns
             FROM request_log
             WHERE event = 'token' AND tokens > 0
         )

@@ -13,6 +13,7 @@ from typing import Any
 import duckdb
 
 from ..records import derived
+from ..records.events import VLLM_OUTPUT_ITERATIONS
 from . import kvreads, phases
 from .thresholds import T
 
@@ -583,6 +584,27 @@ def run_compare(con: duckdb.DuckDBPyConnection, run_a: str, run_b: str) -> list[
     return out
 
 
+# --- issue 27 item 6: forward passes vs the iterations vLLM counts ---
+
+
+
+def vllm_iterations(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
+    """`forward_passes`: step records of each engine's first rank (every forward, chunk-only prefills included);
+    `output_iterations`: engine iterations that produced output, summed over engines (vLLM's
+    `vllm:iteration_tokens_total` count, which skips a step whose prefill chunk ends no prompt); their difference
+    `no_output_steps`. `output_iterations` is None for a run without the vLLM adapter's counter."""
+    run_id = run_id or latest_run(con)
+    (it,) = con.execute("""SELECT sum(v) FROM (SELECT max(m.value) AS v FROM server_metrics m JOIN sources s
+                           USING (source_id) WHERE s.run_id = ? AND m.name = ? GROUP BY m.engine)""",
+                        [run_id, VLLM_OUTPUT_ITERATIONS]).fetchone()
+    (fw,) = con.execute("""SELECT count(*) FROM steps st JOIN sources s USING (source_id) WHERE s.run_id = $run
+                           AND st.rank IN (SELECT DISTINCT p.rank FROM prefix_counters p JOIN sources s2
+                                           USING (source_id) WHERE s2.run_id = $run)""", {"run": run_id}).fetchone()
+    it = int(it) if it is not None else None
+    return {"forward_passes": int(fw), "output_iterations": it,
+            "no_output_steps": int(fw) - it if it is not None else None}
+
+
 # --- issue 13: why prefix lookups miss, KV residency (analyzers/prefix_miss.py, analyzers/residency.py) ---
 
 MISS_CAUSES = ("no-shared-prefix", "sub-page", "evicted", "in-flight", "readmission", "cache-disabled")
@@ -605,7 +627,8 @@ MISS_CAUSES_SQL = """WITH l AS (
            coalesce(sum(least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0) AS evicted,
            coalesce(sum(r - hit_tokens - least(evicted_tokens, r - hit_tokens)) FILTER (WHERE kind = 'first'), 0)
                AS "in-flight",
-           coalesce(sum(prompt_tokens - hit_tokens) FILTER (WHERE kind = 'readmit'), 0) AS readmission,
+           coalesce(sum(greatest(0, least(prompt_tokens, cacheable_tokens) - hit_tokens))
+                    FILTER (WHERE kind = 'readmit'), 0) AS readmission,
            coalesce(sum(prompt_tokens) FILTER (WHERE kind = 'disabled'), 0) AS "cache-disabled",
            count(*) FILTER (WHERE kind = 'first' AND s2 > r) AS sub_page_lookups,
            count(*) FILTER (WHERE kind = 'first' AND s2 > 0 AND s2 < page_size_tokens) AS below_one_page_lookups,
@@ -661,8 +684,8 @@ CAPACITY_SQL = """SELECT max(k.total_pages) AS total_pages, max(k.page_size_toke
 def split_lookup(kind: str, page: int, prompt: int, cacheable: int, hit: int, shared: int,
                  evicted: int) -> dict[str, int]:
     """One lookup's missed tokens per cause, exactly as MISS_CAUSES_SQL splits them (the live exporters' form)."""
-    if kind == "readmit":
-        return {"readmission": prompt - hit}
+    if kind == "readmit":  # recomputation: the positions the preemption dropped (cacheable) the cache did not give back
+        return {"readmission": max(0, min(prompt, cacheable) - hit)}
     if kind == "disabled":
         return {"cache-disabled": prompt}
     s2 = max(shared, hit)

@@ -8,7 +8,8 @@ per output token). Now:
   as mergeable partial aggregates: min/max times, summed tokens, counts, flags;
 - `token_gaps` holds one row per token event (tokens > 0) after a request's first: the
   gap since the previous one (`prev_ns`), the tokens it brought and whether the request
-  was preempted inside it. A gap bringing k tokens stands for k ITL samples of gap / k:
+  was preempted inside it, on the engine's clock (a token event's ts_ns less its `cached_tokens`
+  lead in us: vLLM's output stamps; HF's events have none). A gap bringing k tokens stands for k ITL samples of gap / k:
   it is never expanded into k rows (`tokens` is a weight);
 - each gap also keeps its steps (the run's lowest rank): how many ended in it, the last one
   ended by its token, its neighbours' counts: what ITL attribution joins (agent/read/itl.py);
@@ -69,18 +70,21 @@ TABLES: Tables = {
         ("preemptions", "BIGINT", "preempted events"),
         ("aborted", "BOOLEAN", "an aborted event was seen"),
         ("finished", "BOOLEAN", "a finished event was seen"),
-        ("last_gap_ns", "BIGINT", "last token event with tokens > 0 (where the next gap starts)"),
+        ("last_gap_ns", "BIGINT", "engine time of the last token event with tokens > 0 (where the next gap starts)"),
         ("last_preempted_ns", "BIGINT", "last preempted event"),
         ("last_ts", "BIGINT", "its last event of any kind"),
         ("events", "BIGINT", "its events"),
         ("first_wall_ns", "BIGINT", "its first event, wall clock (Unix ns): rows deleted before it leave it whole"),
         ("queued_ns", "BIGINT", "first queued event (the engine's own queue entry, e.g. vLLM's QUEUED); NULL: none"),
+        ("first_token_at_ns", "BIGINT", "engine time of its first token event (ts_ns - 1000 * cached_tokens)"),
+        ("last_token_at_ns", "BIGINT", "engine time of its last token event"),
     ],
     "token_gaps": [
         ("run_id", "VARCHAR", "sources.run_id"),
         ("request_id", "VARCHAR", "request_rows.request_id"),
-        ("ts_ns", "BIGINT", "the token event"),
-        ("prev_ns", "BIGINT", "the request's previous token event with tokens > 0"),
+        ("ts_ns", "BIGINT", "the token event's engine time (ts_ns - 1000 * cached_tokens: the runtime's output "
+                            "stamp where it gives one, vLLM's ITL clock; else its ts_ns)"),
+        ("prev_ns", "BIGINT", "the request's previous token event with tokens > 0, engine time likewise"),
         ("tokens", "INTEGER", "tokens the event brought: the gap stands for this many ITL samples"),
         ("preempted", "BOOLEAN", "a preempted event of the request lies in (prev_ns, ts_ns]"),
         # its steps (the run's lowest rank): what ITL attribution needs that no threshold changes
@@ -173,10 +177,12 @@ STAGES: list[tuple[str, str]] = [
                      CAST(sum(cached_tokens) FILTER (WHERE code = 1) AS HUGEINT) AS scheduled_cached_sum,
                      count(*) FILTER (WHERE code = 5) AS preemptions,
                      bool_or(code = 4) AS aborted, bool_or(code = 3) AS finished,
-                     max(ts_ns) FILTER (WHERE code = 2 AND tokens > 0) AS last_gap_ns,
+                     max(ts_ns - 1000 * cached_tokens) FILTER (WHERE code = 2 AND tokens > 0) AS last_gap_ns,
                      max(ts_ns) FILTER (WHERE code = 5) AS last_preempted_ns,
                      max(ts_ns) AS last_ts, count(*) AS events, min(ts_ns + wall) AS first_wall_ns,
-                     min(ts_ns) FILTER (WHERE code = 7) AS queued_ns
+                     min(ts_ns) FILTER (WHERE code = 7) AS queued_ns,
+                     min(ts_ns - 1000 * cached_tokens) FILTER (WHERE code = 2) AS first_token_at_ns,
+                     max(ts_ns - 1000 * cached_tokens) FILTER (WHERE code = 2) AS last_token_at_ns
               FROM named GROUP BY key_id, arrival_no) a JOIN keys k USING (key_id)"""),
     ("folded", """SELECT q.*, k.key_id FROM request_rows q
         JOIN (SELECT DISTINCT run_id, request_id FROM part) p ON p.run_id = q.run_id AND p.request_id = q.request_id
@@ -193,7 +199,8 @@ STAGES: list[tuple[str, str]] = [
                bool_or(aborted) AS aborted, bool_or(finished) AS finished, max(last_gap_ns) AS last_gap_ns,
                max(last_preempted_ns) AS last_preempted_ns, max(last_ts) AS last_ts,
                CAST(sum(events) AS BIGINT) AS events, min(first_wall_ns) AS first_wall_ns,
-               min(queued_ns) AS queued_ns
+               min(queued_ns) AS queued_ns, min(first_token_at_ns) AS first_token_at_ns,
+               max(last_token_at_ns) AS last_token_at_ns
         FROM (SELECT * FROM part UNION ALL BY NAME SELECT * EXCLUDE (key_id) FROM folded)
         GROUP BY run_id, request_id"""),
     # per request: its new token events (tokens > 0) after the stored tail of the request it continues (its
@@ -205,7 +212,8 @@ STAGES: list[tuple[str, str]] = [
                      FROM folded),
             pre AS (SELECT DISTINCT key_id, arrival_no FROM named WHERE code = 5
                     UNION SELECT key_id, arrival_no FROM tail WHERE pre),
-            s AS (SELECT key_id, arrival_no, ts_ns, code = 2 AS is_token, tokens FROM named
+            s AS (SELECT key_id, arrival_no, CASE WHEN code = 2 THEN ts_ns - 1000 * cached_tokens ELSE ts_ns END AS ts_ns,
+                         code = 2 AS is_token, tokens FROM named
                   WHERE (code = 2 AND tokens > 0) OR code = 5
                   UNION ALL SELECT key_id, arrival_no, last_gap_ns, true, NULL FROM tail WHERE last_gap_ns IS NOT NULL
                   UNION ALL SELECT f.key_id, f.arrival_no, f.last_preempted_ns, false, NULL FROM folded f
@@ -292,10 +300,11 @@ REQUESTS_SELECT = """SELECT run_id, request_id, runtime_request_id, arrival_ns, 
            CASE WHEN aborted THEN 'aborted' WHEN finished THEN 'finished' ELSE 'running' END AS status,
            (scheduled_ns - coalesce(queued_ns, arrival_ns)) / 1e9 AS queue_s,
            (first_token_ns - arrival_ns) / 1e9 AS ttft_s,
-           (first_token_ns - scheduled_ns) / 1e9 AS prefill_s,
-           (last_token_ns - first_token_ns) / 1e9 AS decode_s,
+           (coalesce(first_token_at_ns, first_token_ns) - scheduled_ns) / 1e9 AS prefill_s,
+           (coalesce(last_token_at_ns, last_token_ns) - coalesce(first_token_at_ns, first_token_ns)) / 1e9 AS decode_s,
            CASE WHEN coalesce(output_tokens, 0) > 1
-                THEN (last_token_ns - first_token_ns) / 1e9 / (coalesce(output_tokens, 0) - 1) END AS tpot_s,
+                THEN (coalesce(last_token_at_ns, last_token_ns) - coalesce(first_token_at_ns, first_token_ns))
+                     / 1e9 / (coalesce(output_tokens, 0) - 1) END AS tpot_s,
            (last_token_ns - arrival_ns) / 1e9 AS e2e_s,
            (queued_ns - arrival_ns) / 1e9 AS frontend_s"""
 
@@ -346,7 +355,8 @@ def views(state: tuple[int, int] | None = None, rowids: bool = True) -> dict[str
 
 
 # columns added after files were written: (table, column, type); NULL in the rows made before (no such events then)
-ADDED = (("request_rows", "queued_ns", "BIGINT"),)
+ADDED = (("request_rows", "queued_ns", "BIGINT"), ("request_rows", "first_token_at_ns", "BIGINT"),
+         ("request_rows", "last_token_at_ns", "BIGINT"))
 
 
 def ddl(rowids: bool = True) -> list[str]:

@@ -62,6 +62,9 @@ PHASE_PREFILL, PHASE_DECODE, PHASE_MIXED, PHASE_IDLE = range(4)
 # asked (a hang-up, an abort call): ended, and not a failure. Stored requests close on either (status 'aborted').
 # "queued": the engine took the request into its queue (vLLM's EngineCore QUEUED event), after the frontend's
 # arrival (tokenization, hand-off); runtimes without one queue from the arrival.
+# ServerMetric name of the vLLM adapter's per-engine counter of iterations that produced output (vLLM's own
+# `vllm:iteration_tokens_total` count; the `steps` table holds every forward pass, chunk-only prefills included)
+VLLM_OUTPUT_ITERATIONS = "phasescope:vllm_output_iterations_total"
 REQUEST_EVENTS = ("arrival", "scheduled", "token", "finished", "aborted", "preempted", "cancelled", "queued")
 (REQ_ARRIVAL, REQ_SCHEDULED, REQ_TOKEN, REQ_FINISHED, REQ_ABORTED, REQ_PREEMPTED, REQ_CANCELLED,
  REQ_QUEUED) = range(8)
@@ -111,7 +114,9 @@ class RequestEvent(NamedTuple):
     event: int  # index into REQUEST_EVENTS
     request_id: str  # <= 32 bytes (longer ids are shortened with a hash)
     tokens: int  # arrival: prompt tokens; token: new tokens; finished: output tokens
-    cached_tokens: int  # scheduled: prompt tokens served from the prefix cache
+    # scheduled: prompt tokens served from the prefix cache; token: how long before ts_ns (the receive time) the
+    # engine stamped it, whole us (ts_ns - 1000 * this is the engine's output time: vLLM's ITL clock); 0: no stamp
+    cached_tokens: int
 
 
 class KVSnapshot(NamedTuple):
@@ -243,7 +248,9 @@ class PrefixLookup(NamedTuple):
     kind: str  # <= 8 bytes: "first" (first admission), "readmit" (after a preemption), "disabled" (cache off)
     page_size_tokens: int
     prompt_tokens: int  # tokens looked up (the prompt, or the re-prefill of a re-admission)
-    cacheable_tokens: int  # the most the runtime can serve from the cache (whole pages; the last token is computed)
+    # the most the runtime can serve from the cache (whole pages; the last token is computed); for a "readmit": the
+    # positions its preemption dropped (their recomputation: max(0, min(prompt_tokens, this) - hit_tokens))
+    cacheable_tokens: int
     hit_tokens: int  # tokens served from the cache
     shared_tokens: int  # longest common prefix with any earlier prompt the table remembers, tokens
     evicted_tokens: int  # shared whole-page tokens not hit because their pages were cached, then evicted

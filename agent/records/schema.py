@@ -49,7 +49,8 @@ TABLES: Tables = {
         ("request_id", "VARCHAR", "runtime's request id (<= 32 bytes); a label: runtimes reuse ids. Each arrival's "
          "events form one bracket [arrival .. finished|aborted] (the adapters close a stale one); view request_log keys arrivals"),
         ("tokens", "INTEGER", "arrival: prompt tokens; token: new tokens; finished: output tokens"),
-        ("cached_tokens", "INTEGER", "scheduled: prompt tokens served from the prefix cache"),
+        ("cached_tokens", "INTEGER", "scheduled: prompt tokens served from the prefix cache; token: the engine's "
+                                     "output stamp leads ts_ns by this many us (ITL runs on it; 0: none)"),
     ],
     "kv_snapshots": [
         ("source_id", "INTEGER", "sources.source_id"),
@@ -126,7 +127,8 @@ TABLES: Tables = {
         ("kind", "VARCHAR", "first (first admission), readmit (after a preemption), disabled (prefix cache off)"),
         ("page_size_tokens", "INTEGER", "P, tokens per page"),
         ("prompt_tokens", "INTEGER", "tokens looked up"),
-        ("cacheable_tokens", "INTEGER", "most the runtime can serve from the cache (whole pages, last token computed)"),
+        ("cacheable_tokens", "INTEGER", "most the runtime can serve from the cache (whole pages, last token computed); "
+                                        "readmit: the positions its preemption dropped"),
         ("hit_tokens", "INTEGER", "tokens served from the cache"),
         ("shared_tokens", "INTEGER", "longest common prefix with any earlier prompt the adapter remembers, tokens"),
         ("evicted_tokens", "INTEGER", "shared whole-page tokens missed because their pages were evicted"),

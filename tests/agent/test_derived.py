@@ -298,3 +298,52 @@ def test_a_store_from_before_the_derived_tables_reads_exactly(tmp_path):
     got = reader.query("itl_attribution", run_id=run)
     assert {k: v for k, v in got.items() if k != "query"} == {k: v for k, v in want_attr.items() if k != "query"}
     assert reader._run(current) == want
+
+
+def test_itl_runs_on_the_engine_stamps_ttft_on_the_receive_times(tmp_path):
+    """Issue 27 item 3: a vLLM token event carries the EngineCore's output stamp as a lead (us) before its receive
+    time: ITL gaps (stored, live and reference) are the engine's, TTFT and E2E stay the frontend's."""
+    from phasescope.agent.probe.adapters.vllm import engine_lead_us
+    from phasescope.exporters.requests import RequestTracker
+
+    engine = [10_000_123, 20_000_456, 35_000_789]  # the engine's output stamps, ns
+    received = [10_900_000, 20_200_001, 39_000_000]  # the frontend got them later, by uneven delays
+    leads = [engine_lead_us(r, e) for r, e in zip(received, engine)]
+    assert all(ts - 1000 * lead == e and 0 <= ts - r < 1000 for (lead, ts), r, e in zip(leads, received, engine))
+    ev = [RequestEvent(0, 0, REQUEST_EVENTS.index("arrival"), "a", 16, 0)]
+    ev += [RequestEvent(ts, 0, REQUEST_EVENTS.index("token"), "a", 1, lead) for lead, ts in leads]
+    ev.append(RequestEvent(leads[-1][1], 0, REQUEST_EVENTS.index("finished"), "a", 3, 0))
+    store = Store(str(tmp_path / "s.duckdb"))
+    sid = store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
+    store.append([(sid, ev)])
+    con = store.cursor()
+    want = [(engine[1] - engine[0]) / 1e9, (engine[2] - engine[1]) / 1e9]
+    for _ in range(2):  # derived at read time, then folded into the stored tables
+        assert [r[0] for r in con.execute("SELECT itl_s FROM itl ORDER BY ts_ns").fetchall()] == want
+        assert current(con) == reference(con)
+        ttft, e2e, decode, tpot = con.execute("SELECT ttft_s, e2e_s, decode_s, tpot_s FROM requests").fetchone()
+        assert (ttft, e2e) == (leads[0][1] / 1e9, leads[-1][1] / 1e9)
+        assert (decode, tpot) == ((engine[2] - engine[0]) / 1e9, (engine[2] - engine[0]) / 1e9 / 2)  # vLLM's clock
+        store.refresh_derived()
+    store.close()
+    gaps: list = []
+
+    class Listener:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+        def inter_token(self, source, gap_s, n):
+            gaps.append(gap_s)
+
+        def finished(self, timing):
+            gaps.append(("decode", timing.decode_s, timing.tpot_s, timing.ttft_s))
+
+    tracker = RequestTracker(Listener())
+    from types import SimpleNamespace as NS
+
+    for e in ev:
+        tracker.on_event(1, NS(model="m"), e)
+    assert gaps[:2] == pytest.approx(want, abs=1e-12)
+    d = (engine[2] - engine[0]) / 1e9
+    assert gaps[2] == ("decode", pytest.approx(d, abs=1e-12), pytest.approx(d / 2, abs=1e-12),
+                       pytest.approx(leads[0][1] / 1e9, abs=1e-12))  # live exporter: the store's figures

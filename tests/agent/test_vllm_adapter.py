@@ -305,3 +305,95 @@ def test_frontend_drops_outputs_of_already_aborted_requests(monkeypatch, tmp_pat
         assert tokens == [(adapter.short_id("live"), 2)]
     finally:
         adapter.close_channels(0.1)
+
+
+def test_readmission_split_equals_recomputed_tokens(monkeypatch, tmp_path):
+    """Issue 27 item 7: one definition of recomputation. A request preempted after decoding holds KV for all
+    its tokens but the latest sampled one (vLLM's num_computed_tokens is num_tokens - 1 then); its re-admission
+    looks up num_tokens. The miss split's `readmission` and `recomputed_tokens` both count the dropped positions
+    the cache did not give back (they were 1 token apart per re-admission)."""
+    from types import SimpleNamespace as NS
+
+    from phasescope.agent.probe.pagetrack import PrefixTable
+    from phasescope.agent.read.queries import split_lookup
+    from phasescope.agent.records.events import PrefixLookup
+
+    hooks, sched, kvm = _engine(monkeypatch, tmp_path, _Pool(8))
+    hooks.table = PrefixTable(16, lambda parent, tokens: 0, 64)
+    emitted: list = []
+    hooks.probe.emit = lambda rec: emitted.append(rec)
+
+    def req(n: int, preemptions: int, hits: int, computed: int = 0):
+        return NS(request_id="r", num_tokens=n, hits=hits, num_preemptions=preemptions, num_computed_tokens=computed,
+                  skip_reading_prefix_cache=False, block_hashes=[bytes([i + 1]) * 8 for i in range(n // 16)],
+                  all_token_ids=list(range(n)))
+
+    try:
+        kvm.get_computed_blocks(req(40, 0, 0))
+        sched._preempt_request(req(45, 0, 0, computed=44), 0.0)  # 5 tokens out, the 5th not yet computed
+        kvm.get_computed_blocks(req(45, 1, 32))  # its first page came back from the cache
+        kvm.get_computed_blocks(req(45, 1, 32))  # vLLM 0.24: looked up again while it waits: no recomputation
+        looks = [r for r in emitted if isinstance(r, PrefixLookup)]
+        assert [r.kind for r in looks] == ["first", "readmit", "readmit"]
+        split = sum(split_lookup(r.kind, r.page_size_tokens, r.prompt_tokens, r.cacheable_tokens, r.hit_tokens,
+                                 r.shared_tokens, r.evicted_tokens).get("readmission", 0) for r in looks)
+        assert hooks.recomputed == split == 44 - 32
+    finally:
+        adapter.close_channels(0.1)
+
+
+def test_output_iterations_skip_chunk_only_steps(monkeypatch, tmp_path):
+    """Issue 27 item 6: vLLM's `iteration_tokens_total` counts EngineCoreOutputs batches holding outputs; a step
+    that only prefills a chunk of a prompt produces none. The engine counts those iterations apart from steps."""
+    from types import SimpleNamespace as NS
+
+    from phasescope.agent.records.events import VLLM_OUTPUT_ITERATIONS, ServerMetric
+
+    hooks, sched, _ = _engine(monkeypatch, tmp_path, _Pool(4))
+    emitted: list = []
+    hooks.probe.emit = lambda rec: emitted.append(rec)
+    outs = {"chunk": {}, "empty": {0: NS(outputs=[])},
+            "token": {0: NS(outputs=[NS(request_id="a", new_token_ids=[7], finish_reason=None)])}}
+    try:
+        for kind in ("chunk", "token", "empty", "token"):
+            sched.update_from_output = lambda so, mro, kind=kind: outs[kind]
+            adapter.wrap(sched, "update_from_output", hooks._after_update, lambda: hooks.probe)
+            sched.update_from_output(NS(total_num_scheduled_tokens=64), None)
+        assert hooks.steps == 4 and hooks.output_iterations == 2
+        counter = [r.value for r in emitted if isinstance(r, ServerMetric) and r.name == VLLM_OUTPUT_ITERATIONS]
+        assert counter == [1.0, 2.0]
+    finally:
+        adapter.close_channels(0.1)
+
+
+def test_frontend_token_events_carry_the_engine_output_stamp(monkeypatch, tmp_path):
+    """Issue 27 item 3: process_outputs(outputs, engine_core_timestamp) (AsyncLLM positional, LLMEngine keyword):
+    the token event's ts_ns - 1000 * cached_tokens is the EngineCore's stamp (monotonic s) to the nanosecond."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from phasescope.agent.records.events import REQ_TOKEN
+
+    monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
+    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    processor = NS(request_states={"a": object()}, process_outputs=lambda outputs, *a, **k: None)
+    hooks = adapter.FrontendHooks(processor)
+    emitted: list = []
+    hooks.probe.emit = lambda rec: emitted.append(rec)
+    try:
+        stamp = time.monotonic() - 0.0123456789
+        processor.process_outputs([NS(request_id="a", new_token_ids=[5], finish_reason=None)], stamp)
+        processor.process_outputs([NS(request_id="a", new_token_ids=[6], finish_reason=None)],
+                                  engine_core_timestamp=stamp + 0.005)
+        processor.process_outputs([NS(request_id="a", new_token_ids=[7], finish_reason=None)])  # no stamp
+        # vLLM's own frontend stamp (IterationStats.iteration_timestamp, wall s): TTFT and E2E end there
+        its = time.time() - 0.25
+        processor.process_outputs([NS(request_id="a", new_token_ids=[8], finish_reason=None)],
+                                  engine_core_timestamp=time.monotonic() - 0.3, iteration_stats=NS(iteration_timestamp=its))
+        tok = [r for r in emitted if r.event == REQ_TOKEN]
+        assert [r.ts_ns - 1000 * r.cached_tokens for r in tok[:2]] == [int(stamp * 1e9), int((stamp + 0.005) * 1e9)]
+        assert 12345 <= tok[0].cached_tokens <= 10**6 and tok[2].cached_tokens == 0
+        want = int(its * 1e9) - (time.time_ns() - time.monotonic_ns())
+        assert abs(tok[3].ts_ns - want) < 2_000_000 and 49_000 <= tok[3].cached_tokens <= 52_000  # 50 ms lead
+    finally:
+        adapter.close_channels(0.1)

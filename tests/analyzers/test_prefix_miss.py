@@ -34,7 +34,8 @@ FIRST = {"no-shared-prefix": 716, "sub-page": 60, "evicted": 64, "in-flight": 0,
 
 def readmission_implied(con, run_id) -> tuple[int, int]:
     """(re-admissions, tokens) the request events imply: each preempted request's prompt plus the tokens it
-    had produced before its preemption (its own pages are freed uncached and nothing else shares them)."""
+    had produced before its preemption, less the latest one, whose KV was never computed (issue 27: that position
+    is a decode, no recomputation); its own pages are freed uncached and nothing else shares them."""
     rows = con.execute("""
         SELECT r.runtime_request_id, p.ts_ns,
                (SELECT max(tokens) FROM request_log a WHERE a.run_id = r.run_id AND a.request_id = r.request_id
@@ -44,7 +45,8 @@ def readmission_implied(con, run_id) -> tuple[int, int]:
         FROM request_log p JOIN (SELECT DISTINCT run_id, request_id, runtime_request_id FROM request_log) r
              USING (run_id, request_id)
         WHERE p.run_id = $run AND p.event = 'preempted'""", {"run": run_id}).fetchall()
-    return len(rows), sum(prompt + produced for _, _, prompt, produced in rows)
+    assert all(produced > 0 for *_, produced in rows)  # preempted in decode: the dropped KV is known from events
+    return len(rows), sum(prompt + produced - 1 for _, _, prompt, produced in rows)
 
 
 def check_causes(con, run_id) -> dict:
@@ -57,6 +59,8 @@ def check_causes(con, run_id) -> dict:
     assert (q, h) == (904, 64)
     n, tokens = readmission_implied(con, run_id)
     assert n >= 1 and (c["readmissions"], c["readmission"]) == (n, tokens)
+    # issue 27: one definition of recomputation, so the miss split's readmission is the recomputed_tokens counter
+    assert c["readmission"] == con.execute("SELECT max(recomputed_tokens_total) FROM prefix_counters").fetchone()[0]
     assert sum(c[k] for k in CAUSES) == c["missed_tokens"] + c["readmission"]
     return c
 

@@ -323,7 +323,10 @@ class ProcessorHooks:
         cacheable = (n - 1) // page * page if n else 0
         stop = max(min(max(shared, hit) // page * page, cacheable), hit) // page
         evicted, gap = table.evicted_run(chain, hit // page, stop, ts)
-        a._plookup[rid] = (ts, "readmit" if readmit else "first", page, n, cacheable, hit, shared,
+        # a re-admission's cacheable tokens are the positions its reset dropped: its recomputation (the miss
+        # split's `readmission`) is then max(0, min(n, dropped) - hit), the figure recomputed_tokens counts
+        a._plookup[rid] = (ts, "readmit" if readmit else "first", page, n,
+                           min(n, a._lost[rid]) if readmit else cacheable, hit, shared,
                            evicted, gap, len(table.pages), table.dropped)
 
     # --- evictions and frees of the cache ---

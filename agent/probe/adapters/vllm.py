@@ -40,8 +40,9 @@ import uuid
 from typing import Any, Callable
 
 from ...records.events import (
-    PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, PrefixCounters, PrefixLookup, RequestEvent, Step,
-    REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_FINISHED, REQ_QUEUED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN, short_id,
+    PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL, PrefixCounters, PrefixLookup, RequestEvent, ServerMetric,
+    Step, REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_FINISHED, REQ_QUEUED, REQ_PREEMPTED, REQ_SCHEDULED, REQ_TOKEN,
+    VLLM_OUTPUT_ITERATIONS, MAX_TOKENS, short_id,
 )
 from ...records.kvmath import PageStats, largest_gap
 from ...settings import ENV_RUN_ID, ProbeSettings, from_env
@@ -324,9 +325,11 @@ class EngineHooks:
         self.probe = channel("engine", self.rank0, self.tp * pp * max(1, int(labels.get("dp", "1"))),
                              _model_name(cfg), labels)
         self.sched = scheduler
-        self.wall_minus_mono_ns = time.time_ns() - time.monotonic_ns()
         self.kv_every = max(1, int(os.environ.get(ENV_KV_EVERY, "1") or 1))
         self.steps = 0
+        # issue 27 item 6: iterations that produced output, as vLLM counts them (`vllm:iteration_tokens_total`
+        # observes one per EngineCoreOutputs batch holding outputs): a chunk-only prefill step produces none
+        self.output_iterations = 0
         self.seen: set[str] = set()  # requests scheduled at least once
         self.out_tokens: dict[str, int] = {}
         self.tokens_at_frontend = os.environ.get(ENV_TOKENS_AT) == "frontend"
@@ -392,7 +395,7 @@ class EngineHooks:
 
     # lifecycle
     def _mono_of_wall(self, wall_s: float) -> int:
-        return int(wall_s * 1e9) - self.wall_minus_mono_ns
+        return mono_of_wall(wall_s)
 
     def _event(self, ts: int, event: int, rid: str, tokens: int = 0, cached: int = 0) -> None:
         self.probe.emit(RequestEvent(ts, self.rank0, event, short_id(rid), tokens, cached))
@@ -429,6 +432,10 @@ class EngineHooks:
 
     def _after_update(self, outputs: Any, so: Any, *a: Any, **k: Any) -> None:
         now = time.monotonic_ns()
+        produced = sum(1 for eco in (outputs or {}).values() if getattr(eco, "outputs", None))
+        if produced:
+            self.output_iterations += produced
+            self.probe.emit(ServerMetric(now, self.dp_rank, VLLM_OUTPUT_ITERATIONS, "", float(self.output_iterations)))
         # token and finish times are the frontend's when it records them (vLLM's TTFT/E2E are measured there)
         for eco in (() if self.tokens_at_frontend else (outputs or {}).values()):
             for o in getattr(eco, "outputs", ()) or ():
@@ -476,17 +483,20 @@ class EngineHooks:
         if callable(enabled) and not enabled(request):
             return
         q, h = int(request.num_tokens), int(num_hits)
+        resumed = getattr(request, "num_preemptions", 0) > 0
+        # recomputed (README Definitions): positions whose KV the preemption dropped (vLLM's num_computed_tokens
+        # then: after a decode, 1 short of num_tokens, as the latest sampled token was never computed) and the
+        # cache did not give back, counted at the first lookup after the preemption (vLLM 0.24 looks a waiting
+        # request up again every step until its pages fit; each of those lookups is still one for vLLM's
+        # counters and for ours). The lookup record carries the same figure (`readmission` of the miss split).
+        lost = self.lost.pop(request.request_id, None) if resumed else None
+        dropped = min(q, lost) if lost is not None else 0
         if self.table is not None:
-            self._lookup(request, q, h)
-        if getattr(request, "num_preemptions", 0) > 0:
+            self._lookup(request, q, h, dropped)
+        if resumed:
             self.resumed_queried += q
             self.resumed_hits += h
-            # recomputed: positions whose KV the preemption dropped and the cache did not give back, counted
-            # at the first lookup after the preemption (vLLM 0.24 looks a waiting request up again every step
-            # until its pages fit; each of those lookups is still one for vLLM's counters and for ours)
-            lost = self.lost.pop(request.request_id, None)
-            if lost is not None:
-                self.recomputed += max(0, min(q, lost) - h)
+            self.recomputed += max(0, dropped - h)
         else:
             self.queried += q
             self.hits += h
@@ -497,8 +507,10 @@ class EngineHooks:
             return
         self._after_prefix(None, request, int(result[1]))
 
-    def _lookup(self, request: Any, n: int, hit: int) -> None:
-        """One PrefixLookup: vLLM's block hashes of the request against the table of earlier prompts'."""
+    def _lookup(self, request: Any, n: int, hit: int, dropped: int = 0) -> None:
+        """One PrefixLookup: vLLM's block hashes of the request against the table of earlier prompts'. A
+        re-admission's `cacheable_tokens` are the `dropped` positions its preemption lost (0 on a repeated lookup
+        of the same re-admission), so that its recomputation is `max(0, min(prompt, cacheable) - hit)`."""
         now, P, table = time.monotonic_ns(), self.page_size, self.table
         readmit = getattr(request, "num_preemptions", 0) > 0
         chain = [bytes(h) for h in list(request.block_hashes)[: n // P]]
@@ -510,7 +522,8 @@ class EngineHooks:
         stop = max(min(max(shared, hit) // P * P, cacheable), hit) // P
         evicted, gap = table.evicted_run(chain, hit // P, stop, now)
         self.probe.emit(PrefixLookup(now, self.rank0, short_id(request.request_id), "readmit" if readmit else "first",
-                                     P, n, cacheable, hit, shared, evicted, gap, len(table.pages), table.dropped))
+                                     P, n, dropped if readmit else cacheable, hit, shared, evicted, gap,
+                                     len(table.pages), table.dropped))
 
     def _emit_prefix(self, now: int) -> None:
         state = (self.queried, self.hits, self.recomputed, self.evicted)
@@ -646,6 +659,39 @@ def _core_event_ns(request: Any, kind: str) -> int | None:
     return None
 
 
+def wall_minus_mono_ns(tries: int = 3) -> int:
+    """time.time_ns() - time.monotonic_ns() now, from the tightest of `tries` mono-wall-mono readings (a thread
+    descheduled between two reads would put the offset off by that long)."""
+    best = None
+    for _ in range(tries):
+        a = time.monotonic_ns()
+        w = time.time_ns()
+        b = time.monotonic_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, w - (a + b) // 2)
+        if b - a < 20_000:
+            break
+    return best[1]
+
+
+def mono_of_wall(wall_s: float) -> int:
+    """A wall-clock stamp of vLLM's (time.time(), s) on this process's monotonic clock (ns), by the offset now:
+    two such stamps taken apart differ by their wall difference up to the clock's slew between the conversions."""
+    return int(wall_s * 1e9) - wall_minus_mono_ns()
+
+
+def engine_lead_us(received_ns: int, engine_ns: int) -> tuple[int, int]:
+    """(lead, ts_ns) of a token event received at `received_ns` that the engine stamped at `engine_ns` (monotonic
+    ns, one host): lead = ceil((received - engine) / 1 us) and ts_ns = engine_ns + 1000 * lead (the receive time,
+    under 1 us later), so ts_ns - 1000 * lead is the engine's stamp exactly. (0, received_ns) when the stamp is
+    not before the receive time or leads it by MAX_TOKENS us or more (the field's range; ~16.8 s): no engine time."""
+    d = received_ns - engine_ns
+    lead = -(-d // 1000)
+    if d <= 0 or lead >= MAX_TOKENS:
+        return 0, received_ns
+    return lead, engine_ns + 1000 * lead
+
+
 def _is_abort(reason: Any) -> bool:
     """An output's finish reason that is no success: ABORT (reaching outputs only from the engine's own aborts:
     shutdown, pause; a client's abort never produces one) or ERROR (a request-level internal error)."""
@@ -669,6 +715,20 @@ class FrontendHooks:
 
     def _before(self, outputs: Any, *a: Any, **k: Any) -> None:
         now = time.monotonic_ns()
+        # issue 27 item 3: vLLM's ITL (and decode time) runs on the EngineCore's output timestamp (time.monotonic()
+        # there: one clock per host), its TTFT and E2E on the frontend's receive time. A token event keeps both:
+        # ts_ns the receive time, cached_tokens the lead of the engine's stamp in whole microseconds, with ts_ns
+        # rounded up to make ts_ns - 1000 * lead the engine's stamp to the nanosecond (engine_lead_us)
+        eng = a[0] if a else k.get("engine_core_timestamp")
+        # vLLM's TTFT and E2E end at IterationStats.iteration_timestamp (time.time() when the frontend took the
+        # batch): the receive time is that stamp where vLLM makes one (log stats on; our stat logger forces it)
+        stats = a[1] if len(a) > 1 else k.get("iteration_stats")
+        its = getattr(stats, "iteration_timestamp", None)
+        if its:
+            now = mono_of_wall(its)
+        lead = 0
+        if eng:
+            lead, now = engine_lead_us(now, int(eng * 1e9))
         states = self.states
         for o in outputs or ():
             rid = o.request_id
@@ -680,7 +740,7 @@ class FrontendHooks:
             n = len(o.new_token_ids or ())
             if n:
                 self.out_tokens[rid] = self.out_tokens.get(rid, 0) + n
-                self.probe.emit(RequestEvent(now, 0, REQ_TOKEN, short_id(rid), n, 0))
+                self.probe.emit(RequestEvent(now, 0, REQ_TOKEN, short_id(rid), n, lead))
             if o.finish_reason is not None:
                 event = REQ_ABORTED if _is_abort(o.finish_reason) else REQ_FINISHED
                 self.probe.emit(RequestEvent(now, 0, event, short_id(rid), self.out_tokens.pop(rid, 0), 0))
