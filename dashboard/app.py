@@ -650,14 +650,16 @@ def sweep_frame(points: list[dict[str, Any]]) -> pd.DataFrame:
     return d
 
 
-def sweep_chart(d: pd.DataFrame, knee_rate: float | None, knee_text: str) -> alt.LayerChart | alt.VConcatChart:
+def sweep_charts(d: pd.DataFrame, knee_rate: float | None, knee_text: str) -> tuple[Any, Any]:
     """Goodput (with the offered load as a dotted diagonal) and p99 TTFT / TPOT against offered load (log x),
-    the knee a red rule labelled with its binding constraint."""
+    the knee a red rule on both, named with its binding constraint above the goodput chart."""
     x = alt.X("rate_per_s:Q", title="Offered load (req/s, log)", scale=alt.Scale(type="log", base=2))
-    good = melt(d.assign(offered=d["rate_per_s"]), ["rate_per_s"], ["goodput_req_per_s", "offered"])
+    good = d.assign(offered=d["rate_per_s"]).melt(id_vars=["rate_per_s"], value_vars=["goodput_req_per_s", "offered"],
+                                                   var_name="series").dropna(subset=["value"])
+    good["series"] = good["series"].map({"goodput_req_per_s": "Goodput", "offered": "Offered load"})
     top = alt.Chart(good).mark_line(point=True).encode(
         x=x, y=alt.Y("value:Q", title="Requests/s"), color=alt.Color("series:N", title=None),
-        strokeDash=alt.StrokeDash("series:N", legend=None),
+        strokeDash=alt.StrokeDash("series:N", title=None),  # one legend with the colour (legend=None hides both in a layer)
         tooltip=[alt.Tooltip("rate_per_s:Q", title="Offered (req/s)"), alt.Tooltip("series:N", title="Series"),
                  alt.Tooltip("value:Q", title="req/s", format=",.2f")])
     lat = d.melt(id_vars=["rate_per_s"], value_vars=["ttft_p99_ms", "tpot_p99_ms"], var_name="series").dropna()
@@ -670,10 +672,9 @@ def sweep_chart(d: pd.DataFrame, knee_rate: float | None, knee_text: str) -> alt
     if knee_rate is not None:
         k = pd.DataFrame({"rate_per_s": [knee_rate], "label": [knee_text]})
         rule = alt.Chart(k).mark_rule(color="red", strokeDash=[4, 3]).encode(x="rate_per_s:Q", tooltip=["label"])
-        text = alt.Chart(k).mark_text(color="red", align="left", dx=4, dy=-6, baseline="top").encode(
-            x="rate_per_s:Q", y=alt.value(0), text="label:N")
-        top, bottom = top + rule + text, bottom + rule
-    return alt.vconcat(top.properties(height=220), bottom.properties(height=220)).resolve_scale(color="independent")
+        top, bottom = (top + rule).properties(title=alt.TitleParams(knee_text, color="red", anchor="end")), \
+            bottom + rule
+    return top.properties(height=240), bottom.properties(height=240)
 
 
 def page_sweep(reader: Any, run: str, win: dict[str, Any]) -> None:
@@ -719,7 +720,8 @@ def page_sweep(reader: Any, run: str, win: dict[str, Any]) -> None:
                 delta_color="off", delta_arrow="off")
     d = sweep_frame(points)
     text = "" if knee_rate is None else f"knee {knee_rate:g} req/s" + (f": {bind['name']}" if bind else "")
-    st.altair_chart(sweep_chart(d, knee_rate, text), width="stretch")
+    for chart in sweep_charts(d, knee_rate, text):
+        st.altair_chart(chart, width="stretch")
     explain("Good: goodput follows the offered load (the dotted diagonal) and p99 TTFT/TPOT stay flat up to the "
             "knee, the largest rate at which this and every lower rate meet the SLOs for the target share of requests.")
     if bind:
