@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from phasescope.agent.read.itl import attribution
-from phasescope.agent.read.queries import request_summary
+from phasescope.agent.read import sweep as read_sweep
+from phasescope.agent.read.sweep import GOOD_SQL  # noqa: F401  (the goodput SQL, kept where the store is read)
 
 from .host import host_bound
 from .kvcache import kv_near_cap
@@ -34,13 +34,6 @@ from .reliability import preemption_recompute
 from .constraints import vllm_limits
 from .runinfo import runtime_of
 from .sql import RUN_STEPS, one
-
-GOOD_SQL = """SELECT count(*) AS requests, count(*) FILTER (WHERE status = 'finished') AS finished,
-           count(*) FILTER (WHERE status = 'finished' AND ttft_s <= $ttft AND coalesce(tpot_s, 0) <= $tpot
-                            AND e2e_s <= $e2e) AS good,
-           (max(last_token_ns) - min(arrival_ns)) / 1e9 AS duration_s,
-           count(*) / nullif((max(arrival_ns) - min(arrival_ns)) / 1e9, 0) AS achieved_rate_per_s
-    FROM requests WHERE run_id = $run"""
 
 # the requests that missed an SLO at a point, and how many of them were preempted / mostly queued
 MISSED_SQL = """SELECT count(*) AS missed, count(*) FILTER (WHERE preemptions > 0) AS missed_preempted,
@@ -94,22 +87,8 @@ def _big(v: float | None) -> float:
 
 
 def point_metrics(con: Any, run_id: str, slo: Slo) -> dict[str, Any]:
-    """One point's figures from the store's own queries (request_summary, ITL attribution) plus goodput."""
-    g = one(con, GOOD_SQL, run_id, ttft=_big(slo.ttft_s), tpot=_big(slo.tpot_s), e2e=_big(slo.e2e_s))
-    r = request_summary(con, run_id)
-    out = {k: g[k] for k in ("requests", "finished", "good", "duration_s", "achieved_rate_per_s")}
-    n, dur = g["requests"] or 0, g["duration_s"] or 0
-    out["goodput_req_per_s"] = g["good"] / dur if dur > 0 else None
-    out["attainment"] = g["good"] / n if n else None
-    out["survival"] = g["finished"] / n if n else None
-    for k in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s", "tpot_p95_s", "tpot_p99_s",
-              "e2e_p50_s", "e2e_p99_s", "queue_p50_s", "preemptions"):
-        out[k] = r.get(k)
-    itl = attribution(con, run_id)  # a run without token gaps gives None: no figure
-    for q in ("p50", "p99"):
-        v = itl.get(f"itl_{q}_ms")
-        out[f"itl_{q}_s"] = None if v is None else v / 1e3
-    return out
+    """One point's figures (agent/read/sweep.py's `point_metrics`, the `sweep_points` named query's rows)."""
+    return read_sweep.point_metrics(con, run_id, slo.ttft_s, slo.tpot_s, slo.e2e_s)
 
 
 def find_knee(points: Sequence[dict[str, Any]], target: float = 0.9) -> int | None:
@@ -245,3 +224,12 @@ def constraints_at(con: Any, run_id: str, labels: dict | None = None, slo: Slo |
 def binding(constraints: Sequence[Constraint]) -> Constraint | None:
     """The first constraint that binds (they come in `PRECEDENCE` order), or None."""
     return next((c for c in constraints if c.binds), None)
+
+
+def explain_point(con: Any, run_id: str, slo: Slo | None = None) -> list[dict[str, Any]]:
+    """`constraints_at` over a point with its own labels, as plain dicts (what a reader's `analyze` returns)."""
+    from dataclasses import asdict
+
+    from .runinfo import read_run_info
+
+    return [asdict(c) for c in constraints_at(con, run_id, read_run_info(con, run_id), slo)]

@@ -765,6 +765,25 @@ def itl_attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     return attribution(con, run_id, long_prefill_tokens, host_stall_ratio, tpot_slo_s, quantile)
 
 
+# --- load sweeps: the runs `phasescope sweep` labelled (agent/read/sweep.py) ---
+
+def sweeps(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """The sweeps in the store, newest first: sweep_id, points, lowest / highest offered rate (requests/s),
+    runtime, model, started_ns (`sweep.sweeps`)."""
+    from .sweep import sweeps as _sweeps
+
+    return _sweeps(con)
+
+
+def sweep_points(con: duckdb.DuckDBPyConnection, sweep_id: str, ttft_slo_s: float | None = None,
+                 tpot_slo_s: float | None = None, e2e_slo_s: float | None = None) -> list[dict[str, Any]]:
+    """One sweep's points by offered rate: run_id, requests, good/finished, goodput (req/s), SLO attainment,
+    survival, TTFT/TPOT/ITL/E2E percentiles (s) at the SLOs given in seconds (none: no SLO) (`sweep.sweep_points`)."""
+    from .sweep import sweep_points as _points
+
+    return _points(con, sweep_id, ttft_slo_s, tpot_slo_s, e2e_slo_s)
+
+
 def _one(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> dict[str, Any]:
     cur = con.execute(sql, params)
     names = [d[0] for d in cur.description]
@@ -813,6 +832,8 @@ QUERIES: dict[str, Any] = {
     "prefix_miss_causes": prefix_miss_causes,
     "kv_residency": kv_residency,
     "verifications": verifications,
+    "sweeps": sweeps,
+    "sweep_points": sweep_points,
 }
 
 
@@ -852,6 +873,7 @@ PARAM_BOUNDS: dict[str, tuple[float, float]] = {
     "quantile": (0.5, 1.0),
     "long_prefill_tokens": (0, 10_000_000), "max_rows": (1, 100_000_000),
     "since_s": (-1e12, 1e12), "until_s": (-1e12, 1e12), "tpot_slo_s": (1e-6, 3600.0), "ttft_slo_s": (1e-6, 3600.0),
+    "e2e_slo_s": (1e-6, 86400.0),
 }
 MAX_PARAM_CHARS = 200
 

@@ -96,6 +96,8 @@ class Reader(Protocol):
 
     def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]: ...
 
+    def analyze(self, fn: Callable[[Any], Any]) -> Any: ...
+
     def close(self) -> None: ...
 
 
@@ -131,6 +133,10 @@ class FileReader:
     def snapshot(self, items: list[Item], findings_run: str | None = None) -> dict[str, Any]:
         """Named queries (and, with `findings_run`, the findings) read in one transaction (snapshot.run_batch)."""
         return self._run(lambda con: run_batch(con, items, self._findings, findings_run))
+
+    def analyze(self, fn: Callable[[duckdb.DuckDBPyConnection], Any]) -> Any:
+        """A pure analyzer the caller injects (e.g. a sweep's binding constraint), over one read of the store."""
+        return json_safe(self._run(fn))
 
     def close(self) -> None:
         pass  # nothing is held between queries
@@ -205,6 +211,10 @@ class AgentReader:
         if findings_run is not None:
             params["findings"] = findings_run
         return self._get("/api/v1/snapshot", params)
+
+    def analyze(self, fn: Callable[[Any], Any]) -> Any:
+        """Only named queries and findings cross the read API: an injected analyzer cannot run here."""
+        raise ReadError(f"{self.target} is a live agent: this analysis reads a file or exports, not the read API")
 
     def close(self) -> None:
         pass

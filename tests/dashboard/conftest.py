@@ -68,3 +68,17 @@ def stores(tmp_path_factory):
             out[f"scenario:{name}"] = path
     return out
 
+
+
+@pytest.fixture(scope="session")
+def sweep_store(tmp_path_factory):
+    """(path, result): a small `phasescope sweep --tiny` (3 rates, 4 requests each, loose SLOs) in its own file."""
+    pytest.importorskip("transformers")
+    from phasescope.analyzers.sweep import Slo
+    from phasescope.cli.demo import DemoConfig
+    from phasescope.cli.sweep import TINY, run_sweep
+
+    path = str(tmp_path_factory.mktemp("sweep") / "sweep.duckdb")
+    result = run_sweep(path, DemoConfig(requests=4, seed=1, device="cpu", **TINY), [4.0, 16.0, 64.0],
+                       Slo(ttft_s=1000.0, tpot_s=1000.0))
+    return path, result

@@ -14,7 +14,7 @@ from phasescope.agent.read.reader import open_reader  # noqa: E402
 from phasescope.analyzers.diagnose import diagnose  # noqa: E402
 
 APP = os.path.join(os.path.dirname(__file__), "..", "..", "dashboard", "app.py")
-PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments")
+PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments", "Sweep")
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +43,8 @@ def test_every_page_renders_without_exception(stores, name, monkeypatch):
         assert at.header[0].value == page
         if name == "empty":
             assert "No runs yet" in at.info[0].value
+        elif page == "Sweep":  # no fixture store but the sweep's holds a sweep
+            assert "No sweep in this store" in at.info[0].value
 
 
 @pytest.mark.parametrize("name", ["demo"] + _scenarios())
@@ -299,3 +301,75 @@ def test_tables_read_like_a_product(stores, monkeypatch):
     at.sidebar.radio(key="page").set_value("Experiments").run()
     rows = list(at.dataframe[0].value.index)
     assert rows[0] in ("TTFT p50 (ms)", "TTFT p50 (s)") and "ttft_p50_s" not in rows
+
+
+def _chart_datasets(at) -> list[list[dict]]:
+    import pyarrow as pa
+
+    return [pa.ipc.open_stream(d.data.data).read_all().to_pylist()
+            for c in at.get("vega_lite_chart") for d in c.proto.datasets]
+
+
+def test_sweep_page_shows_the_points_the_knee_and_its_binding_constraint(sweep_store, monkeypatch):
+    from phasescope.analyzers.sweep import Slo, binding, constraints_at, evidence_point, find_knee
+    from phasescope.analyzers.runinfo import read_run_info
+
+    path, result = sweep_store
+    at = _app(path, monkeypatch)
+    at.sidebar.radio(key="page").set_value("Sweep").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="sweep").value == result["sweep_id"]
+    at.number_input(key="sweep_ttft").set_value(1_000_000.0).run()  # the sweep's own loose SLOs: 1000 s
+    at.number_input(key="sweep_tpot").set_value(1_000_000.0).run()
+    assert not at.exception, [e.value for e in at.exception]
+    # the table is `phasescope sweep`'s points, row by row (same SLOs: same goodput and attainment)
+    table = at.dataframe[0].value
+    assert list(table["Offered (req/s)"]) == [4.0, 16.0, 64.0]
+    assert list(table["Run"]) == [p["run_id"] for p in result["points"]]
+    assert list(table["Requests"]) == [p["requests"] for p in result["points"]] == [4, 4, 4]
+    for col, key, scale in (("Goodput (req/s)", "goodput_req_per_s", 1), ("SLO attainment (%)", "attainment", 100),
+                            ("TTFT p99 (ms)", "ttft_p99_s", 1e3), ("TPOT p99 (ms)", "tpot_p99_s", 1e3)):
+        assert list(table[col]) == pytest.approx([round(p[key] * scale, 2 if key.startswith("good") else 1)
+                                                  for p in result["points"]], abs=0.051), col
+    # requests counted against the raw rows
+    con = duckdb.connect(path, read_only=True)
+    try:
+        raw = dict(con.execute("SELECT run_id, count(*) FROM requests GROUP BY run_id").fetchall())
+        top = result["points"][-1]["run_id"]
+        bind = binding(constraints_at(con, top, read_run_info(con, top), Slo(1000.0, 1000.0)))
+    finally:
+        con.close()
+    assert [raw[p["run_id"]] for p in result["points"]] == [4, 4, 4]
+    # loose SLOs: every point meets them, the knee is the top rate, the constraint is read there
+    assert find_knee(result["points"]) == 2 and result["knee_rate_per_s"] == 64.0
+    metrics = {m.label: m for m in at.metric}
+    assert metrics["Knee"].value == "64 req/s"
+    assert metrics["Binding constraint"].value == (bind.name if bind else "none shows")
+    assert (bind.name if bind else None) == (result["binding"]["name"] if result["binding"] else None)
+    assert metrics["Binding constraint"].delta == "read at 64 req/s (attainment 100.0%)"
+    # the chart marks the knee with its constraint
+    labels = [r["label"] for rows in _chart_datasets(at) for r in rows if "label" in r]
+    assert set(labels) == {"knee 64 req/s" + (f": {bind.name}" if bind else "")}  # one rule per panel
+    if bind:
+        assert at.subheader[0].value == f"Why the knee is there: {bind.name}"
+    # a strict TTFT SLO (1 ms): the page's knee and evidence point are the analyzers' over the named query's points
+    at.number_input(key="sweep_ttft").set_value(1.0).run()
+    reader = open_reader(path)
+    try:
+        strict = reader.query("sweep_points", sweep_id=result["sweep_id"], ttft_slo_s=1e-3, tpot_slo_s=1000.0)
+    finally:
+        reader.close()
+    knee, ev = find_knee(strict), evidence_point(strict)
+    metrics = {m.label: m for m in at.metric}
+    assert metrics["Knee"].value == ("none" if knee is None else f"{strict[knee]['rate_per_s']:g} req/s")
+    assert metrics["Binding constraint"].delta == (f"read at {strict[ev]['rate_per_s']:g} req/s (attainment "
+                                                   f"{strict[ev]['attainment'] * 100:.1f}%)")
+    assert bool([r for rows in _chart_datasets(at) for r in rows if "label" in r]) == (knee is not None)
+
+
+def test_live_reader_cannot_run_an_injected_analyzer():
+    from phasescope.agent.read.reader import AgentReader
+    from phasescope.agent.records.errors import ReadError
+
+    with pytest.raises(ReadError, match="live agent"):
+        AgentReader("http://127.0.0.1:9").analyze(lambda con: 1)

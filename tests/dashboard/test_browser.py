@@ -168,6 +168,49 @@ def test_every_page_offline_and_the_file_stays_free(tmp_path):
             app.wait(10)
 
 
+def test_the_sweep_page_on_a_tiny_sweep(sweep_store):
+    """`phasescope sweep --tiny`'s file: the Sweep page opens from its link, settles, shows the knee and the
+    binding constraint beside the chart and the table, and is screenshotted (issue 28)."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    path, result = sweep_store
+    app, port = _dashboard([path])
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/_stcore/health", 90)
+        os.makedirs(SHOTS, exist_ok=True)
+        with playwright.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+                "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"http://127.0.0.1:{port}/?page=sweep", wait_until="domcontentloaded", timeout=60_000)
+                page.get_by_role("heading", name="Sweep", exact=True).wait_for(timeout=120_000)
+                for want in ("Binding constraint", "Points", "offered load"):
+                    page.get_by_text(want).first.wait_for(state="attached", timeout=120_000)
+                page.locator('[data-testid="stVegaLiteChart"]').first.wait_for(timeout=60_000)
+                _wait_settled(page, 60.0)
+                for field in ("TTFT SLO (ms)", "TPOT SLO (ms)"):  # the sweep's own loose SLOs (1000 s): its knee
+                    page.get_by_label(field).fill("1000000")
+                    page.get_by_label(field).press("Enter")
+                    _wait_settled(page, 60.0)
+                page.get_by_text("64 req/s").first.wait_for(state="attached", timeout=60_000)  # the knee's metric
+                _wait_settled(page, 60.0)
+                page.screenshot(path=os.path.join(SHOTS, "dashboard-sweep.png"), full_page=True)
+                text = page.inner_text("body")
+                assert page.locator('[data-testid="stException"]').count() == 0, text[:2000]
+                for bad in ("Traceback", "Exception:", "Error:"):
+                    assert bad not in text, (bad, text[:2000])
+                assert "Knee\n\n64 req/s" in text and "12 requests" in text, text[:3000]
+            finally:
+                browser.close()
+    finally:
+        app.terminate()
+        try:
+            app.wait(30)
+        except subprocess.TimeoutExpired:
+            app.kill()
+            app.wait(10)
+
+
 def test_a_rolled_run_reads_as_before_and_a_lost_one_says_where(tmp_path):
     """After a retention roll: the pages read the run from its exports (the same findings); with the exports
     gone, the Overview names where they went instead of a green 'No findings' (issue 23)."""
