@@ -79,7 +79,7 @@ def _converged(r: dict, width: float = 0.1) -> bool:
 
 
 def table_md(results: list[dict], skipped: list[tuple[str, str, str]]) -> str:
-    rows = ["| case | change | prediction | measured effect (95% interval) | verdict | error | load avg (2 cores) |",
+    rows = ["| case | change | prediction | measured effect (95% interval) | verdict | error | load avg (1 min, at its end; 2 cores) |",
             "|---|---|---|---|---|---|---|"]
     for r in results:
         p = r["prediction"]
