@@ -18,15 +18,23 @@ def _wm(con: Any, run_id: str | None) -> int | None:
     return kvrollup.usable(con, run_id) if run_id is not None else None
 
 
-def kv_timeline(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
-                until_s: float | None) -> list[dict[str, Any]] | None:
+def _bucketed(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
+              until_s: float | None) -> tuple[str, int, int] | None:
+    """(window condition, rollup watermark, bucket in whole s) when the rollup can answer a read bucketed by
+    `bucket_s` over the window; None when the raw rows must (a bucket finer than a cell, or not whole cells)."""
     where = _window(since_s, until_s)
     if where is None or bucket_s < kvrollup.CELL_S or not _whole(bucket_s):
         return None
     wm = _wm(con, run_id)
-    if wm is None:
+    return None if wm is None else (where, wm, int(bucket_s))
+
+
+def kv_timeline(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
+                until_s: float | None) -> list[dict[str, Any]] | None:
+    plan = _bucketed(con, run_id, bucket_s, since_s, until_s)
+    if plan is None:
         return None
-    b = int(bucket_s)
+    where, wm, b = plan
     rows = con.execute(f"""
         SELECT CAST(sec // {b} * {b} AS DOUBLE) AS t_s, rank,
                sum(block_sum) / nullif(sum(block_n), 0), sum(token_sum) / nullif(sum(token_n), 0),
@@ -60,13 +68,10 @@ def kv_summary(con: Any, run_id: str | None) -> list[dict[str, Any]] | None:
 
 def rank_kv(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
             until_s: float | None) -> list[dict[str, Any]] | None:
-    where = _window(since_s, until_s)
-    if where is None or bucket_s < kvrollup.CELL_S or not _whole(bucket_s):
+    plan = _bucketed(con, run_id, bucket_s, since_s, until_s)
+    if plan is None:
         return None
-    wm = _wm(con, run_id)
-    if wm is None:
-        return None
-    b = int(bucket_s)
+    where, wm, b = plan
     rows = con.execute(f"""
         WITH r AS (SELECT CAST(sec // {b} * {b} AS DOUBLE) AS t_s, rank, sum(all_kv_sum) / nullif(sum(all_kv_n), 0) AS kv
                    FROM ({kvrollup.cells('$run', wm)}) WHERE {where} GROUP BY 1, 2 HAVING sum(all_n) > 0)

@@ -108,8 +108,7 @@ def ddl() -> list[str]:
 
 
 def _state(con: Any) -> tuple[int, int] | None:
-    row = con.execute("SELECT wm, n FROM derived_state WHERE name = ?", [STATE]).fetchone()
-    return (int(row[0]), int(row[1])) if row else None
+    return steprollup.state(con, STATE)
 
 
 def _cols() -> str:

@@ -84,8 +84,10 @@ def ddl() -> list[str]:
     return table_ddl(TABLES)
 
 
-def _state(con: Any) -> tuple[int, int] | None:
-    row = con.execute("SELECT wm, n FROM derived_state WHERE name = ?", [STATE]).fetchone()
+def state(con: Any, name: str = STATE) -> tuple[int, int] | None:
+    """(watermark rowid, rows folded) of the rollup `name` in derived_state (this one's by default), None before
+    its first fold."""
+    row = con.execute("SELECT wm, n FROM derived_state WHERE name = ?", [name]).fetchone()
     return (int(row[0]), int(row[1])) if row else None
 
 
@@ -113,7 +115,7 @@ def refresh(con: Any) -> None:
         for stmt in ddl():  # made once: a refresh with nothing new writes nothing
             if not stmt.startswith("COMMENT"):
                 con.execute(stmt)
-    st = _state(con)
+    st = state(con)
     wm, n = st or (-1, 0)
     top, total, below = con.execute(f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
                                     "FROM steps").fetchone()
@@ -157,7 +159,7 @@ def usable(con: Any, run_id: str) -> int | None:
         "'derived_state', 'steps') AND NOT temporary AND database_name = current_database()").fetchall()}
     if len(names) != 4 or con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = 'steps'").fetchone()[0]:
         return None
-    st = _state(con)
+    st = state(con)
     if st is None:
         return None
     wm, n = st
