@@ -30,6 +30,7 @@ import math
 from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
+from .runinfo import runtime_of
 from .sql import one, rows
 
 _SPAN = """span AS (SELECT min(t.ts_ns + s.wall_minus_mono_ns) AS lo, max(t.ts_ns + s.wall_minus_mono_ns) AS hi
@@ -96,9 +97,11 @@ def _f(v: object) -> float | None:
 def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_thread_cores: float = 0.9,
                min_cpu_wait_ratio: float = T["min_cpu_wait_ratio"],
                min_throttled_ratio: float = T["min_throttled_ratio"], min_busy_share: float = 0.25,
-               min_host_samples: int = 5, **_: object) -> list[Finding]:
+               min_host_samples: int = 5, labels: dict | None = None, **_: object) -> list[Finding]:
     """`host-bound`: steps limited by the host CPU (launch-bound with a saturated engine thread, or
-    the engine starved of CPU by other work or by the container's CPU quota)."""
+    the engine starved of CPU by other work or by the container's CPU quota). vLLM's flags are named only on a
+    vLLM run or one whose runtime is unknown."""
+    vllm = runtime_of(labels) in ("", "vllm")
     p = one(con, PROCESS_SQL, run_id)
     h = one(con, HOST_SQL, run_id)
     if (p["process_samples"] or 0) < min_host_samples and (h["host_samples"] or 0) < min_host_samples:
@@ -124,10 +127,11 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
     if launch_bound:
         why.append(f"host time is {ratio:.1f}x GPU time per step (median {g['host_ms_p50']:.2f} ms vs "
                    f"{g['gpu_ms_p50']:.2f} ms) while the busiest server thread runs {busy_cores:.2f} of a core")
-        advice.append("Cut per-step Python/launch work: capture decode in CUDA graphs (vLLM: drop --enforce-eager, "
-                      "raise --max-cudagraph-capture-size / cudagraph_capture_sizes to the batch sizes served) or "
-                      "torch.compile(mode='reduce-overhead'); overlap scheduling with the GPU (vLLM "
-                      "--async-scheduling).")
+        advice.append("Cut per-step Python/launch work: capture decode in CUDA graphs"
+                      + (" (vLLM: drop --enforce-eager, raise --max-cudagraph-capture-size / cudagraph_capture_sizes "
+                         "to the batch sizes served)" if vllm else "")
+                      + " or torch.compile(mode='reduce-overhead'); overlap scheduling with the GPU"
+                      + (" (vLLM --async-scheduling)." if vllm else "."))
     if starved:
         why.append(f"the engine's busiest thread waited for a CPU {wait:.0%} of the time it was runnable "
                    f"(median {busy_cores:.2f} of a core used, host CPU {_pct(h['host_cpu_util_pct_p50'])} busy, "
@@ -135,8 +139,9 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
         advice.append("Give the engine CPU of its own: more CPU for the pod (requests = limits, whole cores), pin "
                       "the engine to cores nothing else runs on (cpuset / taskset), keep busy neighbours and "
                       "torch's intra-op pool (OMP_NUM_THREADS) from oversubscribing the cores, and move "
-                      "tokenization / detokenization out of the engine process (vLLM: API server processes "
-                      "apart from the engine core, --api-server-count).")
+                      "tokenization / detokenization out of the engine process"
+                      + (" (vLLM: API server processes apart from the engine core, --api-server-count)." if vllm
+                         else "."))
     if is_throttled:
         why.append(f"the container was CPU-throttled in {throttled:.0%} of its CFS periods "
                    f"(quota {_num(h['cpu_quota_cores'])} cores, {_num(h['throttled_s'])} s throttled)")

@@ -94,6 +94,9 @@ def test_launch_bound_gpu_steps_fire(tmp_path):
     assert e["launch_bound"] and not e["cpu_starved"]
     assert e["host_gpu_ratio_p50"] == pytest.approx(4.0) and e["busiest_thread_cores_p50"] == pytest.approx(0.98)
     assert "CUDA graphs" in f.suggestion and "--async-scheduling" in f.suggestion
+    # on an HF run the same advice names no vLLM flag (advice the detected runtime accepts)
+    (hf,) = host_bound(con, "run-h", labels={"runtime": "hf-cb"})
+    assert "CUDA graphs" in hf.suggestion and "vLLM" not in hf.suggestion and " --" not in hf.suggestion
     assert "4.0x" in f.expected_effect
     # the same steps with the engine thread at half a core: the GPU is not waiting on one saturated thread
     os.makedirs(tmp_path / "b")
