@@ -130,14 +130,7 @@ def _rebuild(con: Any, runs: str | None, top: int) -> None:
 def refresh(con: Any) -> None:
     """Fold the snapshots written since the last refresh into the rollup (rebuild it after a deletion, and a
     run whose start moved), in the caller's transaction. Call after steprollup.refresh."""
-    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name IN ('kv_rollup', 'kv_rollup_run') "
-                   "AND NOT temporary AND database_name = current_database()").fetchone()[0] < 2:
-        for stmt in ddl():  # made once: a refresh with nothing new writes nothing
-            con.execute(stmt)
-    st = _state(con)
-    wm, n = st or (-1, 0)
-    top, total, below = con.execute(f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
-                                    "FROM kv_snapshots").fetchone()
+    st, wm, n, top, total, below = steprollup.progress(con, TABLES, STATE, "kv_snapshots")
     if st is None or below != n:  # first time, or rows deleted (a retention roll): from the rows left
         _rebuild(con, None, top)
     else:

@@ -84,6 +84,23 @@ def ddl() -> list[str]:
     return table_ddl(TABLES)
 
 
+def progress(con: Any, tables: Tables, name: str, source: str) -> tuple[tuple[int, int] | None, int, int, int, int, int]:
+    """Make the rollup `tables` once (a refresh with nothing new writes nothing; their column comments are the
+    store's, made at open), then where rollup `name` stands on its `source` table: (state, watermark rowid,
+    rows folded, top rowid, rows now, rows now at or below the watermark)."""
+    names = ", ".join(f"'{t}'" for t in tables)
+    if con.execute(f"SELECT count(*) FROM duckdb_tables() WHERE table_name IN ({names}) "
+                   "AND NOT temporary AND database_name = current_database()").fetchone()[0] < len(tables):
+        for stmt in table_ddl(tables):
+            if not stmt.startswith("COMMENT"):
+                con.execute(stmt)
+    st = state(con, name)
+    wm, n = st or (-1, 0)
+    top, total, below = con.execute(f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
+                                    f"FROM {source}").fetchone()
+    return st, wm, n, int(top), int(total), int(below)
+
+
 def state(con: Any, name: str = STATE) -> tuple[int, int] | None:
     """(watermark rowid, rows folded) of the rollup `name` in derived_state (this one's by default), None before
     its first fold."""
@@ -110,15 +127,7 @@ def _rebuild(con: Any, runs: str | None, top: int) -> None:
 def refresh(con: Any) -> None:
     """Fold the steps written since the last refresh into the rollup (rebuild it after a deletion), in the
     caller's transaction."""
-    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name IN ('step_rollup', 'step_rollup_run') "
-                   "AND NOT temporary AND database_name = current_database()").fetchone()[0] < 2:
-        for stmt in ddl():  # made once: a refresh with nothing new writes nothing
-            if not stmt.startswith("COMMENT"):
-                con.execute(stmt)
-    st = state(con)
-    wm, n = st or (-1, 0)
-    top, total, below = con.execute(f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
-                                    "FROM steps").fetchone()
+    st, wm, n, top, total, below = progress(con, TABLES, STATE, "steps")
     if st is None or below != n:  # first time, or rows deleted (a retention roll): from the rows left
         _rebuild(con, None, top)
     elif total > below:
