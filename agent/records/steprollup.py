@@ -85,9 +85,9 @@ def ddl() -> list[str]:
 
 
 def progress(con: Any, tables: Tables, name: str, source: str) -> tuple[tuple[int, int] | None, int, int, int, int, int]:
-    """Make the rollup `tables` once (a refresh with nothing new writes nothing; their column comments are the
-    store's, made at open), then where rollup `name` stands on its `source` table: (state, watermark rowid,
-    rows folded, top rowid, rows now, rows now at or below the watermark)."""
+    """Make the rollup `tables` once (a refresh with nothing new writes nothing; their column docs stay in the
+    declaration, no COMMENT is written inside a read's fold), then where rollup `name` stands on its `source`
+    table: (state, watermark rowid, rows folded, top rowid, rows now, rows now at or below the watermark)."""
     names = ", ".join(f"'{t}'" for t in tables)
     if con.execute(f"SELECT count(*) FROM duckdb_tables() WHERE table_name IN ({names}) "
                    "AND NOT temporary AND database_name = current_database()").fetchone()[0] < len(tables):
