@@ -10,7 +10,9 @@ Per server process (psutil.Process):
 - threads, busiest_tid, busiest_thread_cores   threads(): per-thread CPU time; the busiest thread's
                                      CPU seconds since the previous sample / wall seconds (1.0 = a full core)
 - busiest_thread_wait_ratio          /proc/<pid>/task/<tid>/schedstat field 2 (run-queue wait, ns) of
-                                     that thread since the previous sample / wall time; NaN where unreadable
+                                     that thread since the previous sample / wall time; NaN where unreadable,
+                                     or where the thread was not among the LEADERS busiest of the previous
+                                     sample (a thread that just turned busy: known from its next sample)
 - rss_bytes                          memory_info().rss
 - open_fds                           num_fds()
 - ctx_voluntary_total / ctx_involuntary_total   num_ctx_switches()
@@ -192,7 +194,10 @@ class HostCollector:
         order = sorted(cpu_now, key=lambda tid: cpu_now[tid] - prev_cpu.get(tid, 0.0), reverse=True)
         # run-queue wait totals of the leading threads, kept for the next sample (one of them is
         # almost always the next busiest; reading every thread's schedstat would cost more)
-        waits = {tid: w for tid in order[:LEADERS] if (w := self._wait_ns(pid, tid)) is not None}
+        # On a process's first sample every thread's, as the order by CPU since start says little of
+        # which thread is busy now (one read per thread, once).
+        leaders = order if prev is None else order[:LEADERS]
+        waits = {tid: w for tid in leaders if (w := self._wait_ns(pid, tid)) is not None}
         busiest, cores, wait_ratio = 0, NAN, NAN
         if prev is not None and order:
             wall_s = (now - prev[0]) / 1e9

@@ -159,6 +159,25 @@ def test_deltas_busiest_thread_and_wait(fake):
     assert (proc.rss_bytes, proc.ctx_involuntary_total, proc.cpu_user_s_total) == (2 << 30, 30, 12.0)
 
 
+def test_a_thread_with_little_cpu_so_far_has_its_wait_from_the_second_sample(fake):
+    """The first sample ranks threads by CPU since they started: a thread that just began spinning ranks
+    below long-lived ones (LEADERS = 3 of them here), and its wait was NaN on the second sample (clean-clone
+    run inside a pytest process with 245 s of CPU behind it). The first sample remembers every thread's wait."""
+    c, ps, clock, proc_root, _ = fake
+    st = ps.procs[4242]
+    old = [Thread(4242, 50.0, 1.0), Thread(4243, 30.0, 0.5), Thread(4244, 20.0, 0.0), Thread(4245, 10.0, 0.0)]
+    st["threads"] = old + [Thread(4246, 0.01, 0.0)]  # the newcomer, 5th by CPU so far
+    for tid in (4245, 4246):
+        _write(proc_root / "4242" / "task" / str(tid) / "schedstat", "1 100000000 1\n")
+    c.sample()
+    clock.ns += 1_000_000_000
+    st["threads"] = old + [Thread(4246, 0.71, 0.0)]  # 0.7 of a core since; the others idle
+    _write(proc_root / "4242" / "task" / "4246" / "schedstat", "1 350000000 1\n")  # waited 0.25 s more
+    _, proc = c.sample()
+    assert proc.busiest_tid == 4246 and proc.busiest_thread_cores == pytest.approx(0.7)
+    assert proc.busiest_thread_wait_ratio == pytest.approx(0.25)
+
+
 def test_pids_from_hello_and_exited_process_dropped(fake):
     c, ps, clock, _, _ = fake
     ps.procs[777] = dict(ps.procs[4242], threads=[])
