@@ -264,9 +264,10 @@ def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *,
 def cmd_verify(args: argparse.Namespace) -> int:
     """apply one finding's suggestion, re-run the same workload, and keep or revert it
 
-    Re-run a recorded HF continuous-batching demo run's workload with and without one finding's suggested change,
-    interleaved, and compare the measured effect with the finding's prediction (keep, keep-but-mispredicted,
-    revert)."""
+    Re-run a recorded HF continuous-batching demo run's workload (or a vLLM run recorded with its replay: fresh
+    servers with the recorded flags, and with the suggested flag changed; PHASESCOPE_VLLM_PYTHON) with and without
+    one finding's suggested change, interleaved, and compare the measured effect with the finding's prediction
+    (keep, keep-but-mispredicted, revert)."""
     from rich.console import Console
 
     if args.max_pairs < args.min_pairs or args.min_pairs < 2:
