@@ -230,20 +230,26 @@ def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     console, results = Console(stderr=True), []
     site = None
-    for name, finding in todo:
-        console.print(f"[bold]{name} / {finding}[/bold]")
-        if name in VLLM_CASES:
-            from phasescope.cli import verify_vllm as vv
+    try:
+        for name, finding in todo:
+            console.print(f"[bold]{name} / {finding}[/bold]")
+            if name in VLLM_CASES:
+                from phasescope.cli import verify_vllm as vv
 
-            site = site or vv.install_plugin(vv.vllm_python(), tempfile.mkdtemp(prefix="ps-vv-site-"))
-            r = run_vllm_case(name, args.vllm_max_pairs, site)
-        elif name in HF_CASES:
-            r = run_hf_case(name, args.max_pairs)
-        else:
-            r = run_case(name, finding, args.max_pairs)
-        with open(os.path.join(OUT, f"{name}--{finding}.json"), "w", encoding="utf-8") as f:
-            json.dump(r, f, indent=2, default=str)
-        results.append(r)
+                site = site or vv.install_plugin(vv.vllm_python(), tempfile.mkdtemp(prefix="ps-vv-site-"))
+                r = run_vllm_case(name, args.vllm_max_pairs, site)
+            elif name in HF_CASES:
+                r = run_hf_case(name, args.max_pairs)
+            else:
+                r = run_case(name, finding, args.max_pairs)
+            with open(os.path.join(OUT, f"{name}--{finding}.json"), "w", encoding="utf-8") as f:
+                json.dump(r, f, indent=2, default=str)
+            results.append(r)
+    finally:  # the plugin's install folder for the vLLM cases
+        if site:
+            import shutil
+
+            shutil.rmtree(site, ignore_errors=True)
     # the table holds every case's latest raw result (a --cases run refreshes those cases only)
     kept = []
     for fn in sorted(os.listdir(OUT)):

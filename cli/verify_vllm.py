@@ -30,7 +30,7 @@ from .errors import CliError
 REPLAY_LABEL = "verify_replay"
 ENV_PYTHON = "PHASESCOPE_VLLM_PYTHON"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-START_TIMEOUT_S = 400.0
+START_TIMEOUT_S = 1200.0  # a server start took > 400 s on 2 cores at load ~10
 REQUEST_TIMEOUT_S = 600.0
 
 
