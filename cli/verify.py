@@ -8,7 +8,8 @@ interval of the effect is narrower than `width` x the baseline's mean or `max_pa
 is a run of its own in the same DuckDB file, labelled `verify_id`, `verify_of`, `verify_arm`, `verify_rep`;
 the verdict is stored in the `verifications` table of that file, keyed by the verified run and finding.
 
-A vLLM run is not re-run here yet (it needs a server restarted with the flag): verify says so and stops.
+A vLLM run recorded with a `verify_replay` label (`verify_vllm.record`: the server's flags and the requests it
+served) is re-run on a fresh vLLM OpenAI server per run, the flag changed in the changed arm (`verify_vllm`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ def config_from_labels(labels: dict[str, str]) -> Any:
     from .demo import DemoConfig
 
     if str(labels.get("runtime", "")) not in ("cb", "hf-cb"):
-        raise CliError(f"verify re-runs HF continuous-batching runs recorded by `phasescope demo` (this run's runtime "
-                       f"label is {labels.get('runtime')!r}); a vLLM run needs its server restarted with the flag, "
-                       "which verify does not do yet")
+        raise CliError(f"verify re-runs HF continuous-batching runs recorded by `phasescope demo` and vLLM runs "
+                       f"recorded with a replay label (this run's runtime label is {labels.get('runtime')!r})")
     if labels.get("prefix_position", "first") != "first":
         raise CliError("this run's workload puts the shared prefix last: `phasescope demo` cannot replay it")
     values: dict[str, Any] = {}
@@ -87,15 +87,32 @@ def measure(con: Any, run_id: str, metric: str) -> float:
     return float(value)
 
 
+# the raw rows each metric is computed from, per run: what the suite keeps beside a verdict so that a test recomputes
+# every run's value (and so the verdict) without the analyzers' SQL
+RAW_SQL: dict[str, str] = {
+    "preemptions": "SELECT request_id, preemptions FROM requests WHERE run_id = ? ORDER BY request_id",
+    "kv_internal_fragmentation": """SELECT k.live_tokens, k.used_pages, k.page_size_tokens FROM kv_snapshots k
+        JOIN sources s USING (source_id) WHERE s.run_id = ? AND k.total_pages > 0 ORDER BY k.ts_ns""",
+    # each gap after a request's first token: `tokens` ITL samples of gap / tokens (the `itl` view)
+    "itl_p99_ms": "SELECT ts_ns - prev_ns AS gap_ns, tokens FROM itl WHERE run_id = ? ORDER BY request_id, ts_ns",
+}
+
+
+def raw_rows(con: Any, run_id: str, metric: str) -> dict[str, list]:
+    """The rows `metric` of one run is computed from (`RAW_SQL`), as columns."""
+    cur = con.execute(RAW_SQL[metric], [run_id])
+    names = [d[0] for d in cur.description]
+    cols: dict[str, list] = {n: [] for n in names}
+    for row in cur.fetchall():
+        for n, v in zip(names, row):
+            cols[n].append(v)
+    return cols
+
+
 def run_arms(db: str, cfg: Any, change: dict[str, Any], metric: str, *, verify_of: str, verify_id: str,
              max_pairs: int = 5, min_pairs: int = 2, width: float = 0.1,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Serve `cfg`'s workload as baseline and with `change`, interleaved, into `db`: (values, run ids) per arm.
-    Stops when the effect's 95% interval is narrower than `width` x |mean(baseline)| (>= `min_pairs` pairs) or
-    at `max_pairs`."""
-    from phasescope.agent.sidecar.store import Store
-    from phasescope.analyzers.predictions import welch_interval
-
+    """Serve `cfg`'s HF CB workload as baseline and with `change`, interleaved, into `db` (`interleave`)."""
     from .demo import build_model, make_workload, record_workload
 
     unknown = set(change) - {f.name for f in dataclasses.fields(cfg)}
@@ -103,15 +120,62 @@ def run_arms(db: str, cfg: Any, change: dict[str, Any], metric: str, *, verify_o
         raise CliError(f"the change {change} names knobs HF continuous batching does not have: {sorted(unknown)}")
     arms = {"baseline": cfg, "changed": dataclasses.replace(cfg, **change)}
     model, device = build_model(cfg)  # same seed, same weights: the change is the cache's, not the model's
-    values: dict[str, list[float]] = {a: [] for a in arms}
-    runs: dict[str, list[str]] = {a: [] for a in arms}
+
+    def serve(arm: str, labels: dict[str, Any]) -> str:
+        return record_workload(db, arms[arm], make_workload(arms[arm]), model, device, labels=labels)
+
+    return interleave(db, serve, metric, verify_of=verify_of, verify_id=verify_id, max_pairs=max_pairs,
+                      min_pairs=min_pairs, width=width, progress=progress)
+
+
+def run_vllm_arms(db: str, labels: dict[str, str], change: dict[str, Any], metric: str, *, verify_of: str,
+                  verify_id: str, max_pairs: int = 5, min_pairs: int = 2, width: float = 0.1,
+                  progress: Callable[[str], None] | None = None, site: str | None = None) -> dict[str, Any]:
+    """Restart the recorded vLLM server's flags as baseline and with `change`, replaying its requests (`interleave`).
+    `site`: a folder phasescope is already installed in for the vLLM venv (else installed into a temporary one)."""
+    import shutil
+    import tempfile
+
+    from . import verify_vllm as vv
+
+    replay = vv.replay_of(labels)
+    bad = [k for k in change if not str(k).startswith("--")]
+    if bad:
+        raise CliError(f"the change {change} names no vLLM flag: {bad}")
+    flags = {"baseline": list(replay["flags"]), "changed": vv.apply_change(replay["flags"], change)}
+    own = site is None
+    site = site or vv.install_plugin(vv.vllm_python(), tempfile.mkdtemp(prefix="ps-vv-site-"))
+    try:
+        def serve(arm: str, arm_labels: dict[str, Any]) -> str:
+            return vv.serve_arm(db, replay, flags[arm], site, labels=arm_labels)
+
+        return interleave(db, serve, metric, verify_of=verify_of, verify_id=verify_id, max_pairs=max_pairs,
+                          min_pairs=min_pairs, width=width, progress=progress)
+    finally:
+        if own:
+            shutil.rmtree(site, ignore_errors=True)
+
+
+def interleave(db: str, serve: Callable[[str, dict[str, Any]], str], metric: str, *, verify_of: str, verify_id: str,
+               max_pairs: int = 5, min_pairs: int = 2, width: float = 0.1,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Serve baseline then changed (`serve(arm, labels)` -> run id, into `db`), one pair at a time: (values, run
+    ids) per arm. Stops when the effect's 95% interval is narrower than `width` x |mean(baseline)| (>= `min_pairs`
+    pairs) or at `max_pairs`."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.analyzers.predictions import welch_interval
+
+    values: dict[str, list[float]] = {"baseline": [], "changed": []}
+    runs: dict[str, list[str]] = {"baseline": [], "changed": []}
+    raw: dict[str, list[dict[str, list]]] = {"baseline": [], "changed": []}
     for rep in range(max_pairs):
-        for arm, c in arms.items():
+        for arm in values:
             labels = {"verify_id": verify_id, "verify_of": verify_of, "verify_arm": arm, "verify_rep": rep}
-            run = record_workload(db, c, make_workload(c), model, device, labels=labels)
+            run = serve(arm, labels)
             con = Store.open_readonly(db)
             try:
                 values[arm].append(measure(con, run, metric))
+                raw[arm].append(raw_rows(con, run, metric))
             finally:
                 con.close()
             runs[arm].append(run)
@@ -124,7 +188,7 @@ def run_arms(db: str, cfg: Any, change: dict[str, Any], metric: str, *, verify_o
                 break
     _, lo, hi = welch_interval(values["baseline"], values["changed"])
     mean = sum(values["baseline"]) / len(values["baseline"])
-    return {"values": values, "runs": runs, "converged": hi - lo <= width * abs(mean)}
+    return {"values": values, "runs": runs, "raw": raw, "converged": hi - lo <= width * abs(mean)}
 
 
 def store_verification(db: str, run_id: str, verify_id: str, result: dict[str, Any]) -> None:
@@ -145,8 +209,9 @@ def store_verification(db: str, run_id: str, verify_id: str, result: dict[str, A
 
 def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *, max_pairs: int = 5,
            min_pairs: int = 2, width: float = 0.1, tolerance: float = 0.2,
-           progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Verify one finding of a run (default: the latest run, its first finding that predicts a number)."""
+           progress: Callable[[str], None] | None = None, site: str | None = None) -> dict[str, Any]:
+    """Verify one finding of a run (default: the latest run, its first finding that predicts a number). A vLLM run
+    is replayed on restarted servers (`verify_vllm`; `site`: phasescope already installed for the vLLM venv)."""
     from phasescope.agent.read.queries import runs
     from phasescope.agent.read.reader import connect_readonly, require_run
     from phasescope.analyzers.diagnose import diagnose
@@ -164,7 +229,12 @@ def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *,
         findings = diagnose(con, run_id)
     finally:
         con.close()
-    cfg = config_from_labels(labels)
+    is_vllm = str(labels.get("runtime", "")) == "vllm"
+    if is_vllm:
+        from .verify_vllm import replay_of
+
+        replay_of(labels)  # before any re-run: a vLLM run without its replay cannot be verified
+    cfg = None if is_vllm else config_from_labels(labels)
     chosen = [f for f in findings if finding_id in (None, f.id)]
     if finding_id and not chosen:
         raise CliError(f"run {run_id} has no finding {finding_id!r} (its findings: "
@@ -176,22 +246,28 @@ def verify(db: str, run_id: str | None = None, finding_id: str | None = None, *,
         raise CliError(f"nothing to verify in run {run_id}: no finding predicts a number ({reasons})")
     finding, prediction = usable[0]
     verify_id = uuid.uuid4().hex[:12]
-    arms = run_arms(db, cfg, prediction.change, prediction.metric, verify_of=run_id, verify_id=verify_id,
-                    max_pairs=max_pairs, min_pairs=min_pairs, width=width, progress=progress)
+    if is_vllm:
+        arms = run_vllm_arms(db, labels, prediction.change, prediction.metric, verify_of=run_id,
+                             verify_id=verify_id, max_pairs=max_pairs, min_pairs=min_pairs, width=width,
+                             progress=progress, site=site)
+    else:
+        arms = run_arms(db, cfg, prediction.change, prediction.metric, verify_of=run_id, verify_id=verify_id,
+                        max_pairs=max_pairs, min_pairs=min_pairs, width=width, progress=progress)
     v = verdict(prediction, arms["values"]["baseline"], arms["values"]["changed"], tolerance, arms["runs"])
     # converged: the interval got narrower than `width`; else the run cap ended it and a revert may be a "not shown"
     result = {**v.to_dict(), "verify_id": verify_id, "suggestion": finding.suggestion, "converged": arms["converged"],
               "settings": {"max_pairs": max_pairs, "min_pairs": min_pairs, "width": width, "tolerance": tolerance}}
     store_verification(db, run_id, verify_id, result)
-    return result
+    return {**result, "raw": arms["raw"]}  # the raw rows travel with the answer, not into the verifications row
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """apply one finding's suggestion, re-run the same workload, and keep or revert it
 
-    Re-run a recorded HF continuous-batching demo run's workload with and without one finding's suggested change,
-    interleaved, and compare the measured effect with the finding's prediction (keep, keep-but-mispredicted,
-    revert)."""
+    Re-run a recorded HF continuous-batching demo run's workload (or a vLLM run recorded with its replay: fresh
+    servers with the recorded flags, and with the suggested flag changed; PHASESCOPE_VLLM_PYTHON) with and without
+    one finding's suggested change, interleaved, and compare the measured effect with the finding's prediction
+    (keep, keep-but-mispredicted, revert)."""
     from rich.console import Console
 
     if args.max_pairs < args.min_pairs or args.min_pairs < 2:
@@ -199,6 +275,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     console = Console(stderr=True, quiet=args.json)
     result = verify(args.db, args.run, args.finding, max_pairs=args.max_pairs, min_pairs=args.min_pairs,
                     width=args.width, tolerance=args.tolerance, progress=console.print)
+    result.pop("raw")  # the raw rows are in the file: the runs' ids say which
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:

