@@ -33,10 +33,6 @@ def run_sweep(db: str, base: DemoConfig, rates: Sequence[float], slo: Any, targe
               device: Any = None) -> dict[str, Any]:
     """Record one run per rate (requests/s) into `db`, then measure every point and the constraint at the knee.
     Returns the sweep's result (what the JSON output holds). `model`/`device`: a model `build_model(base)` made."""
-    from phasescope.agent.sidecar.store import Store
-    from phasescope.analyzers import sweep as an
-    from phasescope.analyzers.runinfo import read_run_info
-
     rates = sorted(float(r) for r in rates)
     if len(rates) < 1 or any(r <= 0 for r in rates):
         raise ValueError(f"rates must be > 0 requests/s, got {rates}")
@@ -49,22 +45,35 @@ def run_sweep(db: str, base: DemoConfig, rates: Sequence[float], slo: Any, targe
         labels = {"sweep_id": sweep_id, "sweep_point": i, "sweep_rate_per_s": rate}
         runs.append(record_workload(db, cfg, make_workload(cfg), model, device, console=console, labels=labels,
                                     title=f"point {i + 1}/{len(rates)} at {rate:g} req/s"))
-    con = Store.open_readonly(db)
+    return measure(db, list(zip(rates, runs)), slo, target, sweep_id, "hf-cb")
+
+
+def measure(db: str, runs: Sequence[tuple[float, str]], slo: Any, target: float, sweep_id: str,
+            runtime: str, con: Any = None, **extra: Any) -> dict[str, Any]:
+    """Every point's figures (one run per offered rate, requests/s), the knee and the constraints at the evidence
+    point, from the store in `db` (or the open connection `con`): what `sweep` and `explain` report."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.analyzers import sweep as an
+    from phasescope.analyzers.runinfo import read_run_info
+
+    own = con is None
+    con = Store.open_readonly(db) if own else con
     try:
         points = []
-        for i, (rate, run_id) in enumerate(zip(rates, runs)):
+        for i, (rate, run_id) in enumerate(runs):
             points.append({"point": i, "rate_per_s": rate, "run_id": run_id, **an.point_metrics(con, run_id, slo)})
         knee = an.find_knee(points, target)
         at = an.evidence_point(points, target)
         cons = an.constraints_at(con, points[at]["run_id"], read_run_info(con, points[at]["run_id"]), slo) \
             if at is not None else []
     finally:
-        con.close()
+        if own:
+            con.close()
     bind = an.binding(cons)
-    return {"sweep_id": sweep_id, "db": db, "runtime": "hf-cb", "slo": dataclasses.asdict(slo), "target": target,
+    return {"sweep_id": sweep_id, "db": db, "runtime": runtime, "slo": dataclasses.asdict(slo), "target": target,
             "points": points, "knee_point": knee, "knee_rate_per_s": None if knee is None else points[knee]["rate_per_s"],
             "evidence_point": at, "binding": None if bind is None else dataclasses.asdict(bind),
-            "constraints": [dataclasses.asdict(c) for c in cons]}
+            "constraints": [dataclasses.asdict(c) for c in cons], **extra}
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> dict[str, str | None]:

