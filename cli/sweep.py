@@ -198,10 +198,37 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, e2e_s=args.e2e_slo)
     except ValueError as exc:
         raise UsageError(f"--{str(exc).split()[1].replace('_s', '').replace('_', '-')}-slo: {exc}") from None
+    if args.url:
+        return _cmd_sweep_server(args, slo)
     base = DemoConfig(requests=args.requests, seed=args.seed, device=args.device, num_pages=args.num_blocks,
                       max_requests_per_batch=args.max_requests_per_batch, **(TINY if args.tiny else {}))
     console = Console(stderr=True)
     result = run_sweep(args.db, base, args.rates, slo, args.target, console=console)
+    paths = write_outputs(result, args.out)
+    print_summary(result, paths, Console())
+    return 0
+
+
+def _cmd_sweep_server(args: argparse.Namespace, slo: Any) -> int:
+    """`sweep --url URL`: guidellm against an OpenAI-compatible server (cli/sweep_server.py)."""
+    import shlex
+
+    from rich.console import Console
+
+    from .sweep_server import sweep_server
+
+    if not args.model:
+        raise UsageError("--url needs --model (the served model name guidellm requests)")
+    console = Console(stderr=True)
+    try:
+        result = sweep_server(args.db, args.url.rstrip("/"), args.rates, slo, model=args.model,
+                              tokenizer=args.tokenizer or args.model, requests=args.requests,
+                              prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                              target_attainment=args.target,
+                              serve=shlex.split(args.serve) if args.serve else None, out_dir=args.out,
+                              console=console)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
     paths = write_outputs(result, args.out)
     print_summary(result, paths, Console())
     return 0
@@ -227,3 +254,13 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--out", default=".", help="folder for the JSON, CSV and PNG (default: %(default)s)")
+    g = s.add_argument_group("an OpenAI-compatible server, loaded by guidellm (its own venv: .ci/install-guidellm)")
+    g.add_argument("--url", default=None, metavar="URL",
+                   help="sweep this server (e.g. http://127.0.0.1:8000) instead of HF continuous batching in-process")
+    g.add_argument("--serve", default=None, metavar="CMD",
+                   help="start the server with this command, recorded into --db by a sidecar the sweep runs "
+                        "(without it, an agent you run records it; then `phasescope explain REPORT --db FILE`)")
+    g.add_argument("--model", default=None, help="served model name (guidellm's request field)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer guidellm counts tokens with (default: --model)")
+    g.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt length, tokens (default: 64)")
+    g.add_argument("--output-tokens", type=int, default=16, help="output length, tokens (default: 16)")

@@ -1,4 +1,4 @@
-"""`phasescope sweep --target URL`: an OpenAI-compatible server over a rate sweep, driven by guidellm (issue 28).
+"""`phasescope sweep --url URL`: an OpenAI-compatible server over a rate sweep, driven by guidellm (issue 28).
 
 The load generator is guidellm (the vLLM project's own; users already run it), not a home-made one. It runs as
 a subprocess from a virtual environment of its own (`.ci/install-guidellm`, or PHASESCOPE_GUIDELLM names its
@@ -137,6 +137,12 @@ def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, mode
     else:
         load()
         run_id = None  # the agent's run: found by the report's windows
-    return explain_report(db, report, slo, target_attainment, run_id=run_id, sweep_id=sweep_id,
-                          labels={"sweep_requests": requests, "sweep_prompt_tokens": prompt_tokens,
-                                  "sweep_output_tokens": output_tokens, **(labels or {})})
+    import duckdb
+
+    try:
+        return explain_report(db, report, slo, target_attainment, run_id=run_id, sweep_id=sweep_id,
+                              labels={"sweep_requests": requests, "sweep_prompt_tokens": prompt_tokens,
+                                      "sweep_output_tokens": output_tokens, **(labels or {})})
+    except duckdb.IOException as exc:  # an agent holds the file: the report is kept, explain it later
+        raise RuntimeError(f"cannot open {db} ({exc}); guidellm's report is {report}: stop the agent, then "
+                           f"`phasescope explain {report} --db {db}`") from None

@@ -1,6 +1,6 @@
 """Cut one recorded run into time windows, each a run of its own (a load sweep's points against one server).
 
-A server started once and swept over several rates holds one run; `phasescope sweep --target` and
+A server started once and swept over several rates holds one run; `phasescope sweep --url` and
 `phasescope explain REPORT` need one run per load point so every analyzer reads a point as it reads any run.
 `split_run` copies (never moves: the source run stays whole) the run's rows of each window under a new run id
 and new source ids, with labels, then folds the copies into the derived tables. Windows are Unix ns (wall
@@ -21,6 +21,11 @@ from typing import Any, Sequence
 
 from phasescope.agent.records import derived
 from phasescope.agent.records.schema import TABLES
+
+
+def _ex(con: Any, sql: str, params: dict[str, Any]) -> Any:
+    """Execute with the named parameters `sql` uses (DuckDB refuses unused ones)."""
+    return con.execute(sql, {k: v for k, v in params.items() if f"${k}" in sql})
 
 
 def _cols(con: Any, table: str) -> list[str]:
@@ -83,7 +88,7 @@ def split_run(con: Any, run_id: str, windows: Sequence[tuple[int, int, str, dict
                 params: dict[str, Any] = {"t0": t0, "t_end": t_end, "new_run": new_run, "run": run_id}
                 if table == "process_samples":  # the sidecar's samples of the run's processes, under the new id
                     sel = ", ".join("$new_run" if c == "run_id" else f"p.{c}" for c in cols)
-                    con.execute(f"""INSERT INTO process_samples SELECT {sel} FROM process_samples p
+                    _ex(con, f"""INSERT INTO process_samples SELECT {sel} FROM process_samples p
                         JOIN sources s USING (source_id)
                         WHERE (p.run_id = $run OR (p.run_id = '' AND p.pid IN
                                (SELECT pid FROM sources WHERE run_id = $run)))
@@ -96,7 +101,7 @@ def split_run(con: Any, run_id: str, windows: Sequence[tuple[int, int, str, dict
                              "AND x.ts_ns + s.wall_minus_mono_ns >= $t0")
                 else:
                     where = "x.ts_ns + s.wall_minus_mono_ns BETWEEN $t0 AND $t_end"
-                con.execute(f"""INSERT INTO {table} SELECT {sel} FROM {table} x JOIN sources s USING (source_id)
+                _ex(con, f"""INSERT INTO {table} SELECT {sel} FROM {table} x JOIN sources s USING (source_id)
                     JOIN ps_remap m ON x.source_id = m.old WHERE {where}""", params)
             lab = {**base_labels, **{k: str(v) for k, v in labels.items()}, "window_of": run_id,
                    "window_start_ns": str(t0), "window_end_ns": str(t_end)}

