@@ -53,7 +53,7 @@ def guidellm_command(exe: str, target: str, model: str, tokenizer: str, rates: S
             ",".join(f"{r:g}" for r in rates),
             "--constraint", f"kind=max_requests,count={requests}",
             "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-            "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--seed", f"kind=static,seed={seed}",
+            "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--seed", f"kind=static,value={seed}",
             "--output", f"kind=json,path={report}", "--disable-console-interactive"]
 
 
