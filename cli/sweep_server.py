@@ -120,7 +120,7 @@ def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, mode
     report = os.path.abspath(os.path.join(out_dir, f"guidellm-{sweep_id}.json"))
     cmd = guidellm_command(guidellm_exe(), target, model, tokenizer, rates, requests, prompt_tokens,
                            output_tokens, report)
-    run_id = f"sweep-{sweep_id}"
+    run_id = f"sweep-{sweep_id}"[:16]  # the probe keeps 16 bytes of a run id (records/events.py Hello)
     say = console.print if console is not None else (lambda *a, **k: None)
 
     def load() -> None:
