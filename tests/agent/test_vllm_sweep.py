@@ -92,14 +92,17 @@ def _check_points(con, res, rates, requests):
         assert lab["sweep_id"] == res["sweep_id"] and int(lab["sweep_point"]) == i
         assert float(lab["sweep_rate_per_s"]) == p["rate_per_s"] and lab["window_of"] == res["source_run"]
         assert "knob" in lab
-        # every request guidellm sent at this rate is in the point's run, none of another point's
-        assert p["requests"] == res["benchmarks"][i]["successful"] + res["benchmarks"][i]["not_successful"] \
-            == requests
+        # the point holds the requests the server saw arrive in the benchmark's window: at least those guidellm
+        # counted (at 8-16 req/s guidellm 0.8.1 counted 11 of the 12 the server got in the window)
+        assert requests >= p["requests"] >= res["benchmarks"][i]["successful"] + res["benchmarks"][i]["not_successful"]
         raw = con.execute("""SELECT count(DISTINCT r.request_id) FROM request_events r JOIN sources s USING (source_id)
             WHERE s.run_id = ? AND r.event = 'arrival' AND r.ts_ns + s.wall_minus_mono_ns BETWEEN ? AND ?""",
                           [res["source_run"], res["benchmarks"][i]["start_ns"], res["benchmarks"][i]["end_ns"]]
                           ).fetchone()[0]
         assert raw == p["requests"]
+    # no request in two points, none lost: the points hold every request the run recorded
+    total = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [res["source_run"]]).fetchone()[0]
+    assert sum(p["requests"] for p in res["points"]) == total == requests * len(rates)
 
 
 def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
