@@ -15,7 +15,7 @@ import hashlib
 import json
 from typing import Any
 
-from .errors import UsageError
+from .errors import CliError, UsageError
 from .options import add_command
 
 
@@ -114,13 +114,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     from .sweep import print_summary, write_outputs
 
+    import os
+
+    import duckdb
+
     if not 0 < args.target <= 1:
         raise UsageError(f"--target must be in (0, 1], got {args.target}")
+    if not os.path.isfile(args.db):
+        raise CliError(f"no such file {args.db!r}; give the DuckDB file that recorded the server")
     try:
         slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, e2e_s=args.e2e_slo)
         result = explain_report(args.db, args.report, slo, args.target, run_id=args.run)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise CliError(str(exc)) from None
+    except duckdb.IOException as exc:  # an agent holds it
+        raise CliError(f"cannot open {args.db}: {str(exc).splitlines()[0]} (stop the agent first)") from None
     paths = write_outputs(result, args.out)
     print_summary(result, paths, Console())
     return 0
