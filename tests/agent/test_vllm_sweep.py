@@ -174,7 +174,7 @@ def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
         usage, pages = con.execute("""SELECT max(used_pages / total_pages), max(total_pages) FROM kv_snapshots k
             JOIN sources s USING (source_id) WHERE s.run_id = ? AND total_pages > 0""", [run]).fetchone()
         assert b["figures"]["block_usage_max"] == pytest.approx(usage) and usage >= 0.9
-        assert b["figures"]["total_pages"] == pages == 6
+        assert b["figures"]["total_pages"] == pages == 5  # vLLM keeps 1 of the 6 pages back (its null block)
         assert b["figures"]["page_size"] == 32
         # preemptions: the engine's preempted events of the point's requests
         pre, reqs = con.execute("""SELECT count(*), count(DISTINCT request_id) FROM request_log
