@@ -481,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .sweep import add_commands as add_sweep_commands  # sweep
 
     add_sweep_commands(sub)
+    from .explain import add_commands as add_explain_commands  # explain
+
+    add_explain_commands(sub)
     return p
 
 

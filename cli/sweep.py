@@ -33,10 +33,6 @@ def run_sweep(db: str, base: DemoConfig, rates: Sequence[float], slo: Any, targe
               device: Any = None) -> dict[str, Any]:
     """Record one run per rate (requests/s) into `db`, then measure every point and the constraint at the knee.
     Returns the sweep's result (what the JSON output holds). `model`/`device`: a model `build_model(base)` made."""
-    from phasescope.agent.sidecar.store import Store
-    from phasescope.analyzers import sweep as an
-    from phasescope.analyzers.runinfo import read_run_info
-
     rates = sorted(float(r) for r in rates)
     if len(rates) < 1 or any(r <= 0 for r in rates):
         raise ValueError(f"rates must be > 0 requests/s, got {rates}")
@@ -49,22 +45,35 @@ def run_sweep(db: str, base: DemoConfig, rates: Sequence[float], slo: Any, targe
         labels = {"sweep_id": sweep_id, "sweep_point": i, "sweep_rate_per_s": rate}
         runs.append(record_workload(db, cfg, make_workload(cfg), model, device, console=console, labels=labels,
                                     title=f"point {i + 1}/{len(rates)} at {rate:g} req/s"))
-    con = Store.open_readonly(db)
+    return measure(db, list(zip(rates, runs)), slo, target, sweep_id, "hf-cb")
+
+
+def measure(db: str, runs: Sequence[tuple[float, str]], slo: Any, target: float, sweep_id: str,
+            runtime: str, con: Any = None, **extra: Any) -> dict[str, Any]:
+    """Every point's figures (one run per offered rate, requests/s), the knee and the constraints at the evidence
+    point, from the store in `db` (or the open connection `con`): what `sweep` and `explain` report."""
+    from phasescope.agent.sidecar.store import Store
+    from phasescope.analyzers import sweep as an
+    from phasescope.analyzers.runinfo import read_run_info
+
+    own = con is None
+    con = Store.open_readonly(db) if own else con
     try:
         points = []
-        for i, (rate, run_id) in enumerate(zip(rates, runs)):
+        for i, (rate, run_id) in enumerate(runs):
             points.append({"point": i, "rate_per_s": rate, "run_id": run_id, **an.point_metrics(con, run_id, slo)})
         knee = an.find_knee(points, target)
         at = an.evidence_point(points, target)
         cons = an.constraints_at(con, points[at]["run_id"], read_run_info(con, points[at]["run_id"]), slo) \
             if at is not None else []
     finally:
-        con.close()
+        if own:
+            con.close()
     bind = an.binding(cons)
-    return {"sweep_id": sweep_id, "db": db, "runtime": "hf-cb", "slo": dataclasses.asdict(slo), "target": target,
+    return {"sweep_id": sweep_id, "db": db, "runtime": runtime, "slo": dataclasses.asdict(slo), "target": target,
             "points": points, "knee_point": knee, "knee_rate_per_s": None if knee is None else points[knee]["rate_per_s"],
             "evidence_point": at, "binding": None if bind is None else dataclasses.asdict(bind),
-            "constraints": [dataclasses.asdict(c) for c in cons]}
+            "constraints": [dataclasses.asdict(c) for c in cons], **extra}
 
 
 def write_outputs(result: dict[str, Any], out_dir: str) -> dict[str, str | None]:
@@ -189,10 +198,37 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, e2e_s=args.e2e_slo)
     except ValueError as exc:
         raise UsageError(f"--{str(exc).split()[1].replace('_s', '').replace('_', '-')}-slo: {exc}") from None
+    if args.url:
+        return _cmd_sweep_server(args, slo)
     base = DemoConfig(requests=args.requests, seed=args.seed, device=args.device, num_pages=args.num_blocks,
                       max_requests_per_batch=args.max_requests_per_batch, **(TINY if args.tiny else {}))
     console = Console(stderr=True)
     result = run_sweep(args.db, base, args.rates, slo, args.target, console=console)
+    paths = write_outputs(result, args.out)
+    print_summary(result, paths, Console())
+    return 0
+
+
+def _cmd_sweep_server(args: argparse.Namespace, slo: Any) -> int:
+    """`sweep --url URL`: guidellm against an OpenAI-compatible server (cli/sweep_server.py)."""
+    import shlex
+
+    from rich.console import Console
+
+    from .sweep_server import sweep_server
+
+    if not args.model:
+        raise UsageError("--url needs --model (the served model name guidellm requests)")
+    console = Console(stderr=True)
+    try:
+        result = sweep_server(args.db, args.url.rstrip("/"), args.rates, slo, model=args.model,
+                              tokenizer=args.tokenizer or args.model, requests=args.requests,
+                              prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                              target_attainment=args.target,
+                              serve=shlex.split(args.serve) if args.serve else None, out_dir=args.out,
+                              console=console)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
     paths = write_outputs(result, args.out)
     print_summary(result, paths, Console())
     return 0
@@ -218,3 +254,13 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--seed", type=int, default=0, help="workload and weight seed (default: %(default)s)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--out", default=".", help="folder for the JSON, CSV and PNG (default: %(default)s)")
+    g = s.add_argument_group("an OpenAI-compatible server, loaded by guidellm (its own venv: .ci/install-guidellm)")
+    g.add_argument("--url", default=None, metavar="URL",
+                   help="sweep this server (e.g. http://127.0.0.1:8000) instead of HF continuous batching in-process")
+    g.add_argument("--serve", default=None, metavar="CMD",
+                   help="start the server with this command, recorded into --db by a sidecar the sweep runs "
+                        "(without it, an agent you run records it; then `phasescope explain REPORT --db FILE`)")
+    g.add_argument("--model", default=None, help="served model name (guidellm's request field)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer guidellm counts tokens with (default: --model)")
+    g.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt length, tokens (default: 64)")
+    g.add_argument("--output-tokens", type=int, default=16, help="output length, tokens (default: 16)")

@@ -1,0 +1,148 @@
+"""`phasescope sweep --url URL`: an OpenAI-compatible server over a rate sweep, driven by guidellm (issue 28).
+
+The load generator is guidellm (the vLLM project's own; users already run it), not a home-made one. It runs as
+a subprocess from a virtual environment of its own (`.ci/install-guidellm`, or PHASESCOPE_GUIDELLM names its
+executable), never imported here: guidellm 0.8.1 brings 34 packages, pins `click~=8.4` (phasescope's
+streamlit/uvicorn bring 8.5) and takes ~37 s to import, so its pins never touch phasescope's environment.
+guidellm runs every rate in one invocation (`--profile kind=constant --override profile.rate R1,R2,...`) and
+writes its JSON report; the points are then cut out of the recorded run by the report's time windows and
+measured by `explain_report` (cli/explain.py): one code path for `sweep` and `explain`.
+
+With `--serve CMD` the sweep also starts the server: a sidecar here writing --db, the command with
+PHASESCOPE_AGENT pointing at it (the probe autoattaches), PHASESCOPE_RUN_ID and PHASESCOPE_LABELS set, waits
+for URL/health, and stops both after the sweep. Without it, the server is yours and must be recorded into --db
+by an agent you stop before the points are measured (`phasescope explain REPORT --db FILE` then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shlex
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from typing import Any, Iterator, Sequence
+
+from .errors import UsageError
+
+GUIDELLM_VERSION = "0.8.1"
+
+
+def guidellm_exe() -> str:
+    """guidellm's executable: $PHASESCOPE_GUIDELLM, else the one .ci/install-guidellm installed. UsageError if none."""
+    exe = os.environ.get("PHASESCOPE_GUIDELLM") or str(
+        pathlib.Path(os.environ.get("PHASESCOPE_CI_CACHE") or pathlib.Path.home() / ".cache" / "phasescope-ci")
+        / f"guidellm-venv-{GUIDELLM_VERSION}" / "bin" / "guidellm")
+    if not os.path.exists(exe):
+        raise UsageError(f"no guidellm at {exe}: run .ci/install-guidellm (a venv of its own), or set "
+                         "PHASESCOPE_GUIDELLM to a guidellm executable")
+    return exe
+
+
+def guidellm_command(exe: str, target: str, model: str, tokenizer: str, rates: Sequence[float], requests: int,
+                     prompt_tokens: int, output_tokens: int, report: str, seed: int = 0) -> list[str]:
+    """guidellm's command line: constant-rate benchmarks at each of `rates` (requests/s), `requests` per rate,
+    synthetic prompts of `prompt_tokens` and `output_tokens` (tokens, counted by `tokenizer`) to /v1/completions,
+    its JSON report written to `report`."""
+    return [exe, "run", "--backend", f"kind=openai_http,target={target},model={model},request_format=/v1/completions",
+            "--profile", f"kind=constant,rate={rates[0]:g}", "--override", "profile.rate",
+            ",".join(f"{r:g}" for r in rates),
+            "--constraint", f"kind=max_requests,count={requests}",
+            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+            "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--seed", f"kind=static,value={seed}",
+            "--output", f"kind=json,path={report}", "--disable-console-interactive"]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def serving(db: str, cmd: Sequence[str], url: str, run_id: str, labels: dict[str, Any] | None = None,
+            start_timeout_s: float = 600.0, log_path: str | None = None,
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """A sidecar writing `db` and the server `cmd` (probe on, run `run_id`, `labels`) until URL/health answers;
+    stops the server, then the sidecar, on exit. Raises RuntimeError when the server exits or never answers."""
+    from phasescope.agent.sidecar import Sidecar
+    from phasescope.agent.sidecar.host import HostCollector
+    from phasescope.agent.sidecar.scrape import ScrapeCollector
+
+    tmp = tempfile.mkdtemp(prefix="phasescope-sweep-")
+    sock = f"unix:{tmp}/agent.sock"
+    host = HostCollector()  # the server's processes (pids from the probes' Hello) and the host
+    side = Sidecar(db, listen=[sock], batch_interval_s=0.1, sample_interval_s=0.5, sinks=[host],
+                   collectors=[host, ScrapeCollector(url + "/metrics", run_id="scrape")]).start()
+    env = dict(os.environ if env is None else env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id)
+    if labels:
+        env["PHASESCOPE_LABELS"] = ",".join(f"{k}={v}" for k, v in labels.items())
+    log = open(log_path or os.path.join(tmp, "server.log"), "w")
+    proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() - t0 > start_timeout_s:
+                raise RuntimeError(f"the server did not start (log: {log.name})")
+            time.sleep(1)
+        yield proc
+        time.sleep(1.5)  # the probes' last flush
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        side.stop()
+
+
+def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, model: str, tokenizer: str,
+                 requests: int = 20, prompt_tokens: int = 64, output_tokens: int = 16, target_attainment: float = 0.9,
+                 serve: Sequence[str] | None = None, labels: dict[str, Any] | None = None, out_dir: str = ".",
+                 sweep_id: str | None = None, console: Any = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """guidellm over `rates` (requests/s) against `target`; with `serve`, the server is started and recorded into
+    `db` first (`env`: the server's environment, default this one). Returns `explain_report`'s result over the report (guidellm's report path under "report")."""
+    from .explain import explain_report
+
+    rates = sorted(float(r) for r in rates)
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"rates must be > 0 requests/s, got {rates}")
+    sweep_id = sweep_id or uuid.uuid4().hex[:12]
+    os.makedirs(out_dir, exist_ok=True)
+    report = os.path.abspath(os.path.join(out_dir, f"guidellm-{sweep_id}.json"))
+    cmd = guidellm_command(guidellm_exe(), target, model, tokenizer, rates, requests, prompt_tokens,
+                           output_tokens, report)
+    run_id = f"sweep-{sweep_id}"[:16]  # the probe keeps 16 bytes of a run id (records/events.py Hello)
+    say = console.print if console is not None else (lambda *a, **k: None)
+
+    def load() -> None:
+        say(f"guidellm: {len(rates)} points of {requests} requests at {', '.join(f'{r:g}' for r in rates)} req/s")
+        with open(os.path.join(out_dir, f"guidellm-{sweep_id}.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            raise RuntimeError(f"guidellm failed (exit {rc}): {shlex.join(cmd)}; see {log.name}")
+
+    if serve:
+        with serving(db, serve, target, run_id, labels, log_path=os.path.join(out_dir, f"server-{sweep_id}.log"),
+                     env=env):
+            load()
+    else:
+        load()
+        run_id = None  # the agent's run: found by the report's windows
+    import duckdb
+
+    try:
+        return explain_report(db, report, slo, target_attainment, run_id=run_id, sweep_id=sweep_id,
+                              labels={"sweep_requests": requests, "sweep_prompt_tokens": prompt_tokens,
+                                      "sweep_output_tokens": output_tokens, **(labels or {})})
+    except duckdb.IOException as exc:  # an agent holds the file: the report is kept, explain it later
+        raise RuntimeError(f"cannot open {db} ({exc}); guidellm's report is {report}: stop the agent, then "
+                           f"`phasescope explain {report} --db {db}`") from None
