@@ -184,37 +184,3 @@ def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
     finally:
         con.close()
     _same_answer(db, slo, res)
-
-
-def test_prefill_interference(vllm_env, guidellm, model_dir, tmp_path):
-    """Long prompts (960 tokens) with chunked prefill off: decode steps that share a forward with a whole prefill
-    take several times a pure decode step; prefill interference binds, its step medians equal the raw steps'."""
-    import numpy as np
-
-    rates, n = [0.5, 1.0, 2.0, 4.0, 8.0], 12
-    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--no-enable-chunked-prefill", "--max-num-seqs", "16",
-                                                         "--max-num-batched-tokens", "1024",
-                                                         "--num-gpu-blocks-override", "512", "--block-size", "32"],
-                          rates, n, prompt_tokens=960, output_tokens=32)
-    slo, res = _calibrated(db, res)
-    print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
-          [(p["rate_per_s"], p["attainment"], p["itl_p99_s"], p["tpot_p99_s"]) for p in res["points"]])
-    b = res["binding"]
-    assert b is not None and b["name"] == "prefill-interference", res["constraints"]
-    con = duckdb.connect(db, read_only=True)
-    try:
-        _check_points(con, res, rates, n)
-        run = res["points"][res["evidence_point"]]["run_id"]
-        rows = con.execute("""SELECT phase, prefill_tokens, decode_tokens,
-                   CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END
-            FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ? AND t.rank = 0""", [run]).fetchall()
-        pure = [ms for ph, _, _, ms in rows if ph == "decode"]
-        co = [ms for _, p, d, ms in rows if d > 0 and p >= 128]
-        assert b["figures"]["cosched_steps"] == len(co) and b["figures"]["decode_steps"] == sum(r[2] > 0 for r in rows)
-        assert b["figures"]["cosched_p50_ms"] == pytest.approx(float(np.median(co)))
-        assert b["figures"]["pure_decode_p50_ms"] == pytest.approx(float(np.median(pure)))
-        assert b["figures"]["stall_ratio"] == pytest.approx(np.median(co) / np.median(pure)) and \
-            b["figures"]["stall_ratio"] >= 3
-    finally:
-        con.close()
-    _same_answer(db, slo, res)
