@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from phasescope.agent.records import kvrollup
 from phasescope.agent.records.kvmath import kv_imbalance
 from phasescope.agent.read.queries import STEP_MS
 
@@ -17,10 +18,23 @@ KV_RANK_SQL = """SELECT k.rank, avg(kv_bytes) AS kv_bytes_mean, max(kv_bytes) AS
     GROUP BY k.rank ORDER BY k.rank"""
 
 
+def kv_by_rank(con, run_id: str) -> tuple[list[dict], str]:
+    """KV_RANK_SQL's rows and the SQL that gave them: from the ten-second KV rollup when it describes every
+    snapshot of the run (records/kvrollup.py: the same sums, counts and maxima; a mean is sum / count, equal to
+    ~1e-15 relative), else from the snapshots."""
+    wm = kvrollup.usable(con, run_id)
+    if wm is None:
+        return rows(con, KV_RANK_SQL, run_id), KV_RANK_SQL
+    sql = f"""SELECT rank, sum(kv_sum) / nullif(sum(kv_n), 0) AS kv_bytes_mean, max(kv_max) AS kv_bytes_max,
+               max(block_max) AS block_usage_max
+        FROM ({kvrollup.cells('$run', wm)}) GROUP BY rank HAVING sum(n) > 0 ORDER BY rank"""
+    return rows(con, sql, run_id), sql
+
+
 def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance"], critical_imbalance: float = 0.3,
                     **_: object) -> list[Finding]:
     """Fires when max_r / mean_r - 1 of the ranks' mean KV bytes is >= `max_imbalance`."""
-    ranks = rows(con, KV_RANK_SQL, run_id)
+    ranks, sql = kv_by_rank(con, run_id)
     if len(ranks) < 2:
         return []
     means = [r["kv_bytes_mean"] for r in ranks]
@@ -30,7 +44,7 @@ def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance
     hot = max(ranks, key=lambda r: r["kv_bytes_mean"])
     e = {"ranks": len(ranks), "kv_imbalance": imb, "hottest_rank": hot["rank"],
          "kv_bytes_mean_by_rank": {r["rank"]: r["kv_bytes_mean"] for r in ranks},
-         "block_usage_max_by_rank": {r["rank"]: r["block_usage_max"] for r in ranks}, "query": KV_RANK_SQL}
+         "block_usage_max_by_rank": {r["rank"]: r["block_usage_max"] for r in ranks}, "query": sql}
     return [Finding(
         id="tp-kv-imbalance",
         title=f"KV cache unbalanced across TP ranks (rank {hot['rank']} holds {imb:.0%} above the mean)",
