@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from phasescope.agent.records import kvrollup
 from phasescope.agent.records.kvmath import internal_fragmentation
 
 from phasescope.agent.read.thresholds import T
@@ -171,6 +172,26 @@ LENGTHS_SQL = """WITH r AS (SELECT CAST(prompt_tokens AS HUGEINT) AS a, CAST(gre
     FROM c GROUP BY p"""
 
 
+_GATE_REL = 1e-6  # a rollup mean this far below a threshold is below it in the raw rows too (sums in another order)
+
+
+def _rollup_fragmentation(con, run_id: str) -> dict | None:
+    """The run's mean internal and external (unclamped) fragmentation over its snapshots with total_pages > 0,
+    from the ten-second KV rollup (records/kvrollup.py: sum / count, the raw means to ~1e-12 relative; None for a
+    mean of no snapshot), or None when the rollup cannot answer. What the rules read first: a mean clearly below
+    their threshold cannot fire, and the full query over every snapshot is not run (the common case)."""
+    wm = kvrollup.usable(con, run_id)
+    if wm is None:
+        return None
+    return one(con, f"""SELECT sum(int_sum) / nullif(sum(int_n), 0) AS internal, sum(extu_sum) / nullif(sum(extu_n), 0)
+                            AS external FROM ({kvrollup.cells('$run', wm)})""", run_id)
+
+
+def _below(mean: float | None, threshold: float) -> bool:
+    """Whether a rollup mean proves the raw one is below `threshold` (None: no snapshot holds a value)."""
+    return mean is None or mean < threshold * (1 - _GATE_REL)
+
+
 def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = T["max_internal_fragmentation"],
                               target_fragmentation: float = 0.10, min_page_size: int = 16,
                               labels: dict | None = None, **_: object) -> list[Finding]:
@@ -178,6 +199,9 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
     >= `max_internal_fragmentation`; suggests the largest smaller page size (a power of two, at least
     `min_page_size`; on vLLM one its attention backend accepts, `constraints.vllm_limits`) whose predicted
     waste is <= `target_fragmentation`."""
+    gate = _rollup_fragmentation(con, run_id)
+    if gate is not None and _below(gate["internal"], max_internal_fragmentation):
+        return []
     e = one(con, INTERNAL_SQL, run_id)
     if not e["snapshots"] or e["internal_fragmentation_mean"] < max_internal_fragmentation:
         return []
@@ -261,6 +285,9 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
     if not seq["seq_tokens_p95"] or not page:
         return []
     need = math.ceil(seq["seq_tokens_p95"] / page)
+    gate = _rollup_fragmentation(con, run_id)
+    if gate is not None and _below(gate["external"], max_external_fragmentation):
+        return []
     e = one(con, EXTERNAL_SQL, run_id, need=need)
     if (not e["snapshots"] or e["external_fragmentation_mean"] is None
             or (e["snapshots_with_room"] or 0) < min_snapshots_with_room):

@@ -169,3 +169,22 @@ def test_diagnose_over_the_stored_rows_equals_over_the_views(scenario, name, mon
     monkeypatch.setattr(dmod, "stored_views", lambda con: None)
     want = json_safe(dmod.diagnose(con, run))
     same(json.loads(json.dumps(got)), json.loads(json.dumps(want)), name)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fragmentation_gates_change_no_finding(scenario, name, monkeypatch):
+    """The KV rollup's means gate the fragmentation rules: at thresholds around the run's own means (and the
+    defaults), each rule gives with the gate what it gives without."""
+    con, run = scenario(name)
+    gate = kvcache._rollup_fragmentation(con, run)
+    if con.execute("SELECT count(*) FROM kv_snapshots").fetchone()[0]:
+        assert gate is not None
+    means = [m for m in (gate or {}).values() if m is not None]
+    levels = sorted({0.0, 0.25, 1.0, *means, *(m * (1 + d) for m in means for d in (-1e-3, -1e-7, 1e-7, 1e-3))})
+    rules = ((kvcache.kv_internal_fragmentation, "max_internal_fragmentation"),
+             (kvcache.kv_external_fragmentation, "max_external_fragmentation"))
+    got = {(fn.__name__, x): json_safe(fn(OnceConnection(con), run, **{kw: x})) for fn, kw in rules for x in levels}
+    monkeypatch.setattr(kvcache, "_rollup_fragmentation", lambda con, run: None)
+    for (fname, x), g in got.items():
+        fn, kw = next(r for r in rules if r[0].__name__ == fname)
+        same(g, json_safe(fn(OnceConnection(con), run, **{kw: x})), f"{name} {fname} {x}")
