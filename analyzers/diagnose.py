@@ -13,7 +13,10 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
+import duckdb
+
 from phasescope.agent.read.queries import latest_run
+from phasescope.agent.records import derived
 
 from .decode import decode_roofline
 from .findings import Finding, sort_findings
@@ -86,7 +89,7 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
     gpu = gpu or lookup(labels.get("gpu_name"))
     context = {"model": model, "gpu": gpu, "labels": labels, "now_ns": now_ns}
     findings: list[Finding] = []
-    once = OnceConnection(con)  # a figure several rules read is read once
+    once = OnceConnection(con, stored_views(con))  # a figure several rules read is read once
     for fn in ANALYZERS:
         params = inspect.signature(fn).parameters
         kw = {k: v for k, v in {**overrides, **context}.items() if k in params}
@@ -95,6 +98,15 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
     if labels.get("runtime") == "vllm":  # name vLLM's flags with this run's values
         findings = [dataclasses.replace(f, suggestion=with_flag_values(f.suggestion, labels)) for f in findings]
     return sort_findings(findings)
+
+
+def stored_views(con: Any) -> dict[str, str] | None:
+    """SQL of the `requests` and `itl` views' rows from the stored tables, when they hold everything
+    (records/derived.py's `stored`); None otherwise, or on a store without the derived tables."""
+    try:
+        return derived.stored(con)
+    except duckdb.Error:  # an older build's store, Parquet exports
+        return None
 
 
 def diagnose_live(con: Any, run_id: str | None = None) -> list[Finding]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from phasescope.agent.records import kvrollup
 from phasescope.agent.records.kvmath import internal_fragmentation
 
 from phasescope.agent.read.thresholds import T
@@ -16,12 +17,26 @@ from .sql import PREEMPTIONS, PREFIX_TOTALS, RUN_KV, one, rows
 
 USAGE_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
     SELECT count(*) AS snapshots, max(used_pages / total_pages) AS block_usage_max,
-           quantile_cont(used_pages / total_pages, 0.95) AS block_usage_p95,
            avg(used_pages / total_pages) AS block_usage_mean,
            max(total_pages) AS total_pages, any_value(page_size_tokens) AS page_size,
            max(kv_bytes / nullif(used_pages, 0)) AS bytes_per_page, any_value(kv_dtype) AS kv_dtype,
            max(num_seqs) AS max_seqs, max(live_tokens) AS max_live_tokens
     FROM k"""
+
+# USAGE_SQL's block_usage_p95 (apart: the same CTE read twice in one statement is materialized whole): DuckDB's
+# quantile_cont(used_pages / total_pages, 0.95) over the snapshots, taken over their distinct (used, total) pages
+# with counts. A cache of P pages has at most P + 1 usages per size, so this hashes a few thousand rows where
+# quantile_cont sorts every snapshot (10M: ~0.35 s, not ~1 s). Position h = (n - 1) * 0.95, the order statistics
+# lo, hi at floor(h) and ceil(h), lo + (hi - lo) * (h - floor(h)): DuckDB's interpolation (equal to ~1e-15 relative
+# where its build fuses the multiply-add; tests/analyzers/test_diag_reads.py)
+USAGE_P95_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0 AND used_pages IS NOT NULL),
+    m AS (SELECT used_pages / total_pages AS v, w FROM (
+              SELECT used_pages, total_pages, count(*) AS w FROM k GROUP BY ALL)),
+    c AS (SELECT v, sum(w) OVER (ORDER BY v ROWS UNBOUNDED PRECEDING) AS cw, sum(w) OVER () AS n FROM m),
+    h AS (SELECT (any_value(n) - 1) * 0.95 AS h FROM c)
+    SELECT min(c.v) FILTER (WHERE c.cw > floor(h.h)) + (min(c.v) FILTER (WHERE c.cw > ceil(h.h))
+           - min(c.v) FILTER (WHERE c.cw > floor(h.h))) * (h.h - floor(h.h)) AS block_usage_p95
+    FROM c, h GROUP BY h.h"""
 
 # the share of snapshots at or above a usage: apart from USAGE_SQL, which two rules read at two usages (one pass)
 NEAR_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
@@ -31,10 +46,13 @@ NEAR_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
 def _usage(con, run_id: str, near: float) -> dict:
     """USAGE_SQL's row with NEAR_SQL's share at `near` after block_usage_mean (the evidence's order)."""
     u = one(con, USAGE_SQL, run_id)
+    p95 = one(con, USAGE_P95_SQL, run_id)["block_usage_p95"] if u["snapshots"] else None
     share = one(con, NEAR_SQL, run_id, near=near)["near_cap_share"]
     out = {}
     for k, v in u.items():
         out[k] = v
+        if k == "block_usage_max":
+            out["block_usage_p95"] = p95
         if k == "block_usage_mean":
             out["near_cap_share"] = share
     return out
@@ -79,7 +97,7 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
     e["capacity_tokens_fp8"] = int(cap_tokens * gains["fp8"]) if "fp8" in gains else cap_tokens
     fit_now = cap_tokens // seq["seq_tokens_p95"] if seq["seq_tokens_p95"] else None
     e["max_seqs_without_preemption"] = fit_now
-    e["query"] = USAGE_SQL + ";\n" + NEAR_SQL.replace("$near", str(near_cap)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
+    e["query"] = USAGE_SQL + ";\n" + USAGE_P95_SQL + ";\n" + NEAR_SQL.replace("$near", str(near_cap)) + ";\n" + PREEMPTIONS + ";\n" + SEQ_LEN_SQL
     parts = []
     limits = vllm_limits(labels) if runtime_of(labels) == "vllm" else None
     fp8 = next((d for d in ("fp8", "fp8_e4m3") if limits and d in limits.kv_cache_dtypes), None)
@@ -154,6 +172,26 @@ LENGTHS_SQL = """WITH r AS (SELECT CAST(prompt_tokens AS HUGEINT) AS a, CAST(gre
     FROM c GROUP BY p"""
 
 
+_GATE_REL = 1e-6  # a rollup mean this far below a threshold is below it in the raw rows too (sums in another order)
+
+
+def _rollup_fragmentation(con, run_id: str) -> dict | None:
+    """The run's mean internal and external (unclamped) fragmentation over its snapshots with total_pages > 0,
+    from the ten-second KV rollup (records/kvrollup.py: sum / count, the raw means to ~1e-12 relative; None for a
+    mean of no snapshot), or None when the rollup cannot answer. What the rules read first: a mean clearly below
+    their threshold cannot fire, and the full query over every snapshot is not run (the common case)."""
+    wm = kvrollup.usable(con, run_id)
+    if wm is None:
+        return None
+    return one(con, f"""SELECT sum(int_sum) / nullif(sum(int_n), 0) AS internal, sum(extu_sum) / nullif(sum(extu_n), 0)
+                            AS external FROM ({kvrollup.cells('$run', wm)})""", run_id)
+
+
+def _below(mean: float | None, threshold: float) -> bool:
+    """Whether a rollup mean proves the raw one is below `threshold` (None: no snapshot holds a value)."""
+    return mean is None or mean < threshold * (1 - _GATE_REL)
+
+
 def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: float = T["max_internal_fragmentation"],
                               target_fragmentation: float = 0.10, min_page_size: int = 16,
                               labels: dict | None = None, **_: object) -> list[Finding]:
@@ -161,6 +199,9 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
     >= `max_internal_fragmentation`; suggests the largest smaller page size (a power of two, at least
     `min_page_size`; on vLLM one its attention backend accepts, `constraints.vllm_limits`) whose predicted
     waste is <= `target_fragmentation`."""
+    gate = _rollup_fragmentation(con, run_id)
+    if gate is not None and _below(gate["internal"], max_internal_fragmentation):
+        return []
     e = one(con, INTERNAL_SQL, run_id)
     if not e["snapshots"] or e["internal_fragmentation_mean"] < max_internal_fragmentation:
         return []
@@ -244,6 +285,9 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
     if not seq["seq_tokens_p95"] or not page:
         return []
     need = math.ceil(seq["seq_tokens_p95"] / page)
+    gate = _rollup_fragmentation(con, run_id)
+    if gate is not None and _below(gate["external"], max_external_fragmentation):
+        return []
     e = one(con, EXTERNAL_SQL, run_id, need=need)
     if (not e["snapshots"] or e["external_fragmentation_mean"] is None
             or (e["snapshots_with_room"] or 0) < min_snapshots_with_room):
@@ -303,7 +347,7 @@ def kv_headroom_low(con, run_id: str, *, headroom_usage: float = 0.7, **_: objec
     fit = cap_tokens // seq["seq_tokens_p95"] if seq["seq_tokens_p95"] else None
     e["capacity_tokens"] = cap_tokens
     e["p95_sequences_that_fit"] = fit
-    e["query"] = (USAGE_SQL + ";\n" + NEAR_SQL.replace("$near", str(headroom_usage)) + ";\n" + PREEMPTIONS + ";\n"
+    e["query"] = (USAGE_SQL + ";\n" + USAGE_P95_SQL + ";\n" + NEAR_SQL.replace("$near", str(headroom_usage)) + ";\n" + PREEMPTIONS + ";\n"
                   + SEQ_LEN_SQL)
     cur = _dtype_bytes(e["kv_dtype"]) or 2.0
     return [Finding(

@@ -7,7 +7,8 @@ from .findings import Finding, ref
 from .sql import PREFIX_TOTALS, one, page_size, prefill_cost
 from .runinfo import as_number
 
-WINDOWS_SQL = """WITH p AS (
+# (p inlined where it is read, not materialized: DuckDB would write the run's every counter row to read it twice)
+WINDOWS_SQL = """WITH p AS NOT MATERIALIZED (
         SELECT p.ts_ns, p.queried_tokens_total AS q, p.hit_tokens_total AS h, p.evicted_blocks_total AS e
         FROM prefix_counters p JOIN sources s USING (source_id)
         WHERE s.run_id = $run AND p.rank = (SELECT min(p2.rank) FROM prefix_counters p2 JOIN sources s2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from phasescope.agent.records import kvrollup
 from phasescope.agent.records.kvmath import kv_imbalance
 from phasescope.agent.read.queries import STEP_MS
 
@@ -17,10 +18,23 @@ KV_RANK_SQL = """SELECT k.rank, avg(kv_bytes) AS kv_bytes_mean, max(kv_bytes) AS
     GROUP BY k.rank ORDER BY k.rank"""
 
 
+def kv_by_rank(con, run_id: str) -> tuple[list[dict], str]:
+    """KV_RANK_SQL's rows and the SQL that gave them: from the ten-second KV rollup when it describes every
+    snapshot of the run (records/kvrollup.py: the same sums, counts and maxima; a mean is sum / count, equal to
+    ~1e-15 relative), else from the snapshots."""
+    wm = kvrollup.usable(con, run_id)
+    if wm is None:
+        return rows(con, KV_RANK_SQL, run_id), KV_RANK_SQL
+    sql = f"""SELECT rank, sum(kv_sum) / nullif(sum(kv_n), 0) AS kv_bytes_mean, max(kv_max) AS kv_bytes_max,
+               max(block_max) AS block_usage_max
+        FROM ({kvrollup.cells('$run', wm)}) GROUP BY rank HAVING sum(n) > 0 ORDER BY rank"""
+    return rows(con, sql, run_id), sql
+
+
 def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance"], critical_imbalance: float = 0.3,
                     **_: object) -> list[Finding]:
     """Fires when max_r / mean_r - 1 of the ranks' mean KV bytes is >= `max_imbalance`."""
-    ranks = rows(con, KV_RANK_SQL, run_id)
+    ranks, sql = kv_by_rank(con, run_id)
     if len(ranks) < 2:
         return []
     means = [r["kv_bytes_mean"] for r in ranks]
@@ -30,7 +44,7 @@ def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance
     hot = max(ranks, key=lambda r: r["kv_bytes_mean"])
     e = {"ranks": len(ranks), "kv_imbalance": imb, "hottest_rank": hot["rank"],
          "kv_bytes_mean_by_rank": {r["rank"]: r["kv_bytes_mean"] for r in ranks},
-         "block_usage_max_by_rank": {r["rank"]: r["block_usage_max"] for r in ranks}, "query": KV_RANK_SQL}
+         "block_usage_max_by_rank": {r["rank"]: r["block_usage_max"] for r in ranks}, "query": sql}
     return [Finding(
         id="tp-kv-imbalance",
         title=f"KV cache unbalanced across TP ranks (rank {hot['rank']} holds {imb:.0%} above the mean)",
@@ -64,20 +78,52 @@ SKEW_SQL = f"""WITH st AS (
     FROM per, m"""
 
 
+# the same figures when no step has more than two rank rows (TP 2): a step's median is lo + (hi - lo) * 0.5,
+# DuckDB's own interpolation of quantile_cont at 0.5 over two values (the product by 0.5 is exact, so a fused
+# multiply-add gives the same bits; agent/read/queries.py's rank_steps reads it so too), from min and max: no
+# holistic aggregate per step. `max_n` says whether it held (> 2: SKEW_SQL is run instead).
+SKEW_TWO_SQL = f"""WITH st AS (
+        SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+        WHERE s.run_id = $run AND t.step_id % $k = 0),
+    g AS MATERIALIZED (SELECT count(*) AS n, max(ms) AS max_ms, min(ms) + (max(ms) - min(ms)) * 0.5 AS median_ms,
+                              arg_max(rank, ms) AS slowest
+                       FROM st GROUP BY step_id),
+    per AS (SELECT * FROM g WHERE n > 1),
+    m AS (SELECT mode(slowest) AS straggler FROM per)
+    SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, 0.5) AS step_skew_p50,
+           quantile_cont(max_ms / median_ms - 1, 0.95) AS step_skew_p95,
+           any_value(m.straggler) AS straggler_rank,
+           count(*) FILTER (WHERE slowest = m.straggler) / count(*) AS straggler_share,
+           avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean,
+           (SELECT max(n) FROM g) AS max_n
+    FROM per, m"""
+
+
+def step_skew(con, run_id: str, k: int, world: int) -> tuple[dict, str]:
+    """SKEW_SQL's row over every `k`-th step id, and the SQL that gave it: SKEW_TWO_SQL when the run has
+    `world` == 2 ranks and no step more than two rank rows (the same figures without a median per step)."""
+    if world == 2:
+        e = rows(con, SKEW_TWO_SQL, run_id, k=k)[0]
+        if (e.pop("max_n") or 0) <= 2:
+            return e, SKEW_TWO_SQL
+    return rows(con, SKEW_SQL, run_id, k=k)[0], SKEW_SQL
+
+
 def tp_straggler(con, run_id: str, *, max_skew: float = T["max_skew"], min_straggler_share: float = T["min_straggler_share"],
                  min_steps: int = 10, max_rows: int = 1_000_000, **_: object) -> list[Finding]:
     """Fires when the median step skew (max_r / median_r - 1 of step time) is >= `max_skew` and one rank
     is the slowest in >= `min_straggler_share` of the steps (sampled above `max_rows` step rows)."""
-    if world_size(con, run_id) < 2:
+    world = world_size(con, run_id)
+    if world < 2:
         return []
     n = con.execute("SELECT count(*) FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ?",
                     [run_id]).fetchone()[0]
     k = max(1, -(-n // max_rows))
-    e = rows(con, SKEW_SQL, run_id, k=k)[0]
+    e, sql = step_skew(con, run_id, k, world)
     e["sampled_one_step_in"] = k
     if (e["steps"] or 0) < min_steps or e["step_skew_p50"] < max_skew or e["straggler_share"] < min_straggler_share:
         return []
-    e["query"] = SKEW_SQL
+    e["query"] = sql
     return [Finding(
         id="tp-straggler",
         title=f"TP rank {e['straggler_rank']} is a straggler",

@@ -91,16 +91,24 @@ Q_SQL = f"q AS ({weighted_quantiles('itl_ms', 'tokens', 'gaps', {'p50': '0.5', '
 Q_ONES_SQL = """q AS (SELECT n, p[1] AS p50, p[2] AS p99 FROM (
         SELECT count(*) AS n, quantile_cont(itl_ms, [0.5, $quantile]) AS p FROM gaps))"""
 
-ITL_SUMMARY_SQL = """WITH {q}
-    SELECT q.n AS itl_samples, q.p50 AS itl_p50_ms, q.p99 AS itl_p99_ms,
-           (SELECT count(*) FROM gaps) AS gaps,
-           (SELECT coalesce(sum(tokens), 0) FROM gaps, q WHERE itl_ms >= q.p99) AS tail_samples,
-           (SELECT sum((itl_ms - q.p50) * tokens) FROM gaps, q WHERE itl_ms >= q.p99) AS tail_excess_ms
-    FROM q"""
-
+# over `gaps`: the samples, their median and tail quantile, and the gaps (one row); then the tail (>= the p99) with
+# those as parameters, per cause: its samples, their excess over the median, the largest prefill of their steps (the
+# summary's tail sums are these summed over the causes: two passes, where one per sum was five)
+ITL_Q_SQL = """WITH {q} SELECT q.n AS itl_samples, q.p50 AS itl_p50_ms, q.p99 AS itl_p99_ms,
+        (SELECT count(*) FROM gaps) AS gaps FROM q"""
 ITL_TAIL_SQL = """SELECT cause, sum(tokens) AS samples, sum((itl_ms - $p50) * tokens) AS excess_ms,
            max(prefill_tokens) AS max_prefill_tokens
     FROM gaps WHERE itl_ms >= $p99 GROUP BY cause ORDER BY cause"""
+
+
+def _summary(q: dict[str, Any], tail: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """ITL_Q_SQL's row with the tail's samples and excess (ms) from ITL_TAIL_SQL's rows by cause: the causes' sums
+    summed (floats added in another order than one sum over the tail: equal to ~1e-15 relative; None, as SQL's
+    sum, with no tail)."""
+    excess = [r["excess_ms"] for r in tail.values() if r["excess_ms"] is not None]
+    return {**q, "tail_samples": sum(r["samples"] or 0 for r in tail.values()),
+            "tail_excess_ms": sum(excess) if excess else None}
+
 
 # per request over the TPOT SLO: its TPOT with one cause's excess removed (its gaps brought to the median)
 ITL_TPOT_SQL = """WITH r AS (SELECT request_id, tpot_s, output_tokens FROM requests WHERE run_id = $run AND tpot_s > $slo_s),
@@ -177,9 +185,10 @@ def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     params = {"long": long_prefill_tokens, "host_ratio": host_stall_ratio, "quantile": quantile}
     with ItlGaps(con, run_id, long_prefill_tokens, host_stall_ratio):
         ones = _one(con, _over_gaps("SELECT coalesce(max(tokens), 0) <= 1 AS ones FROM gaps"), {})["ones"]
-        e = _one(con, _over_gaps(ITL_SUMMARY_SQL.format(q=Q_ONES_SQL if ones else Q_SQL)), {"quantile": quantile})
-        p = {"p50": e["itl_p50_ms"], "p99": e["itl_p99_ms"]}
+        q = _one(con, _over_gaps(ITL_Q_SQL.format(q=Q_ONES_SQL if ones else Q_SQL)), {"quantile": quantile})
+        p = {"p50": q["itl_p50_ms"], "p99": q["itl_p99_ms"]}
         tail = {r["cause"]: r for r in _dicts(con, _over_gaps(ITL_TAIL_SQL), p)}
+        e = _summary(q, tail)
         viol = {r["cause"]: r for r in _dicts(con, _over_gaps(ITL_TPOT_SQL),
                                              {"run": run_id, "p50": p["p50"], "slo_s": tpot_slo_s,
                                               "causes": list(ITL_CAUSES)})}
@@ -194,7 +203,7 @@ def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         e[f"tpot_violations_explained_{c}"] = viol.get(c, {}).get("explained", 0)
     e["causes"] = [{"cause": c, "tail_samples": e[f"tail_{c}_samples"], "tail_share": e[f"tail_{c}_share"],
                     "tpot_violations_explained": e[f"tpot_violations_explained_{c}"]} for c in ITL_CAUSES]
-    e["query"] = sql_text("WITH " + ITL_GAPS + ",\n" + ITL_SUMMARY_SQL.format(q=Q_SQL)[5:] + ";\n"
+    e["query"] = sql_text("WITH " + ITL_GAPS + ",\n" + ITL_Q_SQL.format(q=Q_SQL)[5:] + ";\n"
                           + ITL_TAIL_SQL.replace("$p50", "<itl_p50_ms>").replace("$p99", "<itl_p99_ms>") + ";\n"
                           + ITL_TPOT_SQL.replace("$p50", "<itl_p50_ms>"),
                           {**params, "slo_s": tpot_slo_s, "causes": str(list(ITL_CAUSES))})

@@ -402,11 +402,19 @@ def attribution_current(con: Any) -> bool:
     if ev is None or st is None:
         return False
     for table, (wm, n) in (("request_events", ev), ("steps", st)):
-        below, above = con.execute(f"SELECT count(*) FILTER (WHERE rowid <= {wm}), count(*) FILTER (WHERE rowid > {wm}) "
-                                   f"FROM {table}").fetchone()
+        below, above = rowid_counts(con, table, wm)
         if below != n or above:
             return False
     return True
+
+
+def rowid_counts(con: Any, table: str, wm: int) -> tuple[int, int]:
+    """(rows of `table` with rowid <= `wm`, rows past it). Two statements with the watermark written in: DuckDB
+    counts row ids without reading the rows (10M steps: ~2 ms, where one statement with two FILTERs reads every
+    row id, 0.1-0.9 s)."""
+    below = con.execute(f"SELECT count(*) FROM {table} WHERE rowid <= {int(wm)}").fetchone()[0]
+    above = con.execute(f"SELECT count(*) FROM {table} WHERE rowid > {int(wm)}").fetchone()[0]
+    return int(below), int(above)
 
 
 def stored(con: Any) -> dict[str, str] | None:
@@ -417,8 +425,7 @@ def stored(con: Any) -> dict[str, str] | None:
     if st is None or con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = 'request_events'").fetchone()[0]:
         return None
     wm, n = st
-    below, above = con.execute(f"SELECT count(*) FILTER (WHERE rowid <= {wm}), count(*) FILTER (WHERE rowid > {wm}) "
-                               "FROM request_events").fetchone()
+    below, above = rowid_counts(con, "request_events", wm)
     if below != n or above:
         return None
     return {"requests": f"({REQUESTS_SELECT} FROM request_rows)", "itl": f"({ITL_SELECT} FROM token_gaps)"}

@@ -1,0 +1,190 @@
+"""Issue 30, `diagnose`: the analyzers' reads rewritten for speed give what the previous SQL gave.
+
+On every recorded fixture (and on stated records where the fixtures hold no case): the run's lowest rank from a
+filter on its sources (not per-source minima), the KV usage p95 over distinct (used, total) pages with counts
+(not a sort of every snapshot), the ranks' KV from the KV rollup, the two-rank step skew from min and max (not a
+median per step), the prefix windows with their rows inlined, and the `requests` / `itl` views read from the
+stored rows. Integers and strings equal, floats to 1e-12 relative (sums in another order, an interpolation
+without the fused multiply-add DuckDB's build may use).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import duckdb
+import numpy as np
+import pytest
+
+from builders.scenarios import DATA_DIR
+from phasescope.agent.read.jsonsafe import json_safe
+from phasescope.analyzers import diagnose as dmod, itl, kvcache, prefill, prefix, reliability, sql as asql, tp
+from phasescope.analyzers.sql import OnceConnection, one, rows
+
+FIXTURES = sorted(n for n in os.listdir(DATA_DIR) if os.path.exists(os.path.join(DATA_DIR, n, "steps.parquet")))
+REL = 1e-12
+
+# analyzers/sql.py's RUN_STEPS before issue 30: the lowest rank from per-source minima joined to the run's sources
+OLD_RUN_STEPS = f"""SELECT t.*, {asql.STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
+    WHERE s.run_id = $run AND t.rank = (SELECT min(m.r) FROM (SELECT source_id, min(rank) AS r FROM steps
+                                                              GROUP BY source_id) m
+                                        JOIN sources s2 USING (source_id) WHERE s2.run_id = $run)"""
+OLD_P95 = f"""WITH k AS ({asql.RUN_KV} AND total_pages > 0)
+    SELECT quantile_cont(used_pages / total_pages, 0.95) AS block_usage_p95 FROM k"""
+
+
+def same(got, want, path="") -> None:
+    if isinstance(want, float) or isinstance(got, float):
+        if want is None or got is None or (isinstance(want, float) and math.isnan(want)):
+            assert got == want or (got != got and want != want), path
+        else:
+            assert got == pytest.approx(want, rel=REL, abs=1e-300), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for k in want:
+            same(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            same(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, path
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_run_steps_and_prefix_windows_equal_the_previous_sql(scenario, name):
+    con, run = scenario(name)
+    assert asql.RUN_STEPS != OLD_RUN_STEPS
+    for sql, kw in ((prefill.STALL_SQL, {"long": 128}), (asql.PREFILL_COST, {"min_tokens": 32}),
+                    (itl.FIT_SQL, {"fit_min": 32}), (reliability.PREEMPT_SQL, {})):
+        assert asql.RUN_STEPS in sql
+        same(one(con, sql, run, **kw), one(con, sql.replace(asql.RUN_STEPS, OLD_RUN_STEPS), run, **kw), name)
+    old = prefix.WINDOWS_SQL.replace("p AS NOT MATERIALIZED (", "p AS (")
+    assert old != prefix.WINDOWS_SQL
+    assert con.execute(prefix.WINDOWS_SQL, {"run": run}).fetchall() == con.execute(old, {"run": run}).fetchall()
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_kv_usage_p95_and_rank_kv_equal_the_previous_sql(scenario, name):
+    con, run = scenario(name)
+    want = one(con, OLD_P95, run)["block_usage_p95"]
+    got = one(con, kvcache.USAGE_P95_SQL, run)["block_usage_p95"]
+    same(got, want, name)
+    usage = kvcache._usage(con, run, 0.9)  # the evidence's keys in their previous order
+    assert list(usage)[:4] == ["snapshots", "block_usage_max", "block_usage_p95", "block_usage_mean"]
+    if usage["snapshots"]:
+        same(usage["block_usage_p95"], want, name)
+    ranks, sql = tp.kv_by_rank(con, run)
+    if con.execute("SELECT count(*) FROM kv_snapshots").fetchone()[0]:
+        assert sql != tp.KV_RANK_SQL, "the fixture loader folds the KV rollup: it answers"
+    same(ranks, rows(con, tp.KV_RANK_SQL, run), name)
+
+
+def _kv_store(used: list, total: list) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    con.execute("CREATE TABLE sources (source_id INTEGER, run_id VARCHAR)")
+    con.execute("INSERT INTO sources VALUES (1, 'r'), (2, 'other')")
+    con.execute("CREATE TABLE kv_snapshots (source_id INTEGER, used_pages INTEGER, total_pages INTEGER)")
+    con.executemany("INSERT INTO kv_snapshots VALUES (?, ?, ?)",
+                    [(1 if i % 7 else 2, u, t) for i, (u, t) in enumerate(zip(used, total))])
+    return con
+
+
+def test_kv_usage_p95_on_many_usages_and_sizes():
+    """Stated records: several cache sizes, NULL and zero-size snapshots, another run's rows; p95 as DuckDB's
+    quantile_cont and numpy's linear quantile give it."""
+    rng = np.random.default_rng(30)
+    for n in (1, 2, 3, 20, 1001, 5000):
+        total = [int(rng.choice([0, 7, 64, 1000])) for _ in range(n)]
+        used = [None if rng.random() < 0.05 else int(rng.integers(0, t + 1)) for t in total]
+        con = _kv_store(used, total)
+        want = one(con, OLD_P95, "r")["block_usage_p95"]
+        got = one(con, kvcache.USAGE_P95_SQL, "r")["block_usage_p95"]
+        same(got, want, str(n))
+        vals = [u / t for i, (u, t) in enumerate(zip(used, total)) if i % 7 and u is not None and t > 0]
+        if vals:
+            assert got == pytest.approx(float(np.quantile(vals, 0.95)), rel=1e-12)
+        else:
+            assert got is None
+
+
+def _steps_store(world_rows: list[tuple]) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    con.execute("CREATE TABLE sources (source_id INTEGER, run_id VARCHAR, world_size SMALLINT)")
+    con.execute("INSERT INTO sources VALUES (1, 'r', 2), (2, 'r', 2)")
+    con.execute("CREATE TABLE steps (source_id INTEGER, step_id BIGINT, rank SMALLINT, gpu_ms DOUBLE, host_ms DOUBLE)")
+    con.executemany("INSERT INTO steps VALUES (?, ?, ?, ?, ?)", world_rows)
+    return con
+
+
+def test_two_rank_skew_equals_the_median_per_step():
+    rng = np.random.default_rng(2)
+    rows_ = []
+    for step in range(3000):
+        for rank in (0, 1):
+            if step % 97 == 5 and rank == 1:  # a step seen on one rank only: not a pair
+                continue
+            gpu = float("nan") if step % 11 == 0 else float(rng.gamma(4.0, 2.0) * (1.07 if rank == 1 else 1.0))
+            rows_.append((1 + rank, step, rank, gpu, float(rng.gamma(4.0, 2.5))))
+    con = _steps_store(rows_)
+    for k in (1, 3):
+        got, sql = tp.step_skew(con, "r", k, 2)
+        assert sql == tp.SKEW_TWO_SQL
+        same(got, rows(con, tp.SKEW_SQL, "r", k=k)[0], f"k={k}")
+    con.execute("INSERT INTO steps VALUES (1, 0, 0, 1.0, 1.0)")  # a step with three rank rows: the median per step
+    got, sql = tp.step_skew(con, "r", 1, 2)
+    assert sql == tp.SKEW_SQL
+    same(got, rows(con, tp.SKEW_SQL, "r", k=1)[0])
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_two_rank_skew_on_the_fixtures(scenario, name):
+    con, run = scenario(name)
+    world = asql.world_size(con, run)
+    if world != 2:
+        pytest.skip("one rank")
+    got, _ = tp.step_skew(con, run, 1, world)
+    same(got, rows(con, tp.SKEW_SQL, run, k=1)[0], name)
+
+
+def test_once_connection_reads_the_stored_rows_for_the_views_only():
+    views = {"requests": "(SELECT 1 AS x)", "itl": "(SELECT 2 AS x)"}
+    once = OnceConnection(duckdb.connect(), views)
+    assert once._rewrite("SELECT * FROM requests WHERE run_id = $run") == \
+        "SELECT * FROM (SELECT 1 AS x) WHERE run_id = $run"
+    assert once._rewrite("SELECT * FROM a JOIN itl USING (x)") == "SELECT * FROM a JOIN (SELECT 2 AS x) USING (x)"
+    for sql in ("SELECT * FROM request_rows", "SELECT * FROM requests_x", "SELECT * FROM requests(1)",
+                "SELECT requests FROM t"):
+        assert once._rewrite(sql) == sql
+    assert once.execute("SELECT x FROM requests").fetchall() == [(1,)]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_diagnose_over_the_stored_rows_equals_over_the_views(scenario, name, monkeypatch):
+    con, run = scenario(name)
+    assert dmod.stored_views(con) is not None, "the fixture loader folds the derived tables"
+    got = json_safe(dmod.diagnose(con, run))
+    monkeypatch.setattr(dmod, "stored_views", lambda con: None)
+    want = json_safe(dmod.diagnose(con, run))
+    same(json.loads(json.dumps(got)), json.loads(json.dumps(want)), name)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fragmentation_gates_change_no_finding(scenario, name, monkeypatch):
+    """The KV rollup's means gate the fragmentation rules: at thresholds around the run's own means (and the
+    defaults), each rule gives with the gate what it gives without."""
+    con, run = scenario(name)
+    gate = kvcache._rollup_fragmentation(con, run)
+    if con.execute("SELECT count(*) FROM kv_snapshots").fetchone()[0]:
+        assert gate is not None
+    means = [m for m in (gate or {}).values() if m is not None]
+    levels = sorted({0.0, 0.25, 1.0, *means, *(m * (1 + d) for m in means for d in (-1e-3, -1e-7, 1e-7, 1e-3))})
+    rules = ((kvcache.kv_internal_fragmentation, "max_internal_fragmentation"),
+             (kvcache.kv_external_fragmentation, "max_external_fragmentation"))
+    got = {(fn.__name__, x): json_safe(fn(OnceConnection(con), run, **{kw: x})) for fn, kw in rules for x in levels}
+    monkeypatch.setattr(kvcache, "_rollup_fragmentation", lambda con, run: None)
+    for (fname, x), g in got.items():
+        fn, kw = next(r for r in rules if r[0].__name__ == fname)
+        same(g, json_safe(fn(OnceConnection(con), run, **{kw: x})), f"{name} {fname} {x}")
