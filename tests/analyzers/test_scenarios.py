@@ -4,6 +4,7 @@ builders reproduce the committed records exactly."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -12,10 +13,14 @@ import duckdb
 import pytest
 
 from phasescope.cli.demo import DemoConfig
+from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.diagnose import diagnose
+from phasescope.analyzers.prefill import STALL_SQL, prefill_stalls_decode
+from phasescope.analyzers.sql import one
 from builders.scenarios import DATA_DIR, SCENARIOS, build_db
 
 # vLLM runs are deterministic: test_prefix_miss.py rebuilds prefix-miss-vllm and checks its exact numbers
+_STALL_MIN_STEPS = inspect.signature(prefill_stalls_decode).parameters["min_steps"].default
 REAL = [n for n, s in SCENARIOS.items() if s.kind not in ("synthetic", "vllm", "recorded")]
 SYNTHETIC = [n for n, s in SCENARIOS.items() if s.kind == "synthetic"]
 
@@ -87,8 +92,14 @@ def test_real_rebuild_fires(name, tmp_path, scenario):
         try:
             found = {f.id for f in diagnose(con, run_id)}
             requests = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run_id]).fetchone()[0]
+            stall = one(con, STALL_SQL, run_id, long=int(T["long_prefill_tokens"]))
         finally:
             con.close()
+        if (stall["cosched_steps"] or 0) < _STALL_MIN_STEPS:
+            # measured in this very run: the engine prefilled so slowly (a CPU-heavy neighbour: decode steps
+            # of 34-205 ms against the fixture's 7) that the arrivals, fixed in wall time, merged into fewer
+            # co-scheduled steps than the rule needs to judge (3-4 of 5, each of 3-4k prompt tokens)
+            expect.discard("prefill-stalls-decode")
         if "host-bound" not in stated:
             # whether the engine is starved of CPU depends on the machine's load during the rebuild (on a
             # busy shared CI machine it truly is), not on the scenario's configuration; the committed
