@@ -761,7 +761,7 @@ RENDER = dict(zip(PAGES, (page_overview, page_phases, page_requests, page_kv, pa
                           page_experiments, page_sweep)))
 
 
-REFRESH_S = 5.0
+REFRESH_S = 10.0  # s; a live page whose render outlasts it never settles (it re-renders back to back)
 
 
 @st.fragment(run_every=REFRESH_S)
