@@ -66,6 +66,29 @@ def source_run(con: Any, points: list[dict[str, Any]]) -> str:
     return row[0]
 
 
+def outside_windows(con: Any, run_id: str, points: list[dict[str, Any]], most: int = 20) -> dict[str, Any]:
+    """The requests of `run_id` whose arrival falls in no benchmark window (a point holds none of them; said, not
+    dropped): their count, and for up to `most` of them the benchmark they follow (-1: before the first) and how
+    long after its end they arrived (s; before the first: a negative figure, seconds before its start). A load
+    generator's window is its own clock's span: guidellm 0.8.1 at 8-16 req/s ended a benchmark before the server
+    saw its last request arrive (CI run of d4d037d: 59 of 60)."""
+    spans = sorted((int(p["start_ns"]), int(p["end_ns"]), i) for i, p in enumerate(points))
+    rows = con.execute("""SELECT r.request_id, min(r.ts_ns + s.wall_minus_mono_ns) AS t FROM request_events r
+        JOIN sources s USING (source_id) WHERE s.run_id = ? AND r.event = 'arrival' GROUP BY r.request_id
+        ORDER BY t, r.request_id""", [run_id]).fetchall()
+    out = []
+    for rid, t in rows:
+        if any(a <= t < b for a, b, _ in spans):  # split_run's [start, end)
+            continue
+        before = [(b, i) for a, b, i in spans if b <= t]
+        if before:
+            b, i = max(before)
+            out.append({"request_id": rid, "after_benchmark": i, "late_s": (t - b) / 1e9})
+        else:
+            out.append({"request_id": rid, "after_benchmark": -1, "late_s": (t - spans[0][0]) / 1e9})
+    return {"requests": len(out), "rows": out[:most]}
+
+
 def explain_report(db: str, report: str, slo: Any, target: float = 0.9, run_id: str | None = None,
                    sweep_id: str | None = None, labels: dict[str, Any] | None = None) -> dict[str, Any]:
     """Split the run the report's benchmarks hit (`run_id`, or the one `source_run` finds) into one run per
@@ -96,7 +119,7 @@ def explain_report(db: str, report: str, slo: Any, target: float = 0.9, run_id: 
                 for i, p in enumerate(points)])
         result = measure(db, [(p["rate_per_s"], r) for p, r in zip(points, runs)], slo, target, sweep_id,
                          runtime="server", con=con, source_run=run_id, report=report,
-                         benchmarks=points)
+                         benchmarks=points, outside_windows=outside_windows(con, run_id, points))
     finally:
         con.close()
     return result

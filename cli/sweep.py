@@ -163,6 +163,13 @@ def print_summary(result: dict[str, Any], paths: dict[str, str | None], console:
         also = [c["name"] for c in result["constraints"] if c["binds"] and c["name"] != b["name"]]
         if also:
             console.print(f"also present: {', '.join(also)}")
+    ow = result.get("outside_windows")
+    if ow and ow["requests"]:
+        where = ", ".join(f"{r['late_s']:+.3f} s " + ("from benchmark 0's start" if r["after_benchmark"] < 0 else
+                                                        f"after benchmark {r['after_benchmark']}'s end")
+                          for r in ow["rows"][:5])
+        console.print(f"[yellow]{ow['requests']} request(s) of the run arrived outside every benchmark window[/] "
+                      f"and are in no point ({where}{', ...' if ow['requests'] > 5 else ''})")
     console.print(f"wrote {paths['json']}, {paths['csv']}"
                   + (f", {paths['png']}" if paths.get("png") else " (no PNG: matplotlib is not installed; "
                      "`pip install matplotlib` for the plot)"))

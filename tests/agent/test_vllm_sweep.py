@@ -119,9 +119,15 @@ def _check_points(con, res, rates, requests):
                           [res["source_run"], res["benchmarks"][i]["start_ns"], res["benchmarks"][i]["end_ns"]]
                           ).fetchone()[0]
         assert raw == p["requests"]
-    # no request in two points, none lost: the points hold every request the run recorded
+    # no request in two points, none lost: the points and the requests said to fall outside every window hold
+    # every request the run recorded (guidellm 0.8.1 can end a benchmark before the server sees its last request
+    # arrive: 59 of 60 in the CI run of d4d037d)
     total = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [res["source_run"]]).fetchone()[0]
-    assert sum(p["requests"] for p in res["points"]) == total == requests * len(rates)
+    ow = res["outside_windows"]
+    assert sum(p["requests"] for p in res["points"]) + ow["requests"] == total == requests * len(rates)
+    assert ow["requests"] <= 2, ow  # a straggler, not a mapping that misses a window
+    for r in ow["rows"]:
+        assert r["after_benchmark"] >= 0 and 0 <= r["late_s"] < 5, r
 
 
 def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):

@@ -93,3 +93,27 @@ def test_read_guidellm(tmp_path):
     p.write_text("{}")
     with pytest.raises(ValueError, match="not a guidellm"):
         read_guidellm(str(p))
+
+
+def test_requests_outside_every_window_are_said_not_dropped(store):
+    """A request arriving between two benchmark windows, or after the last, is in no point: outside_windows
+    names it with the benchmark it follows and how late; the points plus those hold every request."""
+    from phasescope.cli.explain import outside_windows
+
+    con, run = store
+    arr = _arrivals(con, run)
+    assert len(arr) >= 5 and len(set(arr)) == len(arr)
+    # windows [arr0, arr1) and [arr2, arr4): arrival 1 falls in the gap, arrivals from 4 on after the last
+    pts = [{"start_ns": arr[0], "end_ns": arr[1]}, {"start_ns": arr[2], "end_ns": arr[4]}]
+    ow = outside_windows(con, run, pts)
+    assert ow["requests"] == 1 + (len(arr) - 4)
+    first = ow["rows"][0]
+    assert first["after_benchmark"] == 0 and first["late_s"] == 0.0  # at the end instant: [start, end)
+    assert ow["rows"][1]["after_benchmark"] == 1 and ow["rows"][1]["late_s"] == 0.0
+    split_run(con, run, [(p["start_ns"], p["end_ns"], f"w{i}", {}) for i, p in enumerate(pts)])
+    n = sum(con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [w]).fetchone()[0] for w in ("w0", "w1"))
+    total = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run]).fetchone()[0]
+    assert n + ow["requests"] == total
+    # a request before the first window: a negative figure from benchmark 0's start
+    ow = outside_windows(con, run, [{"start_ns": arr[1], "end_ns": arr[-1] + 1}])
+    assert ow["requests"] == 1 and ow["rows"][0]["after_benchmark"] == -1 and ow["rows"][0]["late_s"] < 0
