@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import altair as alt
@@ -766,8 +767,14 @@ REFRESH_S = 10.0  # s; a live page whose render outlasts it never settles (it re
 
 @st.fragment(run_every=REFRESH_S)
 def live_page(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:
-    """The page body, refreshed on its own every REFRESH_S seconds (no full-page rerun, no sleeping script)."""
+    """The page body, refreshed on its own every REFRESH_S seconds (no full-page rerun, no sleeping script); says
+    how long its last render took (s), so a page slower than its refresh shows why it never rests."""
+    t0 = time.perf_counter()
     render(page, reader, run, win)
+    took = time.perf_counter() - t0
+    st.caption(f"Rendered in {took:.2f} s; refreshes every {REFRESH_S:g} s"
+               + (" (slower than its refresh: turn auto-refresh off in the sidebar to read it)" if took > REFRESH_S
+                  else "."))
 
 
 def render(page: str, reader: Any, run: str, win: dict[str, Any]) -> None:

@@ -188,7 +188,7 @@ def test_the_read_api_folds_new_events_in_before_it_reads(tmp_path):
     store = Store(path)
     sid = store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
     store.append([(sid, _events(9))])
-    api = ReadAPI(store.reading, port=0).start()
+    api = ReadAPI(store.reading, port=0, fold_every_s=0).start()
     try:
         with urllib.request.urlopen(f"{api.url}/api/v1/query/request_summary?run_id=run", timeout=60) as r:
             assert json.load(r)["rows"]["requests"] == 9
@@ -201,6 +201,35 @@ def test_the_read_api_folds_new_events_in_before_it_reads(tmp_path):
     finally:
         api.stop()
         store.close()
+
+
+def test_the_read_api_folds_at_most_once_per_interval_and_reads_stay_exact(tmp_path):
+    """A read within `fold_every_s` of the last fold does not fold (a fold is a write transaction: folding at every
+    read kept a live dashboard page rendering), yet answers exactly: the views fold the rest in at read time."""
+    path = str(tmp_path / "s.duckdb")
+    store = Store(path)
+    sid = store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
+    store.append([(sid, _events(9))])
+    api = ReadAPI(store.reading, port=0, fold_every_s=3600).start()
+    try:
+        url = f"{api.url}/api/v1/query/request_summary?run_id=run"
+        with urllib.request.urlopen(url, timeout=60) as r:
+            assert json.load(r)["rows"]["requests"] == 9
+        con = store.cursor()
+        assert derived.state(con)[1] == 9 * 6  # the first read folds
+        store.append([(sid, _events(3, t0_ms=2_000))])
+        with urllib.request.urlopen(url, timeout=60) as r:
+            assert json.load(r)["rows"]["requests"] == 12  # exact, unfolded
+        assert derived.state(con)[1] == 9 * 6  # within the interval: not folded
+        api.fold_every_s = 0
+        with urllib.request.urlopen(url, timeout=60) as r:
+            assert json.load(r)["rows"]["requests"] == 12
+        assert derived.state(con)[1] == 12 * 6
+    finally:
+        api.stop()
+        store.close()
+    with pytest.raises(ValueError, match="fold_every_s"):
+        ReadAPI(store.reading, port=0, fold_every_s=-1)
 
 
 # --- the steps kept with the gaps (ITL attribution) ----------------------------------------------------------

@@ -83,7 +83,12 @@ def _wait_settled(page, timeout_s: float) -> float:
             if _settled(page):
                 return time.monotonic() - t0
         time.sleep(0.1)
-    raise AssertionError(f"page did not settle within {timeout_s} s")
+    said = page.get_by_text("Rendered in")
+    took = said.all_inner_texts() if said.count() else []
+    running = page.locator('[data-testid="stStatusWidgetRunningIcon"]').count()
+    stale = page.locator('[data-stale="true"]').count()
+    raise AssertionError(f"page did not settle within {timeout_s} s: running icon {running}, stale elements "
+                         f"{stale}, the page says {took}")
 
 
 def _visit_every_page(url: str, tag: str, texts: dict[str, list[str]] | None = None,
