@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from phasescope.agent.read.itl import LADDER_N_SQL, LADDER_TOP_SQL, p99_by_budget
-from phasescope.agent.read.queries import itl_attribution, sql_text
+from phasescope.agent.read.itl import LADDER_N_SQL, LADDER_TOP_SQL, attribution, p99_by_budget
+from phasescope.agent.read.queries import sql_text
 from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
@@ -104,14 +104,17 @@ def itl_spikes(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefi
     """`itl-spikes-<cause>` when the p99 ITL is >= `itl_spike_ratio` x the median and one cause holds
     >= `min_cause_share` of the tail's excess (causes: prefill, preemption, queueing, host); silent below
     `min_itl_samples` tokens (a p99 of fewer than 500 rests on fewer than 5 samples)."""
-    e = itl_attribution(con, run_id, long_prefill_tokens=long_prefill_tokens, host_stall_ratio=host_stall_ratio,
-                        tpot_slo_s=tpot_slo_s)
+    # the causes are read only when the p99 is a spike (`min_spike_ratio`): a run without spikes skips the tail and
+    # TPOT passes over the gaps, and is silent as before
+    e = attribution(con, run_id, long_prefill_tokens, host_stall_ratio, tpot_slo_s, min_spike_ratio=itl_spike_ratio)
     if (e["itl_samples"] or 0) < min_itl_samples or not e["itl_p50_ms"]:
         return []
     ratio = e["itl_p99_ms"] / e["itl_p50_ms"]
+    if ratio < itl_spike_ratio:
+        return []
     cause = max(("prefill", "preemption", "queueing", "host"), key=lambda c: e[f"tail_{c}_share"])
     share = e[f"tail_{cause}_share"]
-    if ratio < itl_spike_ratio or share < min_cause_share:
+    if share < min_cause_share:
         return []
     e["itl_spike_ratio"] = ratio
     e["cause"] = cause

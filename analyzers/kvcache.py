@@ -43,9 +43,11 @@ NEAR_SQL = f"""WITH k AS ({RUN_KV} AND total_pages > 0)
     SELECT count(*) FILTER (WHERE used_pages / total_pages >= $near) / count(*) AS near_cap_share FROM k"""
 
 
-def _usage(con, run_id: str, near: float) -> dict:
-    """USAGE_SQL's row with NEAR_SQL's share at `near` after block_usage_mean (the evidence's order)."""
-    u = one(con, USAGE_SQL, run_id)
+def _usage(con, run_id: str, near: float, u: dict | None = None) -> dict:
+    """USAGE_SQL's row (`u`, when read already) with NEAR_SQL's share at `near` after block_usage_mean and the
+    p95 after block_usage_max (the evidence's order). The rules read USAGE_SQL alone first and this only once
+    they fire: the p95 and the share are evidence, never part of the verdict (10M snapshots: two passes saved)."""
+    u = one(con, USAGE_SQL, run_id) if u is None else u
     p95 = one(con, USAGE_P95_SQL, run_id)["block_usage_p95"] if u["snapshots"] else None
     share = one(con, NEAR_SQL, run_id, near=near)["near_cap_share"]
     out = {}
@@ -82,9 +84,10 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
     pre = one(con, PREEMPTIONS, run_id)
     if pre["preemptions"] < min_preemptions:
         return []
-    e = _usage(con, run_id, near_cap)
-    if not e["snapshots"] or e["block_usage_max"] < near_cap:
+    u = one(con, USAGE_SQL, run_id)
+    if not u["snapshots"] or u["block_usage_max"] < near_cap:
         return []
+    e = _usage(con, run_id, near_cap, u)
     px = one(con, PREFIX_TOTALS, run_id)
     seq = one(con, SEQ_LEN_SQL, run_id)
     e.update(pre)
@@ -336,11 +339,12 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
 def kv_headroom_low(con, run_id: str, *, headroom_usage: float = 0.7, **_: object) -> list[Finding]:
     """Fires (info) when block usage peaked at >= `headroom_usage` of the pages but nothing was preempted
     yet (with preemptions, `kv-near-cap` fires instead)."""
-    e = _usage(con, run_id, headroom_usage)
-    if not e["snapshots"] or e["block_usage_max"] < headroom_usage:
+    u = one(con, USAGE_SQL, run_id)
+    if not u["snapshots"] or u["block_usage_max"] < headroom_usage:
         return []
     if one(con, PREEMPTIONS, run_id)["preemptions"] > 0:
         return []
+    e = _usage(con, run_id, headroom_usage, u)
     seq = one(con, SEQ_LEN_SQL, run_id)
     e.update(seq)
     cap_tokens = e["total_pages"] * e["page_size"]

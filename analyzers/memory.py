@@ -89,12 +89,14 @@ def kv_budget_oom_risk(con, run_id: str, *, max_kv_share_of_remaining: float = 0
     (weights / activations / KV / margin) against the 30/20/45/5 starting split."""
     labels = labels or {}
     g = one(con, GPU_SQL, run_id)
-    kv = one(con, KV_BUDGET_SQL, run_id)
     tp = world_size(con, run_id)
     total = g["mem_total_bytes"] or as_number(labels.get("gpu_mem_bytes")) or (gpu.mem_bytes if gpu else None)
     weights = (model.weight_bytes / tp if model is not None else None) or as_number(labels.get("weight_bytes"))
+    if not total or weights is None:  # silent whatever the KV budget: its pass over the snapshots is not read
+        return []
+    kv = one(con, KV_BUDGET_SQL, run_id)
     budget = as_number(labels.get("kv_budget_bytes")) or kv["kv_budget_bytes"]
-    if not total or weights is None or not budget:
+    if not budget:
         return []
     remaining = total - weights
     share = budget / remaining if remaining > 0 else float("inf")

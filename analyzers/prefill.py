@@ -8,16 +8,20 @@ from .constraints import VllmLimits, vllm_limits
 from .runinfo import budget_knob, runtime_of
 from .sql import RUN_STEPS, one, page_size
 
-STALL_SQL = f"""WITH st AS ({RUN_STEPS})
-    SELECT count(*) FILTER (WHERE phase = 'decode') AS pure_decode_steps,
-           quantile_cont(ms, 0.5) FILTER (WHERE phase = 'decode') AS pure_decode_p50_ms,
-           count(*) FILTER (WHERE decode_tokens > 0) AS decode_steps,
-           count(*) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cosched_steps,
-           quantile_cont(ms, 0.5) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cosched_p50_ms,
-           quantile_cont(ms, 0.95) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cosched_p95_ms,
-           max(prefill_tokens) AS max_prefill_tokens_per_step,
-           sum(decode_tokens) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS stalled_decode_tokens
-    FROM st"""
+# (the co-scheduled p50 and p95 as one list quantile: one copy and selection of those steps, not two; the same
+# order statistics and interpolation, so the same numbers: 10M steps ~0.6 -> ~0.35 s)
+STALL_SQL = f"""WITH st AS ({RUN_STEPS}),
+    a AS (SELECT count(*) FILTER (WHERE phase = 'decode') AS pure_decode_steps,
+                 quantile_cont(ms, 0.5) FILTER (WHERE phase = 'decode') AS pure_decode_p50_ms,
+                 count(*) FILTER (WHERE decode_tokens > 0) AS decode_steps,
+                 count(*) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cosched_steps,
+                 quantile_cont(ms, [0.5, 0.95]) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS cq,
+                 max(prefill_tokens) AS max_prefill_tokens_per_step,
+                 sum(decode_tokens) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) AS stalled_decode_tokens
+          FROM st)
+    SELECT pure_decode_steps, pure_decode_p50_ms, decode_steps, cosched_steps, cq[1] AS cosched_p50_ms,
+           cq[2] AS cosched_p95_ms, max_prefill_tokens_per_step, stalled_decode_tokens
+    FROM a"""
 
 # extra step time per prefill token of the co-scheduled steps: median of (step - pure decode p50) / prefill tokens
 EXTRA_SQL = f"""WITH st AS ({RUN_STEPS})

@@ -62,6 +62,11 @@ def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance
     )]
 
 
+# the skew's p50 and p95 as one list quantile (one copy and selection of the steps, not two; the same order
+# statistics and interpolation, so the same numbers), in the evidence's order
+SKEW_COLUMNS = """steps, skew[1] AS step_skew_p50, skew[2] AS step_skew_p95, straggler_rank, straggler_share,
+           wait_ms_mean, median_ms_mean"""
+
 # above `max_rows` steps, every $k-th step id ($k = 1 keeps all) bounds the cost;
 # every rank of a sampled step is kept, so skews and the straggler share are unbiased estimates
 SKEW_SQL = f"""WITH st AS (
@@ -69,13 +74,13 @@ SKEW_SQL = f"""WITH st AS (
         WHERE s.run_id = $run AND t.step_id % $k = 0),
     per AS MATERIALIZED (SELECT step_id, max(ms) AS max_ms, median(ms) AS median_ms, arg_max(rank, ms) AS slowest
             FROM st GROUP BY step_id HAVING count(*) > 1),
-    m AS (SELECT mode(slowest) AS straggler FROM per)
-    SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, 0.5) AS step_skew_p50,
-           quantile_cont(max_ms / median_ms - 1, 0.95) AS step_skew_p95,
-           any_value(m.straggler) AS straggler_rank,
-           count(*) FILTER (WHERE slowest = m.straggler) / count(*) AS straggler_share,
-           avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean
-    FROM per, m"""
+    m AS (SELECT mode(slowest) AS straggler FROM per),
+    a AS (SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, [0.5, 0.95]) AS skew,
+                 any_value(m.straggler) AS straggler_rank,
+                 count(*) FILTER (WHERE slowest = m.straggler) / count(*) AS straggler_share,
+                 avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean
+          FROM per, m)
+    SELECT {SKEW_COLUMNS} FROM a"""
 
 
 # the same figures when no step has more than two rank rows (TP 2): a step's median is lo + (hi - lo) * 0.5,
@@ -89,14 +94,13 @@ SKEW_TWO_SQL = f"""WITH st AS (
                               arg_max(rank, ms) AS slowest
                        FROM st GROUP BY step_id),
     per AS (SELECT * FROM g WHERE n > 1),
-    m AS (SELECT mode(slowest) AS straggler FROM per)
-    SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, 0.5) AS step_skew_p50,
-           quantile_cont(max_ms / median_ms - 1, 0.95) AS step_skew_p95,
-           any_value(m.straggler) AS straggler_rank,
-           count(*) FILTER (WHERE slowest = m.straggler) / count(*) AS straggler_share,
-           avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean,
-           (SELECT max(n) FROM g) AS max_n
-    FROM per, m"""
+    m AS (SELECT mode(slowest) AS straggler FROM per),
+    a AS (SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, [0.5, 0.95]) AS skew,
+                 any_value(m.straggler) AS straggler_rank,
+                 count(*) FILTER (WHERE slowest = m.straggler) / count(*) AS straggler_share,
+                 avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean
+          FROM per, m)
+    SELECT {SKEW_COLUMNS}, (SELECT max(n) FROM g) AS max_n FROM a"""
 
 
 def step_skew(con, run_id: str, k: int, world: int) -> tuple[dict, str]:

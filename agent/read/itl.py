@@ -176,10 +176,14 @@ def _over_gaps(body: str) -> str:
 def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
                 long_prefill_tokens: int = int(T["long_prefill_tokens"]),
                 host_stall_ratio: float = T["host_stall_ratio"], tpot_slo_s: float = T["tpot_slo_s"],
-                quantile: float = 0.99) -> dict[str, Any]:
+                quantile: float = 0.99, min_spike_ratio: float | None = None) -> dict[str, Any]:
     """The ITL tail of a run (default: the latest) and its causes, ms: p50 / p99 ITL; per cause (`ITL_CAUSES`)
     the tail samples (>= p99) and their share of the tail's excess over the median; TPOT-SLO violations and
-    how many each cause explains alone."""
+    how many each cause explains alone.
+
+    `min_spike_ratio`: for a caller that reads the causes only when the p99 is at least that many times the p50
+    (analyzers/itl.py): below it (or with no samples) the row holds the quantiles alone (itl_samples, itl_p50_ms,
+    itl_p99_ms, gaps) and the tail and TPOT passes are not run."""
     if run_id is None:
         run_id = latest_run(con)
     params = {"long": long_prefill_tokens, "host_ratio": host_stall_ratio, "quantile": quantile}
@@ -187,6 +191,8 @@ def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         ones = _one(con, _over_gaps("SELECT coalesce(max(tokens), 0) <= 1 AS ones FROM gaps"), {})["ones"]
         q = _one(con, _over_gaps(ITL_Q_SQL.format(q=Q_ONES_SQL if ones else Q_SQL)), {"quantile": quantile})
         p = {"p50": q["itl_p50_ms"], "p99": q["itl_p99_ms"]}
+        if min_spike_ratio is not None and (not p["p50"] or p["p99"] / p["p50"] < min_spike_ratio):
+            return q
         tail = {r["cause"]: r for r in _dicts(con, _over_gaps(ITL_TAIL_SQL), p)}
         e = _summary(q, tail)
         viol = {r["cause"]: r for r in _dicts(con, _over_gaps(ITL_TPOT_SQL),

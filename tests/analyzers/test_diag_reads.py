@@ -201,3 +201,92 @@ def test_fragmentation_gates_change_no_finding(scenario, name, monkeypatch):
     for (fname, x), g in got.items():
         fn, kw = next(r for r in rules if r[0].__name__ == fname)
         same(g, json_safe(fn(OnceConnection(con), run, **{kw: x})), f"{name} {fname} {x}")
+
+
+# round 4: the previous SQL of the list quantiles (two scalar quantiles of the same values), rebuilt from today's
+def _two_quantiles(sql: str) -> str:
+    old = (sql.replace("quantile_cont(ms, [0.5, 0.95]) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) "
+                       "AS cq", "quantile_cont(ms, 0.5) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) "
+                       "AS q50, quantile_cont(ms, 0.95) FILTER (WHERE decode_tokens > 0 AND prefill_tokens >= $long) "
+                       "AS q95").replace("cq[1]", "q50").replace("cq[2]", "q95")
+           .replace("quantile_cont(max_ms / median_ms - 1, [0.5, 0.95]) AS skew",
+                    "quantile_cont(max_ms / median_ms - 1, 0.5) AS q50, quantile_cont(max_ms / median_ms - 1, 0.95) AS q95")
+           .replace("skew[1]", "q50").replace("skew[2]", "q95"))
+    assert old != sql and "[0.5, 0.95]" not in old
+    return old
+
+
+def _bits(row: dict) -> list:
+    """The row's quantiles (and integers) bit for bit; its means are sums over a hash aggregate's rows, in an order
+    that varies from run to run: equal to 1e-12 relative (`same`) apart."""
+    return [(k, v.hex() if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("_mean")]
+
+
+def _equal(got: dict, want: dict, name: str = "") -> None:
+    assert _bits(got) == _bits(want), name
+    same(got, want, name)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_list_quantiles_equal_two_quantiles_bit_for_bit(scenario, name):
+    con, run = scenario(name)
+    for long in (1, 128, 4096):
+        _equal(one(con, prefill.STALL_SQL, run, long=long), one(con, _two_quantiles(prefill.STALL_SQL), run, long=long),
+               name)
+    for sql in (tp.SKEW_SQL, tp.SKEW_TWO_SQL):
+        _equal(rows(con, sql, run, k=1)[0], rows(con, _two_quantiles(sql), run, k=1)[0], name)
+
+
+def test_list_skew_quantiles_on_stated_records():
+    rng = np.random.default_rng(4)
+    con = _steps_store([(1 + r, s, r, float(rng.gamma(3.0, 2.0)), 1.0) for s in range(5000) for r in (0, 1)])
+    for sql in (tp.SKEW_SQL, tp.SKEW_TWO_SQL):
+        for k in (1, 7):
+            _equal(rows(con, sql, "r", k=k)[0], rows(con, _two_quantiles(sql), "r", k=k)[0], f"k={k}")
+
+
+class _Recorder:
+    """A connection that records the SQL it runs."""
+
+    def __init__(self, con) -> None:
+        self.con, self.sql = con, []
+
+    def execute(self, sql, params=None):
+        self.sql.append(sql)
+        return self.con.execute(sql) if params is None else self.con.execute(sql, params)
+
+    def __getattr__(self, name):
+        return getattr(self.con, name)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_itl_causes_are_read_only_for_a_spike(scenario, name):
+    """attribution(min_spike_ratio=r) is the full row when p99 >= r x p50, else its quantiles alone without the
+    tail and TPOT passes; itl_spikes reads the tail only when it can fire."""
+    from phasescope.agent.read import itl as ritl
+
+    con, run = scenario(name)
+    full = ritl.attribution(con, run)
+    for r in (0.0, 1.5, 4.0, float("inf")):
+        rec = _Recorder(con)
+        got = ritl.attribution(rec, run, min_spike_ratio=r)
+        spike = bool(full["itl_p50_ms"]) and full["itl_p99_ms"] / full["itl_p50_ms"] >= r
+        assert got == (full if spike else {k: full[k] for k in ("itl_samples", "itl_p50_ms", "itl_p99_ms", "gaps")})
+        assert any(ritl.ITL_TAIL_SQL in s for s in rec.sql) == spike, (name, r)
+    rec = _Recorder(con)
+    assert itl.itl_spikes(rec, run, itl_spike_ratio=float("inf")) == []
+    assert not any(ritl.ITL_TAIL_SQL in s for s in rec.sql)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_kv_rules_read_the_usage_p95_and_budget_only_when_they_can_fire(scenario, name):
+    from phasescope.analyzers import memory
+
+    con, run = scenario(name)
+    for fn, kw in ((kvcache.kv_headroom_low, "headroom_usage"), (kvcache.kv_near_cap, "near_cap")):
+        rec = _Recorder(con)
+        assert fn(rec, run, **{kw: 2.0}) == []  # no usage reaches 200 %: the verdict is known from USAGE_SQL
+        assert kvcache.USAGE_P95_SQL not in rec.sql and not any("near_cap_share" in s for s in rec.sql)
+    rec = _Recorder(con)
+    assert memory.kv_budget_oom_risk(rec, run, model=None, labels={}) == []  # no weights: silent
+    assert memory.KV_BUDGET_SQL not in rec.sql
