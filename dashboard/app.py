@@ -219,7 +219,12 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
     cols = st.columns(2)
     ttft_slo = cols[0].number_input("TTFT SLO (ms)", min_value=1.0, value=T["ttft_slo_s"] * 1e3, step=50.0) / 1e3
     tpot_slo = cols[1].number_input("TPOT SLO (ms)", min_value=1.0, value=T["tpot_slo_s"] * 1e3, step=5.0) / 1e3
-    slo = q(reader, "slo_attainment", run_id=run, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
+    metrics = ("ttft", "tpot", "itl")
+    # one read (one open of the file, one moment of a live store): 5 queries read one by one opened the file 5 times
+    snap = snapshot(reader, [("slo_attainment", {"run_id": run, "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo})]
+                    + [("latency_histogram", {"run_id": run, "metric": m, "bins": 30}) for m in metrics]
+                    + [("itl_attribution", {"run_id": run, "tpot_slo_s": tpot_slo})])
+    slo, hists, attribution = snap["rows"][0], dict(zip(metrics, snap["rows"][1:4])), snap["rows"][4]
     c = st.columns(3)
     c[0].metric("SLO attainment", pct(slo["attainment"]), f"{slo['both_ok']} of {slo['finished']} requests",
                 delta_color="off", delta_arrow="off")
@@ -230,7 +235,7 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
                                  "long prefills"), ("tpot", "TPOT", "one narrow peak; a second peak is decode "
                                  "sharing steps with prefills"), ("itl", "Inter-token latency", "narrow and left of the TPOT SLO line; "
                                  "gaps right of it are stalls a user sees as a frozen stream")):
-        h = df(q(reader, "latency_histogram", run_id=run, metric=metric, bins=30))
+        h = df(hists[metric])
         st.subheader(f"{title} distribution")
         if not h.empty:
             h["ms"] = (h["lo_s"] * h["hi_s"]) ** 0.5 * 1e3
@@ -247,12 +252,13 @@ def page_requests(reader: Any, run: str, win: dict[str, Any]) -> None:
                 chart = chart + rule
             st.altair_chart(chart, width="stretch")
         explain(f"Good: {good}.")
-    itl_tail(reader, run, tpot_slo)
+    as_of(snap)
+    itl_tail(attribution)
 
 
-def itl_tail(reader: Any, run: str, tpot_slo_s: float) -> None:
-    """Which steps made the slowest tokens slow: the ITL tail (>= p99) by cause (analyzers/itl.py)."""
-    a = q(reader, "itl_attribution", run_id=run, tpot_slo_s=tpot_slo_s)
+def itl_tail(a: dict[str, Any]) -> None:
+    """Which steps made the slowest tokens slow: the ITL tail (>= p99) by cause (analyzers/itl.py), from the
+    `itl_attribution` query's answer `a`."""
     st.subheader("ITL tail: what the slowest tokens waited for")
     if not a.get("itl_samples"):
         st.info("No inter-token gaps in this run (requests with two or more token events).")
