@@ -94,10 +94,22 @@ def _same_answer(db, slo, res):
     assert [p["run_id"] for p in ex["points"]] != [p["run_id"] for p in res["points"]]
     assert ex["source_run"] == res["source_run"]
     assert ex["knee_point"] == res["knee_point"] and ex["evidence_point"] == res["evidence_point"]
-    assert ex["binding"] == res["binding"]
+    assert _close(ex["binding"], res["binding"]), (ex["binding"], res["binding"])
     drop = ("run_id",)
-    assert [{k: v for k, v in p.items() if k not in drop} for p in ex["points"]] == \
-           [{k: v for k, v in p.items() if k not in drop} for p in res["points"]]
+    assert _close([{k: v for k, v in p.items() if k not in drop} for p in ex["points"]],
+                  [{k: v for k, v in p.items() if k not in drop} for p in res["points"]])
+
+
+def _close(a, b, rel: float = 1e-9) -> bool:
+    """Equal, floats within `rel`: DuckDB sums in parallel, so a ratio of sums over the same rows read twice may
+    differ in its last bits (queue_share_of_ttft did once); anything else must be equal."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a == pytest.approx(b, rel=rel)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], rel) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
+    return a == b
 
 
 def _labels(con, run_id):
