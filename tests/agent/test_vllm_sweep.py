@@ -80,7 +80,7 @@ def _calibrated(db, res, factor: float = 3.0):
     try:
         out = measure(db, [(p["rate_per_s"], p["run_id"]) for p in res["points"]], slo, res["target"],
                       res["sweep_id"], res["runtime"], con=con, source_run=res["source_run"], report=res["report"],
-                      benchmarks=res["benchmarks"])
+                      benchmarks=res["benchmarks"], outside_windows=res["outside_windows"])
     finally:
         con.close()
     return slo, out
