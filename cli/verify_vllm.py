@@ -45,7 +45,8 @@ def vllm_python() -> str:
 
 
 def install_plugin(exe: str, target: str) -> str:
-    """Install this checkout of phasescope (not editable: vLLM reads the plugin's entry points) into `target`."""
+    """Install this checkout of phasescope (not editable: vLLM reads the plugin's entry points) into `target`;
+    returns `target`. CliError with pip's last output when pip fails. Also the vLLM tests' and fixture builders'."""
     src = tempfile.mkdtemp(prefix="ps-vv-src-")
     try:
         for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard", "cli"):
@@ -54,8 +55,11 @@ def install_plugin(exe: str, target: str) -> str:
                 shutil.copytree(path, os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
             elif os.path.exists(path):
                 shutil.copy(path, src)
-        subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target,
-                        src], check=True, capture_output=True)
+        p = subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                            target, src], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise CliError(f"installing phasescope for {exe} into {target} failed (pip exit {p.returncode}):\n"
+                           f"{(p.stdout + p.stderr)[-3000:]}")
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return target
