@@ -24,7 +24,9 @@ from typing import Any, Sequence
 
 from phasescope.agent.read import sweep as read_sweep
 from phasescope.agent.read.sweep import GOOD_SQL  # noqa: F401  (the goodput SQL, kept where the store is read)
+from phasescope.agent.read.thresholds import T
 
+from .dp import dp_skew
 from .host import host_bound
 from .kvcache import kv_near_cap
 from .prefill import prefill_stalls_decode
@@ -71,15 +73,17 @@ class Slo:
 class Constraint:
     """One candidate for what limits the load: whether it binds, its figures (units in keys), the change."""
 
-    name: str  # queueing, kv-capacity, prefill-interference, batch-ceiling, prefix-collapse, host-bound
+    name: str  # dp-skew, kv-capacity, batch-ceiling, prefill-interference, prefix-collapse, host-bound, queueing
     binds: bool
     figures: dict[str, Any] = field(default_factory=dict)
     change: str = ""
     finding: str | None = None  # the analyzer finding it stands on, when one
 
 
-# the order in which a binding constraint is named: a structural limit before the queueing it causes
-PRECEDENCE = ("kv-capacity", "batch-ceiling", "prefill-interference", "prefix-collapse", "host-bound", "queueing")
+# the order in which a binding constraint is named: a structural limit before the queueing it causes; an engine
+# skew first, since the KV cap or queue it shows on the hottest engine is capacity left idle on another
+PRECEDENCE = ("dp-skew", "kv-capacity", "batch-ceiling", "prefill-interference", "prefix-collapse", "host-bound",
+              "queueing")
 
 
 def _big(v: float | None) -> float:
@@ -194,17 +198,23 @@ def _from_finding(name: str, findings: list, keys: Sequence[str]) -> Constraint:
 
 def constraints_at(con: Any, run_id: str, labels: dict | None = None, slo: Slo | None = None, *,
                    min_at_cap_share: float = 0.5, min_queue_share: float = 0.5,
-                   min_explained_share: float = 0.5) -> list[Constraint]:
+                   min_explained_share: float = 0.5, max_dp_imbalance: float = 0.25,
+                   min_dp_stranded_share: float = 0.2, near_cap: float = T["near_cap"]) -> list[Constraint]:
     """Every candidate constraint of one run, in `PRECEDENCE` order (the first that binds is the binding one).
     `min_at_cap_share`: share of steps running at the batch cap to call it a ceiling; `min_queue_share`: share of
     the summed TTFT spent queued that shows requests waited for it (a ratio: the same on a fast or a slow host).
+    The DP skew binds when KV usage or waiting requests across data-parallel engines reach `max_dp_imbalance`
+    (max/mean - 1) and the hottest engine was at `near_cap` KV usage or queueing while another had headroom
+    >= `min_dp_stranded_share` of the time (analyzers/dp.py).
     With `slo`, KV capacity binds only when >= `min_explained_share` of the requests that missed it were preempted,
     the batch ceiling only when as many spent >= half their TTFT queued (no misses: no such condition)."""
     labels = dict(labels or {})
     runtime = runtime_of(labels)
     missed = None if slo is None else one(con, MISSED_SQL, run_id, ttft=_big(slo.ttft_s), tpot=_big(slo.tpot_s),
                                           e2e=_big(slo.e2e_s))
+    dp = dp_skew(con, run_id, runtime, near_cap, max_dp_imbalance, min_dp_stranded_share)
     out = {
+        "dp-skew": Constraint("dp-skew", *dp),
         "kv-capacity": _kv(con, run_id, labels, runtime, missed, min_explained_share),
         "batch-ceiling": _ceiling(con, run_id, labels, runtime, min_at_cap_share, min_queue_share, missed,
                                   min_explained_share),

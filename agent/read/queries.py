@@ -784,6 +784,20 @@ def sweep_points(con: duckdb.DuckDBPyConnection, sweep_id: str, ttft_slo_s: floa
     return _points(con, sweep_id, ttft_slo_s, tpot_slo_s, e2e_slo_s)
 
 
+# --- data-parallel engines: KV usage and queue spread (agent/read/dp.py) ---
+
+def dp_balance(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
+               near_cap: float = T["near_cap"]) -> dict[str, Any]:
+    """How evenly a run's (default: the latest) data-parallel engines were loaded, from vLLM's per-engine gauges:
+    per engine time-weighted mean KV usage and waiting requests; kv_imbalance and waiting_imbalance (max/mean - 1);
+    the hottest engine; stranded_share, the share of the time it was at `near_cap` or queueing while another
+    engine had headroom (`dp.dp_balance`)."""
+    from .dp import dp_balance as _dp
+
+    run_id = run_id or latest_run(con)
+    return _dp(con, run_id, near_cap) if run_id else {"engines": 0}
+
+
 def _one(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> dict[str, Any]:
     cur = con.execute(sql, params)
     names = [d[0] for d in cur.description]
@@ -834,6 +848,7 @@ QUERIES: dict[str, Any] = {
     "verifications": verifications,
     "sweeps": sweeps,
     "sweep_points": sweep_points,
+    "dp_balance": dp_balance,
 }
 
 
@@ -873,7 +888,7 @@ PARAM_BOUNDS: dict[str, tuple[float, float]] = {
     "quantile": (0.5, 1.0),
     "long_prefill_tokens": (0, 10_000_000), "max_rows": (1, 100_000_000),
     "since_s": (-1e12, 1e12), "until_s": (-1e12, 1e12), "tpot_slo_s": (1e-6, 3600.0), "ttft_slo_s": (1e-6, 3600.0),
-    "e2e_slo_s": (1e-6, 86400.0),
+    "e2e_slo_s": (1e-6, 86400.0), "near_cap": (1e-6, 1.0),
 }
 MAX_PARAM_CHARS = 200
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from phasescope.agent.records.events import (
     PHASE_DECODE, PHASE_PREFILL, REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_SCHEDULED, REQ_TOKEN,
-    GpuSample, Hello, KVSnapshot, ProbeHealth, RequestEvent, Step,
+    GpuSample, Hello, KVSnapshot, ProbeHealth, RequestEvent, ServerMetric, Step,
 )
 
 T0 = 1_000_000_000
@@ -181,6 +181,47 @@ def reused_ids(db_path: str) -> str:
         return out
 
     return _store(db_path, "synthetic-reuse", 1, rank_records, model="hf-cb-reuse")
+
+
+# vLLM's per-engine gauges of a DP=2 server: engine -> (first sample ms, ms between samples, [(usage, waiting)]).
+# Skewed (most requests pinned to engine 0): engine 0 fills its KV to 0.98 and queues up to 4 requests while
+# engine 1, sampled less often (fewer steps), holds 5-10% and never queues. Balanced: the two alike.
+DP_SKEWED = {0: (0, 40, [(min(0.98, 0.2 + 0.02 * i), max(0, i - 30) // 5) for i in range(50)]),
+             1: (10, 100, [(0.1 if i < 10 else 0.05, 0) for i in range(20)])}
+DP_BALANCED = {e: (10 * e, 40 + 15 * e,
+                   [(0.4 + 0.1 * ((i + e) % 3), int((i + e) % 7 == 0)) for i in range(45 - 10 * e)])
+               for e in (0, 1)}
+
+
+def dp_engines(db_path: str, run_id: str, gauges: dict[int, tuple[int, int, list[tuple[float, int]]]]) -> str:
+    """A vLLM DP server's run: one EngineCore source per engine (runtime vllm-engine, rank = engine index) and the
+    API server's stat logger (vllm-frontend) with `vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting` and
+    `vllm:num_requests_running` per engine as `gauges` states them; plus a /metrics scrape in the same run whose
+    gauges say the opposite (every engine at 0.99, 9 waiting): a reader must take one kind, the stat logger's."""
+    from phasescope.agent.sidecar.store import Store
+
+    store = Store(db_path)
+    wall = time.time_ns() - T0
+    try:
+        n = len(gauges)
+        for e in range(n):
+            sid = store.register_source(Hello(T0, wall, 2000 + e, e, n, run_id, "synthetic", "vllm-engine"))
+            store.append([(sid, [Step(T0 + i * 40 * MS, i, e, PHASE_DECODE, 2, 0, 2, 200, 5.0, NAN) for i in range(5)])])
+        front = store.register_source(Hello(T0, wall, 1999, 0, 1, run_id, "synthetic", "vllm-frontend"))
+        scrape = store.register_source(Hello(T0, wall, 1998, 0, 1, run_id, "synthetic", "scrape"))
+        out, lies = [], []
+        for e, (first, every, values) in gauges.items():
+            for i, (usage, waiting) in enumerate(values):
+                t = T0 + (first + i * every) * MS
+                out += [ServerMetric(t, e, "vllm:num_requests_running", "", 2.0),
+                        ServerMetric(t, e, "vllm:num_requests_waiting", "", float(waiting)),
+                        ServerMetric(t, e, "vllm:kv_cache_usage_perc", "", float(usage))]
+                lies += [ServerMetric(t + 5 * MS, e, "vllm:num_requests_waiting", "", 9.0),
+                         ServerMetric(t + 5 * MS, e, "vllm:kv_cache_usage_perc", "", 0.99)]
+        store.append([(front, out), (scrape, lies)])
+    finally:
+        store.close()
+    return run_id
 
 
 BUILDERS: dict[str, Callable[[str], str]] = {

@@ -1,0 +1,98 @@
+"""Data-parallel engines: how evenly KV usage and the queue spread over them (issue 28).
+
+A vLLM server with `--data-parallel-size N` runs N engines; the store holds vLLM's own per-engine gauges in
+`server_metrics` (column `engine`): `vllm:kv_cache_usage_perc` (KV block usage, 0..1) and
+`vllm:num_requests_waiting`. They come from phasescope's stat logger in vLLM's API server (sources of runtime
+`vllm-frontend`, one sample per engine step) or from a /metrics scrape; when a run has both, the stat logger's
+are read (one kind only: the two would count each moment twice).
+
+Definitions (tests pin them):
+- timeline: every sample time of the run's gauges (wall clock), over all engines, from the first time every engine
+  has a sample to the last sample; between two consecutive times each engine holds its latest sample's values (a
+  gauge holds until its next sample); each interval weighs its duration;
+- per engine: the time-weighted mean KV usage and mean waiting requests, the highest usage it held, and the share
+  of the time it was *busy*
+  (usage >= `near_cap`, or a request waiting) and had *headroom* (usage < `near_cap` and none waiting);
+- `kv_imbalance = max_e(mean usage) / mean_e(mean usage) - 1`, `waiting_imbalance` the same over mean waiting
+  (0 when the mean is 0): the TP index's form (records/kvmath.py `kv_imbalance`); from 0 (even) to N - 1 (all
+  on one engine);
+- the hottest engine: the highest mean usage, then the highest mean waiting, then the lowest index;
+- `stranded_share`: share of the timeline in which the hottest engine was busy while another engine had
+  headroom (requests waited on one engine, or its KV was full, while capacity stood idle on another).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+
+from .thresholds import T
+
+KV_GAUGE = "vllm:kv_cache_usage_perc"
+WAITING_GAUGE = "vllm:num_requests_waiting"
+
+# one row per engine and sample time, with both gauges (the stat logger and a scrape sample them together)
+SAMPLES_SQL = f"""WITH g AS (
+        SELECT m.engine, m.ts_ns + s.wall_minus_mono_ns AS t, m.name, m.value,
+               s.runtime LIKE 'vllm-frontend%' AS logger
+        FROM server_metrics m JOIN sources s USING (source_id)
+        WHERE s.run_id = $run AND m.name IN ('{KV_GAUGE}', '{WAITING_GAUGE}')),
+    k AS (SELECT coalesce(bool_or(logger), false) AS logger FROM g)
+    SELECT engine, t, any_value(k.logger) AS logger, max(value) FILTER (WHERE name = '{KV_GAUGE}') AS usage,
+           max(value) FILTER (WHERE name = '{WAITING_GAUGE}') AS waiting
+    FROM g, k WHERE g.logger = k.logger GROUP BY engine, t
+    HAVING usage IS NOT NULL AND waiting IS NOT NULL"""
+
+DP_SQL = f"""WITH s AS ({SAMPLES_SQL}),
+    start AS (SELECT max(t0) AS t0 FROM (SELECT min(t) AS t0 FROM s GROUP BY engine)),
+    ticks AS (SELECT DISTINCT s.t FROM s, start WHERE s.t >= start.t0),
+    iv AS (SELECT t, lead(t) OVER (ORDER BY t) - t AS d FROM ticks),
+    grid AS (SELECT iv.t, iv.d, e.engine FROM iv, (SELECT DISTINCT engine FROM s) e WHERE iv.d IS NOT NULL),
+    st AS MATERIALIZED (
+        SELECT grid.t, grid.d, grid.engine, s.usage, s.waiting,
+               s.usage >= $near_cap OR s.waiting > 0 AS busy, s.usage < $near_cap AND s.waiting = 0 AS free
+        FROM grid ASOF JOIN s ON grid.engine = s.engine AND grid.t >= s.t),
+    eng AS (SELECT engine, sum(usage * d) / sum(d) AS usage_mean, sum(waiting * d) / sum(d) AS waiting_mean,
+                   max(usage) AS usage_max, coalesce(sum(d) FILTER (WHERE busy), 0) / sum(d) AS busy_share,
+                   coalesce(sum(d) FILTER (WHERE free), 0) / sum(d) AS headroom_share
+            FROM st GROUP BY engine),
+    hot AS (SELECT engine FROM eng ORDER BY usage_mean DESC, waiting_mean DESC, engine LIMIT 1),
+    per_t AS (SELECT t, any_value(d) AS d, bool_or(busy AND engine = (SELECT engine FROM hot)) AS hot_busy,
+                     bool_or(free AND engine != (SELECT engine FROM hot)) AS other_free
+              FROM st GROUP BY t),
+    tot AS (SELECT sum(d) AS span, sum(d) FILTER (WHERE hot_busy AND other_free) AS stranded FROM per_t)
+    SELECT eng.*, (SELECT engine FROM hot) AS hot_engine, tot.span / 1e9 AS span_s,
+           coalesce(tot.stranded, 0) / nullif(tot.span, 0) AS stranded_share,
+           (SELECT count(*) FROM s) AS samples,
+           (SELECT any_value(logger) FROM s) AS from_logger
+    FROM eng, tot ORDER BY eng.engine"""
+
+
+def _index(values: list[float]) -> float:
+    """max / mean - 1 (0 when the mean is 0): records/kvmath.py's `kv_imbalance` over any per-engine figure."""
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean - 1.0 if mean > 0 else 0.0
+
+
+def dp_balance(con: duckdb.DuckDBPyConnection, run_id: str, near_cap: float = T["near_cap"]) -> dict[str, Any]:
+    """How evenly the run's data-parallel engines were loaded: `engines` (how many have gauges), per engine
+    (`by_engine`: usage_mean, waiting_mean, usage_max, busy_share, headroom_share), `kv_imbalance`,
+    `waiting_imbalance`, `hot_engine`, `stranded_share` (time fractions), `span_s` (s), `samples`, `source`
+    ("stat-logger" or "scrape"). Fewer than two engines: `engines` and None for the rest."""
+    rows = con.execute(DP_SQL, {"run": run_id, "near_cap": near_cap})
+    names = [d[0] for d in rows.description]
+    eng = [dict(zip(names, r)) for r in rows.fetchall()]
+    empty = {"engines": len(eng), "by_engine": {}, "kv_imbalance": None, "waiting_imbalance": None,
+             "hot_engine": None, "stranded_share": None, "span_s": None, "samples": None, "source": None,
+             "near_cap": near_cap}
+    if len(eng) < 2 or not eng[0]["span_s"]:
+        return empty
+    keys = ("usage_mean", "waiting_mean", "usage_max", "busy_share", "headroom_share")
+    return {**empty,
+            "by_engine": {int(r["engine"]): {k: r[k] for k in keys} for r in eng},
+            "kv_imbalance": _index([r["usage_mean"] for r in eng]),
+            "waiting_imbalance": _index([r["waiting_mean"] for r in eng]),
+            "hot_engine": int(eng[0]["hot_engine"]), "stranded_share": eng[0]["stranded_share"],
+            "span_s": eng[0]["span_s"], "samples": eng[0]["samples"],
+            "source": "stat-logger" if eng[0]["from_logger"] else "scrape"}
