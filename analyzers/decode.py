@@ -11,7 +11,7 @@ from .geometry import ModelGeometry
 from .gpus import GpuSpec
 from .kvplan import kv_bytes_per_token_per_rank
 from .memory import GPU_SQL
-from .sql import one, world_size
+from .sql import model_parallel_size, one
 from .roofline import attention_flops, mfu
 
 DECODE_SQL = """WITH st AS (
@@ -43,7 +43,7 @@ def _kv_dtype(con, run_id: str, labels: dict) -> str:
 
 
 def _measure(con, run_id: str, model: ModelGeometry, gpu: GpuSpec, labels: dict) -> dict:
-    tp = world_size(con, run_id)
+    tp = model_parallel_size(con, run_id)  # a DP engine holds whole weights
     kv_dt = _kv_dtype(con, run_id, labels)
     wb = model.weight_bytes / tp
     kvpt = kv_bytes_per_token_per_rank(model, tp, kv_dt)

@@ -11,7 +11,7 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import ModelGeometry
 from .gpus import GIB, GpuSpec
-from .sql import one, world_size
+from .sql import model_parallel_size, one
 from .runinfo import as_number
 
 RUN_GPU = """SELECT g.* FROM gpu_samples g JOIN sources s USING (source_id)
@@ -89,7 +89,7 @@ def kv_budget_oom_risk(con, run_id: str, *, max_kv_share_of_remaining: float = 0
     (weights / activations / KV / margin) against the 30/20/45/5 starting split."""
     labels = labels or {}
     g = one(con, GPU_SQL, run_id)
-    tp = world_size(con, run_id)
+    tp = model_parallel_size(con, run_id)  # a DP engine holds whole weights
     total = g["mem_total_bytes"] or as_number(labels.get("gpu_mem_bytes")) or (gpu.mem_bytes if gpu else None)
     weights = (model.weight_bytes / tp if model is not None else None) or as_number(labels.get("weight_bytes"))
     if not total or weights is None:  # silent whatever the KV budget: its pass over the snapshots is not read

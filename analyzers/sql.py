@@ -15,6 +15,8 @@ import duckdb
 
 from phasescope.agent.read.queries import STEP_MS
 
+from .runinfo import read_run_info
+
 # steps of one run on its lowest rank (rank-level rules read every rank themselves)
 # (the lowest rank: over the steps whose source is one of the run's, a filter on source_id, not a join per step
 # nor a group per source: 10M steps ~0.1 s, where the per-source minima took ~0.3 s)
@@ -132,5 +134,19 @@ PREFIX_TOTALS = """WITH last AS (
 
 
 def world_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    """Ranks of the run, all engines together (a vLLM server's world is TP x PP x DP)."""
     r = con.execute("SELECT max(world_size) FROM sources WHERE run_id = ?", [run_id]).fetchone()[0]
     return int(r or 1)
+
+
+def model_parallel_size(con: duckdb.DuckDBPyConnection, run_id: str, with_pp: bool = True) -> int:
+    """Ranks that split one model replica (TP x PP): the run's `tp` and `pp` labels where the runtime states them
+    (vLLM), else the world size (one replica). Data-parallel engines are replicas: ranks of two engines are never
+    compared as TP ranks, and weights and KV are split over TP x PP only. `with_pp=False`: TP alone."""
+    lab = read_run_info(con, run_id)
+    try:
+        if "tp" in lab:
+            return max(1, int(lab["tp"])) * (max(1, int(lab.get("pp") or 1)) if with_pp else 1)
+    except ValueError:
+        pass  # a label that is not a number: the world size, as for a runtime that states none
+    return world_size(con, run_id)

@@ -10,7 +10,7 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .geometry import ModelGeometry
 from .kvplan import kv_bytes_per_token, kv_bytes_per_token_per_rank, replication_factor
-from .sql import rows, world_size
+from .sql import model_parallel_size, rows, world_size
 
 KV_RANK_SQL = """SELECT k.rank, avg(kv_bytes) AS kv_bytes_mean, max(kv_bytes) AS kv_bytes_max,
            max(used_pages / total_pages) AS block_usage_max
@@ -33,10 +33,19 @@ def kv_by_rank(con, run_id: str) -> tuple[list[dict], str]:
 
 def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance"], critical_imbalance: float = 0.3,
                     **_: object) -> list[Finding]:
-    """Fires when max_r / mean_r - 1 of the ranks' mean KV bytes is >= `max_imbalance`."""
+    """Fires when max_r / mean_r - 1 of the ranks' mean KV bytes is >= `max_imbalance`, over the ranks of one
+    model replica (rank // TP x PP: data-parallel engines are compared by the sweep's dp-skew, never as TP ranks;
+    a vLLM engine reports its KV once, so a vLLM run has one rank per replica and no TP imbalance); with several
+    replicas, the most unbalanced one."""
     ranks, sql = kv_by_rank(con, run_id)
-    if len(ranks) < 2:
+    mp = model_parallel_size(con, run_id)
+    groups: dict[int, list[dict]] = {}
+    for r in ranks:
+        groups.setdefault(r["rank"] // mp, []).append(r)
+    groups = {g: rs for g, rs in groups.items() if len(rs) >= 2}
+    if not groups:
         return []
+    replica, ranks = max(groups.items(), key=lambda g: kv_imbalance([r["kv_bytes_mean"] for r in g[1]]))
     means = [r["kv_bytes_mean"] for r in ranks]
     imb = kv_imbalance(means)
     if imb < max_imbalance:
@@ -45,6 +54,8 @@ def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance
     e = {"ranks": len(ranks), "kv_imbalance": imb, "hottest_rank": hot["rank"],
          "kv_bytes_mean_by_rank": {r["rank"]: r["kv_bytes_mean"] for r in ranks},
          "block_usage_max_by_rank": {r["rank"]: r["block_usage_max"] for r in ranks}, "query": sql}
+    if len(groups) > 1 or world_size(con, run_id) > mp:
+        e["replica"] = replica
     return [Finding(
         id="tp-kv-imbalance",
         title=f"KV cache unbalanced across TP ranks (rank {hot['rank']} holds {imb:.0%} above the mean)",
@@ -116,9 +127,11 @@ def step_skew(con, run_id: str, k: int, world: int) -> tuple[dict, str]:
 def tp_straggler(con, run_id: str, *, max_skew: float = T["max_skew"], min_straggler_share: float = T["min_straggler_share"],
                  min_steps: int = 10, max_rows: int = 1_000_000, **_: object) -> list[Finding]:
     """Fires when the median step skew (max_r / median_r - 1 of step time) is >= `max_skew` and one rank
-    is the slowest in >= `min_straggler_share` of the steps (sampled above `max_rows` step rows)."""
+    is the slowest in >= `min_straggler_share` of the steps (sampled above `max_rows` step rows). Ranks of one model
+    replica only: with data-parallel engines (world > TP x PP) step ids of two engines are unrelated steps, and
+    this rule reads nothing (per-engine skew is not built yet)."""
     world = world_size(con, run_id)
-    if world < 2:
+    if world < 2 or model_parallel_size(con, run_id) != world:
         return []
     n = con.execute("SELECT count(*) FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ?",
                     [run_id]).fetchone()[0]
@@ -148,7 +161,7 @@ def tp_straggler(con, run_id: str, *, max_skew: float = T["max_skew"], min_strag
 def tp_kv_head_replication(con, run_id: str, *, model: ModelGeometry | None = None, kv_dtype: str = "bf16",
                            **_: object) -> list[Finding]:
     """Fires (info) when the run's TP size exceeds the model's KV heads, so KV heads are replicated."""
-    tp = world_size(con, run_id)
+    tp = model_parallel_size(con, run_id, with_pp=False)
     if model is None or tp <= model.kv_heads:
         return []
     factor = replication_factor(model, tp)
@@ -157,7 +170,8 @@ def tp_kv_head_replication(con, run_id: str, *, model: ModelGeometry | None = No
     e = {"tp": tp, "kv_heads": model.kv_heads, "replication": factor, "kv_bytes_per_token_total": total,
          "kv_bytes_per_token_per_rank": per_rank, "kv_bytes_per_token_all_ranks": per_rank * tp,
          "extra_bytes_per_token": per_rank * tp - total,
-         "query": "SELECT max(world_size) FROM sources WHERE run_id = $run"}
+         "query": "SELECT value FROM run_info WHERE run_id = $run AND key = 'tp' "
+                  "(else SELECT max(world_size) FROM sources WHERE run_id = $run)"}
     return [Finding(
         id="tp-kv-head-replication",
         title=f"KV heads replicated {factor:g}x across {tp} TP ranks",
