@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import shutil
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -25,7 +24,8 @@ duckdb = pytest.importorskip("duckdb")
 
 from builders.dp_reference import dp_by_hand  # noqa: E402
 from phasescope.agent.sidecar import Sidecar  # noqa: E402
-from test_vllm_integration import MODEL, _free_port, _get, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+from phasescope.cli.server_process import served  # noqa: E402
+from test_vllm_integration import MODEL, _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -47,41 +47,25 @@ def test_pinned_routing_is_named_dp_skew_with_figures_from_the_rows(vllm_env):
            "--skip-tokenizer-init", "--block-size", "32", "--enforce-eager", "--port", str(port), "--host",
            "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32", "--num-gpu-blocks-override", "34",
            "--max-num-seqs", "2", "--max-num-batched-tokens", "512", "--data-parallel-size", "2"]
-    log = open(f"{tmp}/server.log", "w")
-    proc = subprocess.Popen(cmd, env=dict(env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=RUN), stdout=log,
-                            stderr=subprocess.STDOUT)
     pinned = {i: 1 if i % 8 == 0 else 0 for i in range(16)}  # engine 1 gets requests 0 and 8
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                _get(url + "/health")
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() - t0 > 400:
-                    pytest.fail("vLLM server did not start:\n" + open(f"{tmp}/server.log").read()[-4000:])
-                time.sleep(1)
+        with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=RUN),
+                    log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM"):  # stopped: SIGTERM, 60 s, SIGKILL
 
-        def complete(i: int) -> int:
-            body = json.dumps({"model": str(MODEL), "prompt": [300 + i + k % 50 for k in range(64)], "max_tokens": 32,
-                               "ignore_eos": True, "temperature": 0}).encode()
-            req = urllib.request.Request(url + "/v1/completions", data=body, headers={
-                "content-type": "application/json", "X-data-parallel-rank": str(pinned[i])})
-            with urllib.request.urlopen(req, timeout=300) as f:
-                return json.loads(f.read())["usage"]["completion_tokens"]
+            def complete(i: int) -> int:
+                body = json.dumps({"model": str(MODEL), "prompt": [300 + i + k % 50 for k in range(64)],
+                                   "max_tokens": 32, "ignore_eos": True, "temperature": 0}).encode()
+                req = urllib.request.Request(url + "/v1/completions", data=body, headers={
+                    "content-type": "application/json", "X-data-parallel-rank": str(pinned[i])})
+                with urllib.request.urlopen(req, timeout=300) as f:
+                    return json.loads(f.read())["usage"]["completion_tokens"]
 
-        with cf.ThreadPoolExecutor(16) as ex:
-            assert list(ex.map(complete, range(16))) == [32] * 16
-        time.sleep(1.5)  # the probes' next flush
+            with cf.ThreadPoolExecutor(16) as ex:
+                assert list(ex.map(complete, range(16))) == [32] * 16
+            time.sleep(1.5)  # the probes' next flush
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
         time.sleep(0.5)
         side.stop()
-        log.close()
     con = duckdb.connect(db, read_only=True)
     try:
         # the pinning held: engine i's EngineCore (rank i, TP 1) saw the requests sent to it
@@ -89,6 +73,10 @@ def test_pinned_routing_is_named_dp_skew_with_figures_from_the_rows(vllm_env):
             JOIN sources s USING (source_id) WHERE s.run_id = ? AND s.runtime = 'vllm-engine' AND r.event = 'arrival'
             GROUP BY r.rank""", [RUN]).fetchall())
         assert arrivals == {0: 14, 1: 2}
+        # two engines are two replicas, not two TP ranks: no TP finding on a skew between engines
+        from phasescope.analyzers.tp import tp_kv_imbalance, tp_straggler
+
+        assert read_run_info(con, RUN).get("tp") == "1" and tp_kv_imbalance(con, RUN) == [] == tp_straggler(con, RUN)
         labels = {**read_run_info(con, RUN), "runtime": "vllm"}
         cons = constraints_at(con, RUN, labels)
         b = binding(cons)
