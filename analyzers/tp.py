@@ -80,17 +80,20 @@ SKEW_COLUMNS = """steps, skew[1] AS step_skew_p50, skew[2] AS step_skew_p95, str
 
 # above `max_rows` steps, every $k-th step id ($k = 1 keeps all) bounds the cost;
 # every rank of a sampled step is kept, so skews and the straggler share are unbiased estimates
-SKEW_SQL = f"""WITH st AS (
+_SKEW_STEPS = f"""st AS (
         SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
-        WHERE s.run_id = $run AND t.step_id % $k = 0),
-    per AS MATERIALIZED (SELECT step_id, max(ms) AS max_ms, median(ms) AS median_ms, arg_max(rank, ms) AS slowest
-            FROM st GROUP BY step_id HAVING count(*) > 1),
-    m AS (SELECT mode(slowest) AS straggler FROM per),
+        WHERE s.run_id = $run AND t.step_id % $k = 0)"""
+# from `per` (a step's max_ms, median_ms and slowest rank): the straggler and the skew figures
+_SKEW_FIGURES = """m AS (SELECT mode(slowest) AS straggler FROM per),
     a AS (SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, [0.5, 0.95]) AS skew,
                  any_value(m.straggler) AS straggler_rank,
                  count(*) FILTER (WHERE slowest = m.straggler) / count(*) AS straggler_share,
                  avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean
-          FROM per, m)
+          FROM per, m)"""
+SKEW_SQL = f"""WITH {_SKEW_STEPS},
+    per AS MATERIALIZED (SELECT step_id, max(ms) AS max_ms, median(ms) AS median_ms, arg_max(rank, ms) AS slowest
+            FROM st GROUP BY step_id HAVING count(*) > 1),
+    {_SKEW_FIGURES}
     SELECT {SKEW_COLUMNS} FROM a"""
 
 
@@ -98,19 +101,12 @@ SKEW_SQL = f"""WITH st AS (
 # DuckDB's own interpolation of quantile_cont at 0.5 over two values (the product by 0.5 is exact, so a fused
 # multiply-add gives the same bits; agent/read/queries.py's rank_steps reads it so too), from min and max: no
 # holistic aggregate per step. `max_n` says whether it held (> 2: SKEW_SQL is run instead).
-SKEW_TWO_SQL = f"""WITH st AS (
-        SELECT t.step_id, t.rank, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
-        WHERE s.run_id = $run AND t.step_id % $k = 0),
+SKEW_TWO_SQL = f"""WITH {_SKEW_STEPS},
     g AS MATERIALIZED (SELECT count(*) AS n, max(ms) AS max_ms, min(ms) + (max(ms) - min(ms)) * 0.5 AS median_ms,
                               arg_max(rank, ms) AS slowest
                        FROM st GROUP BY step_id),
     per AS (SELECT * FROM g WHERE n > 1),
-    m AS (SELECT mode(slowest) AS straggler FROM per),
-    a AS (SELECT count(*) AS steps, quantile_cont(max_ms / median_ms - 1, [0.5, 0.95]) AS skew,
-                 any_value(m.straggler) AS straggler_rank,
-                 count(*) FILTER (WHERE slowest = m.straggler) / count(*) AS straggler_share,
-                 avg(max_ms - median_ms) AS wait_ms_mean, avg(median_ms) AS median_ms_mean
-          FROM per, m)
+    {_SKEW_FIGURES}
     SELECT {SKEW_COLUMNS}, (SELECT max(n) FROM g) AS max_n FROM a"""
 
 
