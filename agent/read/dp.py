@@ -27,6 +27,7 @@ from typing import Any
 
 import duckdb
 
+from ..records.kvmath import kv_imbalance  # max / mean - 1, the TP index
 from .thresholds import T
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
@@ -69,12 +70,6 @@ DP_SQL = f"""WITH s AS ({SAMPLES_SQL}),
     FROM eng, tot ORDER BY eng.engine"""
 
 
-def _index(values: list[float]) -> float:
-    """max / mean - 1 (0 when the mean is 0): records/kvmath.py's `kv_imbalance` over any per-engine figure."""
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean - 1.0 if mean > 0 else 0.0
-
-
 def dp_balance(con: duckdb.DuckDBPyConnection, run_id: str, near_cap: float = T["near_cap"]) -> dict[str, Any]:
     """How evenly the run's data-parallel engines were loaded: `engines` (how many have gauges), per engine
     (`by_engine`: usage_mean, waiting_mean, usage_max, busy_share, headroom_share), `kv_imbalance`,
@@ -91,8 +86,8 @@ def dp_balance(con: duckdb.DuckDBPyConnection, run_id: str, near_cap: float = T[
     keys = ("usage_mean", "waiting_mean", "usage_max", "busy_share", "headroom_share")
     return {**empty,
             "by_engine": {int(r["engine"]): {k: r[k] for k in keys} for r in eng},
-            "kv_imbalance": _index([r["usage_mean"] for r in eng]),
-            "waiting_imbalance": _index([r["waiting_mean"] for r in eng]),
+            "kv_imbalance": kv_imbalance([r["usage_mean"] for r in eng]),
+            "waiting_imbalance": kv_imbalance([r["waiting_mean"] for r in eng]),
             "hot_engine": int(eng[0]["hot_engine"]), "stranded_share": eng[0]["stranded_share"],
             "span_s": eng[0]["span_s"], "samples": eng[0]["samples"],
             "source": "stat-logger" if eng[0]["from_logger"] else "scrape"}

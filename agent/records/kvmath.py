@@ -174,8 +174,8 @@ def hit_rate(hit_delta: int, queried_delta: int) -> float | None:
     return hit_delta / queried_delta if queried_delta > 0 else None
 
 
-def kv_imbalance(kv_bytes_by_rank: Sequence[int]) -> float:
-    """max_r / mean_r - 1 over ranks (0 for one rank or an empty cache)."""
+def kv_imbalance(kv_bytes_by_rank: Sequence[float]) -> float:
+    """max_r / mean_r - 1 over ranks (0 for one rank or an empty cache); any per-rank or per-engine figure."""
     if not kv_bytes_by_rank:
         return 0.0
     mean = sum(kv_bytes_by_rank) / len(kv_bytes_by_rank)

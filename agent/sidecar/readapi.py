@@ -167,9 +167,9 @@ class ReadAPI:
         """Fold the request events written since the last read into the derived tables (records/derived.py),
         so this read and the next find them there. One read folds at a time; the others go on (the views fold
         the rest in themselves: exact either way). At most one fold per `fold_every_s`: a fold is a write
-        transaction of 0.1-0.4 s even for a few new events on a busy 2-core host (measured), and a dashboard page
-        makes 5-10 reads, so folding at every read made a live page render for 10 s and never settle between its
-        refreshes. A failure is logged, never answered."""
+        transaction of 0.3-1.2 s even for a few new events on a busy 2-core host (benchmarks/live_reads.py), and
+        a dashboard page makes 5-10 reads, so folding at every read made a live page render for 10 s and never
+        settle between its refreshes. A failure is logged, never answered."""
         if time.monotonic() - self._folded_at < self.fold_every_s or not self._fold_lock.acquire(blocking=False):
             return
         try:

@@ -183,12 +183,16 @@ def test_a_token_count_of_two_to_the_31_is_a_weight_not_rows(tmp_path):
     assert time.perf_counter() - t0 < 60  # expanding 2^31 rows took longer than any test may run
 
 
-def test_the_read_api_folds_new_events_in_before_it_reads(tmp_path):
-    path = str(tmp_path / "s.duckdb")
-    store = Store(path)
+def _served_store(tmp_path, fold_every_s: float):
+    """A store of run "run" holding 9 requests' events, and a read API over it (started)."""
+    store = Store(str(tmp_path / "s.duckdb"))
     sid = store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
     store.append([(sid, _events(9))])
-    api = ReadAPI(store.reading, port=0, fold_every_s=0).start()
+    return store, sid, ReadAPI(store.reading, port=0, fold_every_s=fold_every_s).start()
+
+
+def test_the_read_api_folds_new_events_in_before_it_reads(tmp_path):
+    store, sid, api = _served_store(tmp_path, fold_every_s=0)
     try:
         with urllib.request.urlopen(f"{api.url}/api/v1/query/request_summary?run_id=run", timeout=60) as r:
             assert json.load(r)["rows"]["requests"] == 9
@@ -206,11 +210,7 @@ def test_the_read_api_folds_new_events_in_before_it_reads(tmp_path):
 def test_the_read_api_folds_at_most_once_per_interval_and_reads_stay_exact(tmp_path):
     """A read within `fold_every_s` of the last fold does not fold (a fold is a write transaction: folding at every
     read kept a live dashboard page rendering), yet answers exactly: the views fold the rest in at read time."""
-    path = str(tmp_path / "s.duckdb")
-    store = Store(path)
-    sid = store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
-    store.append([(sid, _events(9))])
-    api = ReadAPI(store.reading, port=0, fold_every_s=3600).start()
+    store, sid, api = _served_store(tmp_path, fold_every_s=3600)
     try:
         url = f"{api.url}/api/v1/query/request_summary?run_id=run"
         with urllib.request.urlopen(url, timeout=60) as r:
