@@ -118,7 +118,7 @@ def explain_report(db: str, report: str, slo: Any, target: float = 0.9, run_id: 
         refine_windows(con, run_id, points)
         check_windows(report, points)
         if sweep_id is None:
-            sweep_id = {"guidellm": "gl-", "vllm": "vl-"}[kind] + _digest(report, run_id)
+            sweep_id = {"guidellm": "gl-", "vllm": "vl-", "aiperf": "ap-"}[kind] + _digest(report, run_id)
         have = {r: lab for r, lab in window_runs(con).items() if lab.get("sweep_id") == sweep_id}
         runs = sorted(have, key=lambda r: int(have[r]["sweep_point"]))
         if not runs:

@@ -16,6 +16,12 @@ found)}. Kinds read (`KINDS`), told apart by content (`detect_kind`):
   also holds each request's `start_times` (the client's `time.perf_counter()`, CLOCK_MONOTONIC on Linux) and
   `latencies`; the point then carries that span as "client_mono_ns" so explain can use it when the client's
   clock is the store's (cli/explain.py `refine_windows`).
+- aiperf: AIPerf's artifacts (0.13: `aiperf profile --artifact-dir DIR`): the folder (a sweep such as
+  `--request-rate 2,8` writes one sub-folder per value), or one run's `profile_export_aiperf.json`. Each run is
+  a point: its profiling phase's type and rate (`input_config.phases`), counts `request_count` (valid) and
+  `error_request_count`, and its window the span of its records in `profile_export.jsonl` beside it (first
+  `request_start_ns` to last `request_end_ns`: Unix ns, time.time_ns) - or, exported without records, the
+  summary's `start_time` / `end_time` (local time to the microsecond, read in this process's zone).
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ import os
 import time
 from typing import Any
 
-KINDS = ("guidellm", "vllm")
-KINDS_TEXT = ("a guidellm JSON report (guidellm run --output kind=json,path=FILE), or vLLM `bench serve` results "
-              "(--save-result / --append-result files, or a `vllm bench sweep serve` experiment folder)")
+KINDS = ("guidellm", "vllm", "aiperf")
+KINDS_TEXT = ("a guidellm JSON report (guidellm run --output kind=json,path=FILE), vLLM `bench serve` results "
+              "(--save-result / --append-result files, or a `vllm bench sweep serve` experiment folder), or AIPerf's "
+              "artifacts (its --artifact-dir folder, or a profile_export_aiperf.json)")
+AIPERF_SUMMARY = "profile_export_aiperf.json"
+AIPERF_RECORDS = "profile_export.jsonl"
 VLLM_DATE_SLACK_S = 1.0  # `date` is taken after the benchmark's end: metrics, printing (tens of ms measured)
 VLLM_SKIP = ("summary.json", "warmup.json")  # a sweep's summaries repeat its run files; a warmup is not a point
 
@@ -36,9 +45,12 @@ def detect_kind(path: str) -> str:
     """The kind of the report at `path` (one of KINDS), from its content. ValueError naming the kinds read when
     it is none of them."""
     if os.path.isdir(path):
+        if _aiperf_summaries(path):
+            return "aiperf"
         if _vllm_files(path):
             return "vllm"
-        raise ValueError(f"{path}: a folder holding no vLLM `bench serve` result; explain reads {KINDS_TEXT}")
+        raise ValueError(f"{path}: a folder holding no vLLM `bench serve` result and no AIPerf run; explain reads "
+                         f"{KINDS_TEXT}")
     try:
         objs = _json_objects(path)
     except (OSError, ValueError) as exc:
@@ -47,6 +59,8 @@ def detect_kind(path: str) -> str:
         return "guidellm"
     if objs and all(_is_vllm(o) for o in objs):
         return "vllm"
+    if len(objs) == 1 and isinstance(objs[0], dict) and {"aiperf_version", "input_config"} <= objs[0].keys():
+        return "aiperf"
     raise ValueError(f"{path}: not a report explain reads; it reads {KINDS_TEXT}")
 
 
@@ -57,6 +71,8 @@ def read_report(path: str, kind: str | None = None) -> tuple[str, list[dict[str,
         return kind, read_guidellm(path)
     if kind == "vllm":
         return kind, read_vllm(path)
+    if kind == "aiperf":
+        return kind, read_aiperf(path)
     raise ValueError(f"unknown report kind {kind!r}; kinds: {', '.join(KINDS)}")
 
 
@@ -148,6 +164,69 @@ def _vllm_point(f: str, r: dict[str, Any]) -> dict[str, Any]:
     if starts and lats and len(starts) == len(lats):
         point["client_mono_ns"] = [int(min(starts) * 1e9), int(max(s + (x or 0.0) for s, x in zip(starts, lats)) * 1e9)]
     return point
+
+
+def read_aiperf(path: str) -> list[dict[str, Any]]:
+    """The load points of AIPerf artifacts at `path` (an --artifact-dir folder, or one run's summary file), in
+    time order: per run its phase type and rate (requests/s; none, as for a concurrency run: the rate achieved,
+    records / window), concurrency, counts and window (see the module docstring). ValueError on anything else."""
+    files = _aiperf_summaries(path) if os.path.isdir(path) else [path]
+    if not files:
+        raise ValueError(f"{path}: holds no AIPerf run ({AIPERF_SUMMARY})")
+    out = [_aiperf_point(f) for f in files]
+    out.sort(key=lambda p: p["start_ns"])
+    for i, p in enumerate(out):
+        p["benchmark"] = i
+    return out
+
+
+def _aiperf_point(f: str) -> dict[str, Any]:
+    import datetime
+
+    try:
+        with open(f, encoding="utf-8") as fh:
+            s = json.load(fh)
+        phases = [p for p in s["input_config"]["phases"] if p.get("kind", "profiling") == "profiling"]
+        ok = int((s.get("request_count") or {}).get("avg") or 0)
+        err = int((s.get("error_request_count") or {}).get("avg") or 0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{f}: not an AIPerf summary ({exc!r})") from None
+    if len(phases) != 1:
+        raise ValueError(f"{f}: {len(phases)} profiling phases; explain reads runs of one")
+    ph = phases[0]
+    recs = os.path.join(os.path.dirname(f), AIPERF_RECORDS)
+    if os.path.exists(recs):
+        spans = []
+        for obj in _json_objects(recs):
+            m = (obj.get("metadata") or {}) if isinstance(obj, dict) else {}
+            if m.get("benchmark_phase", "profiling") == "profiling" and "request_start_ns" in m:
+                spans.append((int(m["request_start_ns"]), int(m.get("request_end_ns") or m["request_start_ns"])))
+        if not spans:
+            raise ValueError(f"{recs}: no profiling record")
+        t0, t1, window = min(a for a, _ in spans), max(b for _, b in spans) + 1, "records"
+    else:
+        try:
+            t0, t1 = (_local_ns(datetime.datetime.fromisoformat(s[k])) for k in ("start_time", "end_time"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{f}: no {AIPERF_RECORDS} beside it and no start/end time ({exc!r})") from None
+        window = "summary"
+    rate = ph.get("rate")
+    if not rate:
+        rate = (ok + err) / ((t1 - t0) / 1e9) if t1 > t0 else None
+    strategy = str(ph.get("type") or "?") + (f", concurrency={ph['concurrency']}" if ph.get("concurrency") else "")
+    return {"benchmark": 0, "strategy": strategy, "rate_per_s": None if rate is None else float(rate),
+            "streams": ph.get("concurrency"), "start_ns": t0, "end_ns": t1, "successful": ok,
+            "not_successful": err, "window": window, "file": f}
+
+
+def _local_ns(dt: Any) -> int:
+    """Unix ns of a naive local `datetime` (or an aware one), exact to its microsecond (no float rounding)."""
+    return int(dt.replace(microsecond=0).timestamp()) * 10**9 + dt.microsecond * 1000
+
+
+def _aiperf_summaries(folder: str) -> list[str]:
+    """Every AIPERF_SUMMARY under `folder`, sorted (a sweep's aggregates are named otherwise)."""
+    return sorted(os.path.join(r, n) for r, _d, names in os.walk(folder) for n in names if n == AIPERF_SUMMARY)
 
 
 def _is_vllm(o: Any) -> bool:

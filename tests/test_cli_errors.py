@@ -177,7 +177,7 @@ BAD = [
     (["explain", "{d}/good.duckdb", "--db", "{d}/missing.duckdb"], 1, "no such file"),
     (["explain", "{d}/text.duckdb", "--db", "{d}/good.duckdb"], 1, "not a report explain reads"),
     (["explain", "{d}/text.duckdb", "--db", "{d}/good.duckdb", "--format", "guidellm"], 1, "not a guidellm JSON report"),
-    (["explain", "{d}/good.duckdb", "--db", "{d}/good.duckdb", "--format", "aiperf"], 2, "invalid choice"),
+    (["explain", "{d}/good.duckdb", "--db", "{d}/good.duckdb", "--format", "locust"], 2, "invalid choice"),
     (["explain", "{d}/good.duckdb", "--db", "{d}/good.duckdb", "--target", "0"], 2, "--target must be in (0, 1]"),
     (["verify", "--db", "{d}/missing.duckdb"], 1, "no such file"),
     (["verify", "--db", "{d}/good.duckdb", "--min-pairs", "1"], 2, "--min-pairs must be >= 2"),

@@ -13,9 +13,10 @@ import duckdb
 import pytest
 
 from builders.scenarios import DATA_DIR, load
-from phasescope.cli.reports import VLLM_DATE_SLACK_S, detect_kind, read_report, read_vllm
+from phasescope.cli.reports import VLLM_DATE_SLACK_S, detect_kind, read_aiperf, read_report, read_vllm
 
 SAMPLE = pathlib.Path(__file__).resolve().parent / "reports" / "vllm-0.32-bench-serve.jsonl"
+AIPERF = pathlib.Path(__file__).resolve().parent / "reports" / "aiperf-0.13"  # a --request-rate 2,8 sweep
 
 
 @pytest.fixture
@@ -97,9 +98,11 @@ def test_detect_kind_and_refusals(tmp_path):
     g = tmp_path / "g.json"
     g.write_text(json.dumps({"benchmarks": []}))
     assert detect_kind(str(g)) == "guidellm"
+    assert detect_kind(str(AIPERF / "rate_2.0" / "profile_export_aiperf.json")) == "aiperf"
+    assert detect_kind(str(SAMPLE)) == "vllm"
     for text in ("not json", "{}", json.dumps([{"date": "x"}]), ""):
         g.write_text(text)
-        with pytest.raises(ValueError, match="not a report explain reads.*guidellm.*vLLM"):
+        with pytest.raises(ValueError, match="not a report explain reads.*guidellm.*vLLM.*AIPerf"):
             detect_kind(str(g))
     (tmp_path / "empty-dir").mkdir()
     with pytest.raises(ValueError, match="no vLLM"):
@@ -109,6 +112,45 @@ def test_detect_kind_and_refusals(tmp_path):
         read_report(str(g))
     with pytest.raises(ValueError, match="not a guidellm"):
         read_report(str(g), "guidellm")
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in open(run_dir / "profile_export.jsonl") if line.strip()]
+
+
+def test_aiperf_sample_points(utc, tmp_path):
+    """One point per run folder: its phase's rate, AIPerf's valid / error counts, the records' span as window;
+    a summary given alone reads the same run; without records, the summary's local start/end times."""
+    import shutil
+
+    kind, pts = read_report(str(AIPERF))
+    assert kind == "aiperf" and [p["rate_per_s"] for p in pts] == [2.0, 8.0]
+    for p, d in zip(pts, ("rate_2.0", "rate_8.0")):
+        recs = _records(AIPERF / d)
+        summ = json.load(open(AIPERF / d / "profile_export_aiperf.json"))
+        assert (p["successful"], p["not_successful"]) == \
+            (summ["request_count"]["avg"], summ["error_request_count"]["avg"])
+        assert p["successful"] + p["not_successful"] == len(recs) == 10
+        assert p["not_successful"] == sum(r.get("error") is not None for r in recs)
+        assert p["start_ns"] == min(r["metadata"]["request_start_ns"] for r in recs)
+        assert p["end_ns"] == max(r["metadata"]["request_end_ns"] for r in recs) + 1
+        assert p["window"] == "records" and p["strategy"] == "poisson"
+    assert pts[0]["end_ns"] < pts[1]["start_ns"]
+    assert read_aiperf(str(AIPERF / "rate_8.0" / "profile_export_aiperf.json"))[0]["start_ns"] == pts[1]["start_ns"]
+    # no records (--export-level summary): the summary's start / end, local time to the microsecond
+    shutil.copy(AIPERF / "rate_2.0" / "profile_export_aiperf.json", tmp_path / "profile_export_aiperf.json")
+    (p,) = read_aiperf(str(tmp_path))
+    summ = json.load(open(tmp_path / "profile_export_aiperf.json"))
+    assert p["window"] == "summary" and p["start_ns"] == int(time.mktime(time.strptime(
+        summ["start_time"][:19], "%Y-%m-%dT%H:%M:%S"))) * 10**9 + int(summ["start_time"][20:]) * 1000
+    assert p["start_ns"] <= pts[0]["start_ns"] and pts[0]["end_ns"] <= p["end_ns"] + 1000  # holds the records
+    # a concurrency run has no rate: what it achieved, records / window
+    summ["input_config"]["phases"][0].update(rate=None, type="concurrency", concurrency=4)
+    (tmp_path / "profile_export_aiperf.json").write_text(json.dumps(summ))
+    shutil.copy(AIPERF / "rate_2.0" / "profile_export.jsonl", tmp_path / "profile_export.jsonl")
+    (p,) = read_aiperf(str(tmp_path))
+    assert p["rate_per_s"] == pytest.approx(10 / ((pts[0]["end_ns"] - pts[0]["start_ns"]) / 1e9))
+    assert p["strategy"] == "concurrency, concurrency=4" and p["streams"] == 4
 
 
 @pytest.fixture
