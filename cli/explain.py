@@ -1,12 +1,13 @@
 """`phasescope explain REPORT --db FILE`: the knee of a load sweep a load generator already ran, and why (issue 28).
 
-Reads a finished load generator's report (cli/reports.py: guidellm's JSON report, vLLM `bench serve`
-results, or AIPerf's artifacts), maps each benchmark (one load point) to the store's rows by its time window (Unix time; the store
-converts its monotonic stamps with `sources.wall_minus_mono_ns`; a vLLM result's window is refined to its
-client's span when that ran on the store's host, `refine_windows`), copies each window into a run of its own labelled
-`sweep_id`, `sweep_point`, `sweep_rate_per_s`, `sweep_knob` and `window_of` (agent/sidecar/windows.py; the
-source run stays whole), then reports the points, the knee and the binding constraint exactly as `sweep`
-does (cli/sweep.py `measure`). Writes into FILE, so FILE must be one no agent holds (stop the agent first).
+Reads a finished load generator's report (cli/reports.py: guidellm's JSON report, vLLM `bench serve` results,
+or AIPerf's artifacts), maps each benchmark (one load point) to the store's rows by its time window (Unix time;
+the store converts its monotonic stamps with `sources.wall_minus_mono_ns`; a vLLM result's window is refined to
+its client's span when that ran on the store's host, `refine_windows`), copies each window into a run of its own
+labelled `sweep_id`, `sweep_point`, `sweep_rate_per_s`, `sweep_knob`, `sweep_report_kind` and `window_of`
+(agent/sidecar/windows.py; the source run stays whole), then reports the points, the knee and the binding
+constraint exactly as `sweep` does (cli/sweep.py `measure`). Writes into FILE, so FILE must be one no agent
+holds (stop the agent first).
 """
 
 from __future__ import annotations
@@ -150,12 +151,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     """explain a load sweep a load generator already ran (its report) from the store
 
     Import a finished guidellm JSON report, vLLM `bench serve` results (a --save-result/--append-result file,
-    or a `vllm bench sweep serve` folder) or AIPerf's artifacts (its --artifact-dir), map each benchmark to the store's rows by its time window (one
-    labelled run per load point, copied; the recorded run stays whole), and report the points, the SLO knee
-    and the constraint that binds there, as `phasescope sweep` does. A vLLM result's window is its `date`
-    (local time, to the second) less its `duration`, widened by a second each side, unless --save-detailed's
-    per-request start times are on the store's host clock. An AIPerf run's window is its records' span
-    (profile_export.jsonl). --db must be a file no agent holds."""
+    or a `vllm bench sweep serve` folder) or AIPerf's artifacts (its --artifact-dir), map each benchmark to the
+    store's rows by its time window (one labelled run per load point, copied; the recorded run stays whole),
+    and report the points, the SLO knee and the constraint that binds there, as `phasescope sweep` does. A vLLM
+    result's window is its `date` (local time, to the second) less its `duration`, widened by a second each
+    side, unless --save-detailed's per-request start times are on the store's host clock. An AIPerf run's window
+    is its records' span (profile_export.jsonl). --db must be a file no agent holds."""
     from rich.console import Console
 
     from phasescope.analyzers.sweep import Slo
