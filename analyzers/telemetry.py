@@ -125,6 +125,24 @@ SUGGEST_ADAPTER = ("Check the probe's log for the adapter's warning and the runt
                    "(scrape mode) and do not alert on their absence as if it were zero.")
 
 
+def _stopped(row: dict, last_key: str, sql: str, stale_s: float, min_steps: int) -> dict | None:
+    """The evidence of a reason whose records stopped while steps went on: `row` (a query's, with `last_step_s`,
+    `steps_after` and the last record's wall seconds under `last_key`) with `silent_s`, when steps ran on for
+    >= `stale_s` seconds and >= `min_steps` steps after that record; else None."""
+    silent = row["last_step_s"] - row[last_key]
+    if silent >= stale_s and row["steps_after"] >= min_steps:
+        return {**row, "silent_s": silent, "query": sql}
+    return None
+
+
+def _warning(run_id: str, thresholds: dict, *, id: str, title: str, evidence: dict, suggestion: str,
+             expected_effect: str) -> Finding:
+    """Every reason's finding: a warning on the probe's health."""
+    return Finding(id=id, title=title, severity="warning", evidence=evidence, suggestion=suggestion,
+                   expected_effect=expected_effect, reference=ref("Probe health"), run_id=run_id,
+                   thresholds=thresholds)
+
+
 def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["telemetry_stale_s"],
                        max_clock_skew_s: float = T["max_clock_skew_s"], min_stale_steps: int = 20,
                        **_: object) -> list[Finding]:
@@ -134,20 +152,16 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
 
     can = _can_fire(con, run_id, telemetry_stale_s)
     kv = one(con, KV_STOPPED_SQL, run_id) if can["kv"] else {}
-    if kv and kv["snapshots"] and kv["last_step_s"] is not None:
-        silent = kv["last_step_s"] - kv["last_kv_s"]
-        if silent >= telemetry_stale_s and kv["steps_after"] >= min_stale_steps:
-            out.append(Finding(
-                id="telemetry-kv-snapshots-stopped",
-                title="KV snapshots stopped while steps went on: KV figures are stale",
-                severity="warning",
-                evidence={**kv, "silent_s": silent, "query": KV_STOPPED_SQL},
-                suggestion=("The runtime adapter stopped reporting the KV cache: check the probe's log (adapter "
-                            "errors, a runtime upgrade), restart the adapter or the server; until then KV usage, "
-                            "fragmentation and headroom on the dashboard describe the past."),
-                expected_effect=(f"{kv['steps_after']} steps over {silent:.1f} s ran after the last of "
-                                 f"{kv['snapshots']} KV snapshots; every KV figure since is missing."),
-                reference=ref("Probe health"), run_id=run_id, thresholds=th))
+    if kv and kv["snapshots"] and kv["last_step_s"] is not None and (
+            e := _stopped(kv, "last_kv_s", KV_STOPPED_SQL, telemetry_stale_s, min_stale_steps)):
+        out.append(_warning(
+            run_id, th, id="telemetry-kv-snapshots-stopped",
+            title="KV snapshots stopped while steps went on: KV figures are stale", evidence=e,
+            suggestion=("The runtime adapter stopped reporting the KV cache: check the probe's log (adapter "
+                        "errors, a runtime upgrade), restart the adapter or the server; until then KV usage, "
+                        "fragmentation and headroom on the dashboard describe the past."),
+            expected_effect=(f"{e['steps_after']} steps over {e['silent_s']:.1f} s ran after the last of "
+                             f"{e['snapshots']} KV snapshots; every KV figure since is missing.")))
 
     px = one(con, PREFIX_STUCK_TAIL_SQL, run_id) if can["prefix"] else {}
     if px and px["last_move_s"] is None and (px["counter_records"] or 0) > PREFIX_TAIL + 1:
@@ -155,56 +169,43 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
     if px and px["counter_records"] and px["last_move_s"] is not None and px["last_prefill_s"] is not None:
         stuck = px["last_prefill_s"] - px["last_move_s"]
         if stuck >= telemetry_stale_s and px["prefill_steps_after"] >= min_stale_steps // 4:
-            out.append(Finding(
-                id="telemetry-prefix-counters-stuck",
+            out.append(_warning(
+                run_id, th, id="telemetry-prefix-counters-stuck",
                 title="Prefix-cache counters stopped moving while prompts were prefilled",
-                severity="warning",
                 evidence={**px, "stuck_s": stuck, "query": PREFIX_STUCK_SQL},
                 suggestion=("The prefix-cache counters are no longer wired (adapter lost its hook, cache disabled "
                             "at runtime): hit rates shown are those of the past. Check the adapter's log and the "
                             "server's prefix-caching setting."),
                 expected_effect=(f"{px['prefill_tokens_after']} prompt tokens in {px['prefill_steps_after']} prefill "
-                                 f"steps over {stuck:.1f} s went uncounted by the prefix cache."),
-                reference=ref("Probe health"), run_id=run_id, thresholds=th))
+                                 f"steps over {stuck:.1f} s went uncounted by the prefix cache.")))
 
     gpu = one(con, GPU_STOPPED_SQL, run_id) if can["gpu"] else {}
-    if gpu and gpu.get("last_timed_s") is not None:
-        silent = gpu["last_step_s"] - gpu["last_timed_s"]
-        if silent >= telemetry_stale_s and gpu["steps_after"] >= min_stale_steps:
-            out.append(Finding(
-                id="telemetry-gpu-timing-stopped",
-                title="GPU step times stopped: CUDA-event sampling fell to zero",
-                severity="warning",
-                evidence={**gpu, "silent_s": silent, "query": GPU_STOPPED_SQL},
-                suggestion=("Look at the probe's health: its GPU sample rate (phasescope_probe_gpu_sample_ratio), "
-                            "unsampled steps (event pool exhausted: the poller is stuck or the GPU never completes) "
-                            "and errors; raise gpu_budget if the rate is at its floor."),
-                expected_effect=(f"{gpu['steps_after']} steps over {silent:.1f} s after the last of "
-                                 f"{gpu['timed_steps']} GPU-timed steps carry host time only."),
-                reference=ref("Probe health"), run_id=run_id, thresholds=th))
+    if gpu and gpu.get("last_timed_s") is not None and (
+            e := _stopped(gpu, "last_timed_s", GPU_STOPPED_SQL, telemetry_stale_s, min_stale_steps)):
+        out.append(_warning(
+            run_id, th, id="telemetry-gpu-timing-stopped",
+            title="GPU step times stopped: CUDA-event sampling fell to zero", evidence=e,
+            suggestion=("Look at the probe's health: its GPU sample rate (phasescope_probe_gpu_sample_ratio), "
+                        "unsampled steps (event pool exhausted: the poller is stuck or the GPU never completes) "
+                        "and errors; raise gpu_budget if the rate is at its floor."),
+            expected_effect=(f"{e['steps_after']} steps over {e['silent_s']:.1f} s after the last of "
+                             f"{e['timed_steps']} GPU-timed steps carry host time only.")))
 
     skew = one(con, SKEW_SQL, run_id)
     if skew and skew.get("skew_s") is not None and abs(skew["skew_s"]) > max_clock_skew_s:
-        out.append(Finding(
-            id="telemetry-clock-skew",
-            title="A probe's clock disagrees with the sidecar's",
-            severity="warning",
-            evidence={**skew, "query": SKEW_SQL},
+        out.append(_warning(
+            run_id, {"max_clock_skew_s": max_clock_skew_s}, id="telemetry-clock-skew",
+            title="A probe's clock disagrees with the sidecar's", evidence={**skew, "query": SKEW_SQL},
             suggestion=("Synchronize the clocks of the probe's and the sidecar's hosts (NTP/chrony); timestamps of "
                         "this source are shifted by the skew when compared with other sources or the server."),
-            expected_effect=f"source {skew['source_id']} (pid {skew['pid']}) is {skew['skew_s']:+.3f} s off.",
-            reference=ref("Probe health"), run_id=run_id,
-            thresholds={"max_clock_skew_s": max_clock_skew_s}))
+            expected_effect=f"source {skew['source_id']} (pid {skew['pid']}) is {skew['skew_s']:+.3f} s off."))
 
     rows = con.execute(ADAPTER_SQL, {"run": run_id}).fetchall()
     missing = rows[0][0] if rows else ""
     if missing:
-        out.append(Finding(
-            id="telemetry-adapter-partial",
+        out.append(_warning(
+            run_id, {}, id="telemetry-adapter-partial",
             title="The runtime adapter understands this runtime only in part",
-            severity="warning",
-            evidence={"adapter_missing": missing, "query": ADAPTER_SQL},
-            suggestion=SUGGEST_ADAPTER,
-            expected_effect=f"missing: {missing}; the figures those hooks produce are absent, not zero.",
-            reference=ref("Probe health"), run_id=run_id, thresholds={}))
+            evidence={"adapter_missing": missing, "query": ADAPTER_SQL}, suggestion=SUGGEST_ADAPTER,
+            expected_effect=f"missing: {missing}; the figures those hooks produce are absent, not zero."))
     return out

@@ -290,29 +290,30 @@ def page_kv(reader: Any, run: str, win: dict[str, Any]) -> None:
     if kv.empty:
         st.info("No paged-KV snapshots in this run (the runtime adapter reports them).")
         return
-    st.subheader("Block vs token usage")
     b = win["bucket_s"]
-    use = melt(kv, ["t_s", "rank"], ["block_usage", "token_usage"])
-    st.altair_chart(line(use, "value", "Share of the cache (%)", b, color="series", dash="rank", y_format="%"),
-                    width="stretch")
-    explain("Block usage is what schedulers see; the gap to token usage is slack inside pages. Good: below ~90% "
-            "with headroom, and the two lines close.")
-    st.subheader("Fragmentation")
-    frag = melt(kv, ["t_s", "rank"], ["internal_fragmentation", "external_fragmentation"])
-    st.altair_chart(line(frag, "value", "Fragmentation (%)", b, color="series", dash="rank", y_format="%"),
-                    width="stretch")
-    explain("Internal: slack inside used pages (page size too large for the lengths served). External: free pages "
-            "scattered. Good: internal under ~10%; external matters only to allocators needing contiguous runs.")
-    st.subheader("Churn")
-    churn = melt(kv, ["t_s", "rank"], ["allocated_per_s", "freed_per_s"])
-    st.altair_chart(line(churn, "value", "Pages per second", b, color="series", dash="rank", point=True),
-                    width="stretch")  # two lines, never stacked
-    explain("Pages allocated and freed per second. Good: both track the request rate; a sawtooth with high "
-            "external fragmentation means allocation granularity is fighting the workload.")
+    rank_lines(kv, "Block vs token usage", ["block_usage", "token_usage"], "Share of the cache (%)", b,
+               "Block usage is what schedulers see; the gap to token usage is slack inside pages. Good: below ~90% "
+               "with headroom, and the two lines close.", y_format="%")
+    rank_lines(kv, "Fragmentation", ["internal_fragmentation", "external_fragmentation"], "Fragmentation (%)", b,
+               "Internal: slack inside used pages (page size too large for the lengths served). External: free pages "
+               "scattered. Good: internal under ~10%; external matters only to allocators needing contiguous runs.",
+               y_format="%")
+    rank_lines(kv, "Churn", ["allocated_per_s", "freed_per_s"], "Pages per second", b,  # two lines, never stacked
+               "Pages allocated and freed per second. Good: both track the request rate; a sawtooth with high "
+               "external fragmentation means allocation granularity is fighting the workload.", point=True)
     st.subheader("Page-size what-if")
     page_size_whatif_view(q(reader, "page_size_whatif", run_id=run,
                             sizes=",".join(map(str, sorted({8, 16, 32, 64, 128, 256} | current_pages(kv_rows))))),
                           kv_rows)
+
+
+def rank_lines(kv: pd.DataFrame, title: str, series: list[str], y_title: str, bucket_s: float, note: str,
+               **line_kw: Any) -> None:
+    """A KV page section: `series` of the timeline over time, one colour a series and one dash a rank, and its note."""
+    st.subheader(title)
+    st.altair_chart(line(melt(kv, ["t_s", "rank"], series), "value", y_title, bucket_s, color="series", dash="rank",
+                         **line_kw), width="stretch")
+    explain(note)
 
 
 def current_pages(kv_rows: list[dict[str, Any]]) -> set[int]:

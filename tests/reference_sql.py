@@ -1,8 +1,10 @@
-"""Today's SQL (before issue 30), verbatim: the reference the new reads must equal.
+"""Today's SQL (before issue 30): the reference the new reads must equal.
 
-Each string is the query it was, over the views it had: `reference_views(con)` puts today's
+Each string is the query it was, verbatim, over the views it had: `reference_views(con)` puts today's
 `request_log`, `requests` and `itl` on a connection as temp views, which hide the store's own
-(temp objects come first in DuckDB's search path), so these strings run unchanged.
+(temp objects come first in DuckDB's search path), so these strings run unchanged. Two are not verbatim:
+ITL_TPOT_SQL and SMALLER_PAGE_SQL were the product's text too, so they are the same definitions written
+apart from it (a slip in the product's query cannot hide in both).
 """
 
 from __future__ import annotations
@@ -132,17 +134,18 @@ ITL_TAIL_SQL = f"""WITH {ITL_GAPS}
     SELECT cause, count(*) AS samples, sum(itl_ms - q.p50) AS excess_ms, max(prefill_tokens) AS max_prefill_tokens
     FROM samples, q WHERE itl_ms >= q.p99 GROUP BY cause ORDER BY cause"""
 
-# per request over the TPOT SLO: its TPOT with one cause's excess removed (its gaps brought to the median)
+# per request over the TPOT SLO: its TPOT with one cause's excess removed (its gaps brought to the median).
+# Written apart from agent/read/itl.py's query (which joins the per-cause excess to the requests once): here
+# one correlated sum per request and cause, so a slip in either formulation shows as a difference.
 ITL_TPOT_SQL = f"""WITH {ITL_GAPS},
-    r AS (SELECT request_id, tpot_s, output_tokens FROM requests WHERE run_id = $run AND tpot_s > $slo_s),
-    per AS (SELECT gaps.request_id, cause, sum(greatest(gap_ms - q.p50 * tokens, 0)) AS excess_ms
-            FROM gaps JOIN r USING (request_id), q GROUP BY ALL)
-    SELECT c.cause, count(DISTINCT r.request_id) AS violations,
-           count(DISTINCT r.request_id) FILTER (
-               WHERE r.tpot_s - coalesce(per.excess_ms, 0) / 1e3 / (r.output_tokens - 1) <= $slo_s) AS explained
-    FROM r CROSS JOIN (SELECT unnest($causes) AS cause) c
-    LEFT JOIN per ON per.request_id = r.request_id AND per.cause = c.cause
-    GROUP BY c.cause ORDER BY c.cause"""
+    slow AS (SELECT request_id, tpot_s, output_tokens FROM requests WHERE run_id = $run AND tpot_s > $slo_s),
+    c AS (SELECT unnest($causes) AS cause)
+    SELECT c.cause, (SELECT count(*) FROM slow) AS violations,
+           (SELECT count(*) FROM slow o
+            WHERE o.tpot_s - (SELECT coalesce(sum(greatest(x.gap_ms - q.p50 * x.tokens, 0)), 0)
+                              FROM gaps x WHERE x.request_id = o.request_id AND x.cause = c.cause)
+                             / 1e3 / (o.output_tokens - 1) <= $slo_s) AS explained
+    FROM c, q WHERE EXISTS (SELECT 1 FROM slow) ORDER BY c.cause"""
 
 
 
@@ -178,13 +181,19 @@ PREFIX_PREEMPTED = """SELECT count(*) FROM request_events r JOIN sources s USING
 LENGTHS_SQL = """SELECT prompt_tokens + k AS tokens
     FROM requests, range(greatest(output_tokens, 1)::BIGINT) AS r(k) WHERE run_id = $run AND prompt_tokens > 0"""
 
+# the tokens pages of $p would have served on top of today's hits, per first admission: the whole $p-pages of
+# the shared prefix short of the prompt's last token (always computed), less what pages of P serve (whole P-pages
+# of the shared prefix, as far as cacheable) or hit. Written apart from agent/read/queries.py's SMALLER_PAGES_SQL
+# (which floors each bound with `//`): here the bound is taken first and floored by its remainder.
 SMALLER_PAGE_SQL = """WITH l AS (
-        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
-        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
-    SELECT coalesce(sum(greatest(0, least(s2 // $p * $p, (prompt_tokens - 1) // $p * $p)
-                                  - greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens),
-                                             hit_tokens))), 0) AS saved_tokens
-    FROM l"""
+        SELECT greatest(x.shared_tokens, x.hit_tokens) AS shared, x.prompt_tokens, x.page_size_tokens AS big,
+               x.cacheable_tokens, x.hit_tokens
+        FROM prefix_lookups x JOIN sources s USING (source_id) WHERE s.run_id = $run AND x.kind = 'first'),
+    m AS (SELECT least(shared, prompt_tokens - 1) AS reach,
+                 greatest(least(shared - shared % big, cacheable_tokens), hit_tokens) AS served
+          FROM l),
+    w AS (SELECT reach - reach % $p AS small, served FROM m)
+    SELECT coalesce(sum(small - served) FILTER (WHERE small > served), 0) AS saved_tokens FROM w"""
 
 
 def latency_histogram_sql(metric: str) -> str:

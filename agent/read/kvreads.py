@@ -29,23 +29,44 @@ def _bucketed(con: Any, run_id: str | None, bucket_s: float, since_s: float | No
     return None if wm is None else (where, wm, int(bucket_s))
 
 
-def kv_timeline(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
-                until_s: float | None) -> list[dict[str, Any]] | None:
+# the rows' names: those of queries.py's raw reads too (one list, so the two answers cannot drift apart)
+KV_TIMELINE_KEYS = ("t_s", "rank", "block_usage", "token_usage", "internal_fragmentation", "external_fragmentation",
+                    "allocated_per_s", "freed_per_s", "kv_bytes", "cached_share")
+KV_SUMMARY_KEYS = ("rank", "snapshots", "page_size", "total_pages", "block_usage_mean", "block_usage_max",
+                   "token_usage_mean", "internal_fragmentation_mean", "external_fragmentation_mean",
+                   "pages_allocated_per_s", "kv_bytes_max", "kv_dtype")
+RANK_KV_KEYS = ("t_s", "rank", "kv_bytes", "imbalance")
+
+# rank_kv's last step over r(t_s, rank, kv): per bucket and rank the mean KV bytes and the bucket's imbalance
+# max_r / mean_r - 1 (raw and rollup alike)
+RANK_IMBALANCE = """SELECT t_s, rank, kv, max(kv) OVER (PARTITION BY t_s) / nullif(avg(kv) OVER (PARTITION BY t_s), 0) - 1
+        FROM r ORDER BY t_s, rank"""
+
+
+def _bucketed_rows(con: Any, run_id: str | None, bucket_s: float, since_s: float | None, until_s: float | None,
+                   sql: str, keys: tuple[str, ...], params: dict[str, Any] | None = None
+                   ) -> list[dict[str, Any]] | None:
+    """`sql`'s rows named by `keys` when the rollup can answer (`_bucketed`), else None. `sql` is formatted with
+    {b} (the bucket, whole seconds), {cells} (the run's rollup cells) and {where} (the window over `sec`); its
+    parameters are $run and `params`."""
     plan = _bucketed(con, run_id, bucket_s, since_s, until_s)
     if plan is None:
         return None
     where, wm, b = plan
-    rows = con.execute(f"""
+    sql = sql.format(b=b, cells=kvrollup.cells("$run", wm), where=where)
+    return [dict(zip(keys, r)) for r in con.execute(sql, {"run": run_id, **(params or {})}).fetchall()]
+
+
+def kv_timeline(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
+                until_s: float | None) -> list[dict[str, Any]] | None:
+    return _bucketed_rows(con, run_id, bucket_s, since_s, until_s, """
         SELECT CAST(sec // {b} * {b} AS DOUBLE) AS t_s, rank,
                sum(block_sum) / nullif(sum(block_n), 0), sum(token_sum) / nullif(sum(token_n), 0),
                sum(int_sum) / nullif(sum(int_n), 0), sum(ext_sum) / nullif(sum(ext_n), 0),
                (max(alloc_max) - min(alloc_min)) / $bucket_s, (max(freed_max) - min(freed_min)) / $bucket_s,
                sum(kv_sum) / nullif(sum(kv_n), 0), max(cached_max)
-        FROM ({kvrollup.cells('$run', wm)}) WHERE {where} GROUP BY 1, 2 HAVING sum(n) > 0 ORDER BY 1, 2""",
-        {"run": run_id, "bucket_s": float(bucket_s)}).fetchall()
-    keys = ("t_s", "rank", "block_usage", "token_usage", "internal_fragmentation", "external_fragmentation",
-            "allocated_per_s", "freed_per_s", "kv_bytes", "cached_share")
-    return [dict(zip(keys, r)) for r in rows]
+        FROM ({cells}) WHERE {where} GROUP BY 1, 2 HAVING sum(n) > 0 ORDER BY 1, 2""", KV_TIMELINE_KEYS,
+        {"bucket_s": float(bucket_s)})
 
 
 def kv_summary(con: Any, run_id: str | None) -> list[dict[str, Any]] | None:
@@ -60,21 +81,12 @@ def kv_summary(con: Any, run_id: str | None) -> list[dict[str, Any]] | None:
                max(kv_max), any_value(kv_dtype) FILTER (WHERE n > 0)
         FROM ({kvrollup.cells('$run', wm)}) GROUP BY rank HAVING sum(n) > 0 ORDER BY rank""",
         {"run": run_id}).fetchall()
-    keys = ("rank", "snapshots", "page_size", "total_pages", "block_usage_mean", "block_usage_max",
-            "token_usage_mean", "internal_fragmentation_mean", "external_fragmentation_mean",
-            "pages_allocated_per_s", "kv_bytes_max", "kv_dtype")
-    return [dict(zip(keys, r)) for r in rows]
+    return [dict(zip(KV_SUMMARY_KEYS, r)) for r in rows]
 
 
 def rank_kv(con: Any, run_id: str | None, bucket_s: float, since_s: float | None,
             until_s: float | None) -> list[dict[str, Any]] | None:
-    plan = _bucketed(con, run_id, bucket_s, since_s, until_s)
-    if plan is None:
-        return None
-    where, wm, b = plan
-    rows = con.execute(f"""
+    return _bucketed_rows(con, run_id, bucket_s, since_s, until_s, """
         WITH r AS (SELECT CAST(sec // {b} * {b} AS DOUBLE) AS t_s, rank, sum(all_kv_sum) / nullif(sum(all_kv_n), 0) AS kv
-                   FROM ({kvrollup.cells('$run', wm)}) WHERE {where} GROUP BY 1, 2 HAVING sum(all_n) > 0)
-        SELECT t_s, rank, kv, max(kv) OVER (PARTITION BY t_s) / nullif(avg(kv) OVER (PARTITION BY t_s), 0) - 1
-        FROM r ORDER BY t_s, rank""", {"run": run_id}).fetchall()
-    return [dict(zip(("t_s", "rank", "kv_bytes", "imbalance"), r)) for r in rows]
+                   FROM ({cells}) WHERE {where} GROUP BY 1, 2 HAVING sum(all_n) > 0)
+        """ + RANK_IMBALANCE, RANK_KV_KEYS)

@@ -139,10 +139,7 @@ def kv_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> lis
             GROUP BY k.rank ORDER BY k.rank""",
         params,
     ).fetchall()
-    keys = ("rank", "snapshots", "page_size", "total_pages", "block_usage_mean", "block_usage_max",
-            "token_usage_mean", "internal_fragmentation_mean", "external_fragmentation_mean",
-            "pages_allocated_per_s", "kv_bytes_max", "kv_dtype")
-    return [dict(zip(keys, r)) for r in rows]
+    return [dict(zip(kvreads.KV_SUMMARY_KEYS, r)) for r in rows]
 
 
 def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
@@ -316,15 +313,23 @@ def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, tt
             "goodput_tokens_per_s": (tokens or 0) / span if span > 0 else None}
 
 
+def _kv_buckets(con: duckdb.DuckDBPyConnection, run_id: str | None, bucket_s: float, since_s: float | None,
+                until_s: float | None, rollup: Any, sql: str, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """`rollup`'s rows (agent/read/kvreads.py: the same figures from the ten-second KV rollup, for buckets and
+    windows of whole cells) where it answers, else `sql`'s over the raw snapshots `k`: formatted with {t} (a
+    snapshot's seconds since the run's first step) and {where} (the run and window), with $bucket_s."""
+    out = rollup(con, run_id, bucket_s, since_s, until_s)
+    if out is not None:
+        return out
+    t, where, params = _window(run_id, since_s, until_s, table="k")
+    return _rows(con, sql.format(t=t, where=where), {**params, "bucket_s": bucket_s}, keys)
+
+
 def kv_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s: float = 1.0,
                 since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
     """Per bucket and rank: mean block and token usage, internal/external fragmentation, pages allocated/freed per s.
     From the ten-second KV rollup for buckets and windows of whole cells (agent/read/kvreads.py: the same figures)."""
-    out = kvreads.kv_timeline(con, run_id, bucket_s, since_s, until_s)
-    if out is not None:
-        return out
-    t, where, params = _window(run_id, since_s, until_s, table="k")
-    return _rows(con, f"""
+    return _kv_buckets(con, run_id, bucket_s, since_s, until_s, kvreads.kv_timeline, """
         SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank,
                avg(used_pages / total_pages), avg(live_tokens / (total_pages * page_size_tokens)),
                avg(CASE WHEN used_pages > 0 THEN 1 - live_tokens / (used_pages * page_size_tokens) END),
@@ -333,9 +338,7 @@ def kv_timeline(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucke
                (max(pages_freed_total) - min(pages_freed_total)) / $bucket_s,
                avg(kv_bytes), max(cached_pages / total_pages)
         FROM kv_snapshots k JOIN sources s USING (source_id) {where} AND total_pages > 0
-        GROUP BY 1, 2 ORDER BY 1, 2""", {**params, "bucket_s": bucket_s},
-        ("t_s", "rank", "block_usage", "token_usage", "internal_fragmentation", "external_fragmentation",
-         "allocated_per_s", "freed_per_s", "kv_bytes", "cached_share"))
+        GROUP BY 1, 2 ORDER BY 1, 2""", kvreads.KV_TIMELINE_KEYS)
 
 
 def page_size_whatif(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
@@ -385,16 +388,10 @@ def rank_kv(con: duckdb.DuckDBPyConnection, run_id: str | None = None, bucket_s:
             since_s: float | None = None, until_s: float | None = None) -> list[dict[str, Any]]:
     """Per bucket and rank: mean KV bytes, and per bucket the imbalance max_r/mean_r - 1 (heatmap data).
     From the ten-second KV rollup for buckets and windows of whole cells (agent/read/kvreads.py: the same figures)."""
-    out = kvreads.rank_kv(con, run_id, bucket_s, since_s, until_s)
-    if out is not None:
-        return out
-    t, where, params = _window(run_id, since_s, until_s, table="k")
-    return _rows(con, f"""
+    return _kv_buckets(con, run_id, bucket_s, since_s, until_s, kvreads.rank_kv, """
         WITH r AS (SELECT floor({t} / $bucket_s) * $bucket_s AS t_s, k.rank, avg(kv_bytes) AS kv
                    FROM kv_snapshots k JOIN sources s USING (source_id) {where} GROUP BY 1, 2)
-        SELECT t_s, rank, kv, max(kv) OVER (PARTITION BY t_s) / nullif(avg(kv) OVER (PARTITION BY t_s), 0) - 1
-        FROM r ORDER BY t_s, rank""", {**params, "bucket_s": bucket_s},
-        ("t_s", "rank", "kv_bytes", "imbalance"))
+        """ + kvreads.RANK_IMBALANCE, kvreads.RANK_KV_KEYS)
 
 
 def rank_steps(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
@@ -640,15 +637,7 @@ MISS_CAUSES_SQL = """WITH l AS (
            max(table_pages) AS table_pages, max(table_dropped_total) AS table_dropped_pages
     FROM c"""
 
-# what a page of $p tokens would have hit among the sub-page misses (the same rule, P -> $p)
-SMALLER_PAGE_SQL = """WITH l AS (
-        SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
-        FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
-    SELECT coalesce(sum(greatest(0, least(s2 // $p * $p, (prompt_tokens - 1) // $p * $p)
-                                  - greatest(least(s2 // page_size_tokens * page_size_tokens, cacheable_tokens),
-                                             hit_tokens))), 0) AS saved_tokens
-    FROM l"""
-
+# what a page of p tokens would have hit among the sub-page misses (the same rule, P -> p), for every p of $pages
 SMALLER_PAGES_SQL = """WITH l AS (
         SELECT l.*, greatest(l.shared_tokens, l.hit_tokens) AS s2
         FROM prefix_lookups l JOIN sources s USING (source_id) WHERE s.run_id = $run AND l.kind = 'first')
