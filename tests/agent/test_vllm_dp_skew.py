@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import shutil
-import tempfile
 import time
 import urllib.request
 
@@ -23,49 +22,37 @@ import pytest
 duckdb = pytest.importorskip("duckdb")
 
 from builders.dp_reference import dp_by_hand  # noqa: E402
-from phasescope.agent.sidecar import Sidecar  # noqa: E402
-from phasescope.cli.server_process import served  # noqa: E402
-from test_vllm_integration import MODEL, _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+from test_vllm_integration import MODEL, vllm_env, vllm_served  # noqa: E402,F401 (vllm_env: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = "dp-skew-pinned"
 
 
+def pinned_run(vllm_env, run: str, pinned: dict[int, int]) -> tuple[str, str]:
+    """A DP=2 server (--max-num-seqs 2) recorded as `run`; request i (64-token prompt, 32 tokens out) is sent to
+    engine `pinned[i]`, all at once. Returns (tmp folder, db path); the caller removes tmp."""
+    with vllm_served(vllm_env, ["--max-num-seqs", "2", "--data-parallel-size", "2"], run_id=run) as (url, tmp, db):
+
+        def complete(i: int) -> int:
+            body = json.dumps({"model": str(MODEL), "prompt": [300 + i + k % 50 for k in range(64)],
+                               "max_tokens": 32, "ignore_eos": True, "temperature": 0}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body, headers={
+                "content-type": "application/json", "X-data-parallel-rank": str(pinned[i])})
+            with urllib.request.urlopen(req, timeout=300) as f:
+                return json.loads(f.read())["usage"]["completion_tokens"]
+
+        with cf.ThreadPoolExecutor(len(pinned)) as ex:
+            assert list(ex.map(complete, sorted(pinned))) == [32] * len(pinned)
+        time.sleep(1.5)  # the probes' next flush
+    return tmp, db
+
+
 def test_pinned_routing_is_named_dp_skew_with_figures_from_the_rows(vllm_env):
     from phasescope.analyzers.runinfo import read_run_info
     from phasescope.analyzers.sweep import binding, constraints_at
 
-    exe, env = vllm_env
-    tmp = tempfile.mkdtemp(prefix="ps-dp-", dir="/tmp")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    sock = f"unix:{tmp}/agent.sock"
-    db = f"{tmp}/run.duckdb"
-    side = Sidecar(db, listen=[sock], batch_interval_s=0.05, sample_interval_s=0.5).start()
-    cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--load-format", "dummy",
-           "--skip-tokenizer-init", "--block-size", "32", "--enforce-eager", "--port", str(port), "--host",
-           "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32", "--num-gpu-blocks-override", "34",
-           "--max-num-seqs", "2", "--max-num-batched-tokens", "512", "--data-parallel-size", "2"]
-    pinned = {i: 1 if i % 8 == 0 else 0 for i in range(16)}  # engine 1 gets requests 0 and 8
-    try:
-        with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=RUN),
-                    log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM"):  # stopped: SIGTERM, 60 s, SIGKILL
-
-            def complete(i: int) -> int:
-                body = json.dumps({"model": str(MODEL), "prompt": [300 + i + k % 50 for k in range(64)],
-                                   "max_tokens": 32, "ignore_eos": True, "temperature": 0}).encode()
-                req = urllib.request.Request(url + "/v1/completions", data=body, headers={
-                    "content-type": "application/json", "X-data-parallel-rank": str(pinned[i])})
-                with urllib.request.urlopen(req, timeout=300) as f:
-                    return json.loads(f.read())["usage"]["completion_tokens"]
-
-            with cf.ThreadPoolExecutor(16) as ex:
-                assert list(ex.map(complete, range(16))) == [32] * 16
-            time.sleep(1.5)  # the probes' next flush
-    finally:
-        time.sleep(0.5)
-        side.stop()
+    tmp, db = pinned_run(vllm_env, RUN, {i: 1 if i % 8 == 0 else 0 for i in range(16)})  # engine 1: 0 and 8
     con = duckdb.connect(db, read_only=True)
     try:
         # the pinning held: engine i's EngineCore (rank i, TP 1) saw the requests sent to it
