@@ -44,12 +44,26 @@ def guidellm_exe() -> str:
     return exe
 
 
+HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")  # what guidellm's key=value,... backend string can carry as a key
+HEADER_VALUE = re.compile(r"[^,'=]*")
+
+
 def guidellm_command(exe: str, target: str, model: str, tokenizer: str, rates: Sequence[float], requests: int,
-                     prompt_tokens: int, output_tokens: int, report: str, seed: int = 0) -> list[str]:
+                     prompt_tokens: int, output_tokens: int, report: str, seed: int = 0,
+                     headers: dict[str, str] | None = None) -> list[str]:
     """guidellm's command line: constant-rate benchmarks at each of `rates` (requests/s), `requests` per rate,
     synthetic prompts of `prompt_tokens` and `output_tokens` (tokens, counted by `tokenizer`) to /v1/completions,
-    its JSON report written to `report`."""
-    return [exe, "run", "--backend", f"kind=openai_http,target={target},model={model},request_format=/v1/completions",
+    its JSON report written to `report`; `headers` go with every request (guidellm's backend `extras.headers`: one
+    value for all requests, e.g. X-data-parallel-rank to pin a vLLM DP server's requests to one engine).
+    ValueError on a header guidellm's backend string cannot carry (a name other than letters, digits and '-',
+    a value with ',', '=' or a quote)."""
+    backend = f"kind=openai_http,target={target},model={model},request_format=/v1/completions"
+    for name, value in (headers or {}).items():
+        if not HEADER_NAME.fullmatch(name) or not HEADER_VALUE.fullmatch(value):
+            raise ValueError(f"header {name}: {value!r}: guidellm's backend string takes names of letters, digits "
+                             "and '-', and values without ',', '=' or quotes")
+        backend += f",extras.headers.{name}='{value}'"  # quoted: YAML would read 0 as a number, not a header
+    return [exe, "run", "--backend", backend,
             "--profile", f"kind=constant,rate={rates[0]:g}", "--override", "profile.rate",
             ",".join(f"{r:g}" for r in rates),
             "--constraint", f"kind=max_requests,count={requests}",
@@ -144,9 +158,11 @@ def serving(db: str, cmd: Sequence[str], url: str, run_id: str, labels: dict[str
 def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, model: str, tokenizer: str,
                  requests: int = 20, prompt_tokens: int = 64, output_tokens: int = 16, target_attainment: float = 0.9,
                  serve: Sequence[str] | None = None, labels: dict[str, Any] | None = None, out_dir: str = ".",
-                 sweep_id: str | None = None, console: Any = None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """guidellm over `rates` (requests/s) against `target`; with `serve`, the server is started and recorded into
-    `db` first (`env`: the server's environment, default this one). Returns `explain_report`'s result over the report (guidellm's report path under "report")."""
+                 sweep_id: str | None = None, console: Any = None, env: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """guidellm over `rates` (requests/s) against `target` (`headers` with every request); with `serve`, the
+    server is started and recorded into `db` first (`env`: the server's environment, default this one). Returns
+    `explain_report`'s result over the report (guidellm's report path under "report")."""
     from .explain import explain_report
 
     rates = sorted(float(r) for r in rates)
@@ -156,7 +172,7 @@ def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, mode
     os.makedirs(out_dir, exist_ok=True)
     report = os.path.abspath(os.path.join(out_dir, f"guidellm-{sweep_id}.json"))
     cmd = guidellm_command(guidellm_exe(), target, model, tokenizer, rates, requests, prompt_tokens,
-                           output_tokens, report)
+                           output_tokens, report, headers=headers)
     run_id = f"sweep-{sweep_id}"[:16]  # the probe keeps 16 bytes of a run id (records/events.py Hello)
     say = console.print if console is not None else (lambda *a, **k: None)
 

@@ -1,19 +1,22 @@
-"""`sweep --url`'s progress bar per load point (cli/sweep_server.py `run_guidellm`), driven by guidellm's own
-progress lines. A stand-in guidellm (an executable script) writes guidellm 0.8.1's lines as a real run wrote them
+"""`sweep --url` without a server: its guidellm command line (headers) and its progress bar per load point
+(cli/sweep_server.py `run_guidellm`), driven by guidellm's own progress lines. A stand-in guidellm (an executable script) writes guidellm 0.8.1's lines as a real run wrote them
 (tests/agent/test_vllm_sweep.py's kv-bound case, copied verbatim but for the counts), so the test runs in a second
 without a server; the bar must show each point's count as guidellm states it, in order, while guidellm runs."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import stat
 import sys
 import textwrap
 
+import pytest
 from rich.console import Console
 
-from phasescope.cli.sweep_server import progress_of, run_guidellm
+from phasescope.cli.sweep import _header
+from phasescope.cli.sweep_server import guidellm_command, progress_of, run_guidellm
 
 REAL = ("26-12-02 03:04:14|INFO     |guidellm.benchmark.progress:_log_update:420 - Benchmark 1 (constant@1.00): "
         "active | elapsed=33.0s | successful=8 errored=0 incomplete=0 | requests/s=0.90 output_tokens/s=28.72")
@@ -72,3 +75,19 @@ def test_no_console_no_bar_and_the_exit_code_is_guidellms(tmp_path):
     rc, seen = run_guidellm([exe], str(tmp_path / "g.log"), [1.0], 4, None)
     assert rc == 3 and seen == [(0, "started", 0)]
     assert os.path.getsize(tmp_path / "g.log") > 0
+
+
+def test_headers_ride_in_guidellms_backend_string():
+    cmd = guidellm_command("guidellm", "http://h:1", "m", "tok", [1.0, 2.0], 4, 8, 4, "/r.json",
+                           headers={"X-data-parallel-rank": "0"})
+    backend = cmd[cmd.index("--backend") + 1]
+    # guidellm 0.8.1's arg-string parser reads this as {"extras": {"headers": {"X-data-parallel-rank": "0"}}}
+    # (checked with its own `guidellm.utils.arg_string.loads` and OpenAIHTTPBackendArgs in its venv)
+    assert backend.endswith(",extras.headers.X-data-parallel-rank='0'")
+    assert "extras" not in " ".join(guidellm_command("g", "http://h:1", "m", "t", [1.0], 4, 8, 4, "/r"))
+    for bad in ({"X a": "1"}, {"X": "a,b"}, {"X": "a=b"}, {"X": "'"}):
+        with pytest.raises(ValueError):
+            guidellm_command("g", "http://h:1", "m", "t", [1.0], 4, 8, 4, "/r", headers=bad)
+    assert _header("X-data-parallel-rank: 0") == ("X-data-parallel-rank", "0")
+    with pytest.raises(argparse.ArgumentTypeError):
+        _header("no-colon")
