@@ -133,7 +133,7 @@ def silent_engines(con: duckdb.DuckDBPyConnection, run_id: str, seen: set[int],
         mine = [(rt, n) for rt, rank, n in work if e * width <= rank < (e + 1) * width]
         done = sum(n for _, n in mine)
         if done:
-            gaps[e] = (f"its probe recorded {done} steps, request events and KV snapshots, but the API server's "
+            gaps[e] = (f"its probe recorded {done} rows (steps, request events, KV snapshots), but the API server's "
                        "stat logger holds no sample of it: a gap in the gauges, not an idle engine")
         elif any(rt == "vllm-engine" for rt, _ in mine):
             idle.append(e)

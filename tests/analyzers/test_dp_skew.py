@@ -115,7 +115,7 @@ def test_an_engine_missing_for_another_reason_is_a_gap_not_skew(store):
     # its probe recorded steps the gauges lack: a gap in the gauges
     c = _dp(store, "dp-stepped")
     assert not c.binds and c.change == "" and c.figures["expected_engines"] == 2
-    assert "recorded 5 steps" in c.figures["engines_without_figures"][1]
+    assert "recorded 5 rows (steps" in c.figures["engines_without_figures"][1]
     b = dp_balance(store, "dp-stepped")
     assert b["kv_imbalance"] is None and b["idle_engines"] == [] and b["by_engine"] == {}
     # no probe of its own: idle cannot be told from a failed probe
