@@ -185,6 +185,13 @@ def _rates(text: str) -> list[float]:
     return out
 
 
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME:VALUE, got {text!r}")
+    return name.strip(), value.strip()
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     """sweep HF continuous batching over arrival rates to the SLO knee
 
@@ -233,7 +240,7 @@ def _cmd_sweep_server(args: argparse.Namespace, slo: Any) -> int:
                               prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                               target_attainment=args.target,
                               serve=shlex.split(args.serve) if args.serve else None, out_dir=args.out,
-                              console=console)
+                              console=console, headers=dict(args.header or ()))
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
     paths = write_outputs(result, args.out)
@@ -271,3 +278,6 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer guidellm counts tokens with (default: --model)")
     g.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt length, tokens (default: 64)")
     g.add_argument("--output-tokens", type=int, default=16, help="output length, tokens (default: 16)")
+    g.add_argument("--header", type=_header, action="append", metavar="NAME:VALUE",
+                   help="a header guidellm sends with every request, repeatable (e.g. X-data-parallel-rank:0 sends "
+                        "every request to a vLLM DP server's engine 0; guidellm cannot vary it per request)")

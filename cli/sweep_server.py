@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import tempfile
@@ -43,18 +44,87 @@ def guidellm_exe() -> str:
     return exe
 
 
+HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")  # what guidellm's key=value,... backend string can carry as a key
+HEADER_VALUE = re.compile(r"[^,'=]*")
+
+
 def guidellm_command(exe: str, target: str, model: str, tokenizer: str, rates: Sequence[float], requests: int,
-                     prompt_tokens: int, output_tokens: int, report: str, seed: int = 0) -> list[str]:
+                     prompt_tokens: int, output_tokens: int, report: str, seed: int = 0,
+                     headers: dict[str, str] | None = None) -> list[str]:
     """guidellm's command line: constant-rate benchmarks at each of `rates` (requests/s), `requests` per rate,
     synthetic prompts of `prompt_tokens` and `output_tokens` (tokens, counted by `tokenizer`) to /v1/completions,
-    its JSON report written to `report`."""
-    return [exe, "run", "--backend", f"kind=openai_http,target={target},model={model},request_format=/v1/completions",
+    its JSON report written to `report`; `headers` go with every request (guidellm's backend `extras.headers`: one
+    value for all requests, e.g. X-data-parallel-rank to pin a vLLM DP server's requests to one engine).
+    ValueError on a header guidellm's backend string cannot carry (a name other than letters, digits and '-',
+    a value with ',', '=' or a quote)."""
+    backend = f"kind=openai_http,target={target},model={model},request_format=/v1/completions"
+    for name, value in (headers or {}).items():
+        if not HEADER_NAME.fullmatch(name) or not HEADER_VALUE.fullmatch(value):
+            raise ValueError(f"header {name}: {value!r}: guidellm's backend string takes names of letters, digits "
+                             "and '-', and values without ',', '=' or quotes")
+        backend += f",extras.headers.{name}='{value}'"  # quoted: YAML would read 0 as a number, not a header
+    return [exe, "run", "--backend", backend,
             "--profile", f"kind=constant,rate={rates[0]:g}", "--override", "profile.rate",
             ",".join(f"{r:g}" for r in rates),
             "--constraint", f"kind=max_requests,count={requests}",
             "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
             "--tokenizer", f"kind=hf_auto,model={tokenizer}", "--seed", f"kind=static,value={seed}",
             "--output", f"kind=json,path={report}", "--disable-console-interactive"]
+
+
+# guidellm 0.8.1's progress log line (benchmark/progress.py `GenerativeLoggingBenchmarkerProgress._log_update`),
+# written when a benchmark starts, every 10 s while it runs, and when it compiles and completes:
+# "Benchmark 1 (constant@1.00): active | elapsed=33.0s | successful=8 errored=0 incomplete=0 | requests/s=..."
+PROGRESS_LINE = re.compile(r"Benchmark (\d+) \(([^)]*)\): (\w+) \| elapsed=[\d.]+s \| "
+                           r"successful=(\d+) errored=(\d+) incomplete=(\d+)")
+
+
+def progress_of(line: str) -> tuple[int, str, int, int, int] | None:
+    """(point index from 0, status, successful, errored, incomplete) of one guidellm progress line, else None."""
+    m = PROGRESS_LINE.search(line)
+    if m is None:
+        return None
+    return int(m[1]) - 1, m[3], int(m[4]), int(m[5]), int(m[6])
+
+
+def run_guidellm(cmd: Sequence[str], log_path: str, rates: Sequence[float], requests: int,
+                 console: Any = None) -> tuple[int, list[tuple[int, str, int]]]:
+    """Run guidellm, its output copied line by line to `log_path`, with a rich progress bar per load point on
+    `console` (none when None) driven by guidellm's own counts: its progress line gives the point that runs and
+    its finished requests (successful + errored) at the point's start, every 10 s while it runs, and at its end
+    (guidellm's logging interval; no finer count leaves the process). Returns (exit code, the updates seen:
+    (point index, status, finished requests))."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    seen: list[tuple[int, str, int]] = []
+    env = dict(os.environ, GUIDELLM__LOGGING__CONSOLE_COLORIZE="false")  # plain lines to parse
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=console is None) as bar, open(log_path, "w") as log:
+        tasks = [bar.add_task(f"{r:g} req/s", total=requests, start=False, status="waiting") for r in rates]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                errors="replace")
+        try:
+            for line in proc.stdout or ():
+                log.write(line)
+                p = progress_of(line)
+                if p is None or not 0 <= p[0] < len(tasks):
+                    continue
+                i, status, ok, err, incomplete = p
+                seen.append((i, status, ok + err))
+                if status == "started":
+                    bar.start_task(tasks[i])
+                note = status + (f", {err} errored" if err else "") + (
+                    f", {incomplete} incomplete" if incomplete else "")
+                bar.update(tasks[i], completed=ok + err, status=note, refresh=True)  # drawn as it comes
+                if status == "completed":
+                    bar.stop_task(tasks[i])
+        except BaseException:  # an interrupt (or a console that fails) must not leave guidellm running
+            proc.kill()
+            proc.wait()
+            raise
+        rc = proc.wait()
+    return rc, seen
 
 
 @contextlib.contextmanager
@@ -88,9 +158,11 @@ def serving(db: str, cmd: Sequence[str], url: str, run_id: str, labels: dict[str
 def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, model: str, tokenizer: str,
                  requests: int = 20, prompt_tokens: int = 64, output_tokens: int = 16, target_attainment: float = 0.9,
                  serve: Sequence[str] | None = None, labels: dict[str, Any] | None = None, out_dir: str = ".",
-                 sweep_id: str | None = None, console: Any = None, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """guidellm over `rates` (requests/s) against `target`; with `serve`, the server is started and recorded into
-    `db` first (`env`: the server's environment, default this one). Returns `explain_report`'s result over the report (guidellm's report path under "report")."""
+                 sweep_id: str | None = None, console: Any = None, env: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """guidellm over `rates` (requests/s) against `target` (`headers` with every request); with `serve`, the
+    server is started and recorded into `db` first (`env`: the server's environment, default this one). Returns
+    `explain_report`'s result over the report (guidellm's report path under "report")."""
     from .explain import explain_report
 
     rates = sorted(float(r) for r in rates)
@@ -100,16 +172,16 @@ def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, mode
     os.makedirs(out_dir, exist_ok=True)
     report = os.path.abspath(os.path.join(out_dir, f"guidellm-{sweep_id}.json"))
     cmd = guidellm_command(guidellm_exe(), target, model, tokenizer, rates, requests, prompt_tokens,
-                           output_tokens, report)
+                           output_tokens, report, headers=headers)
     run_id = f"sweep-{sweep_id}"[:16]  # the probe keeps 16 bytes of a run id (records/events.py Hello)
     say = console.print if console is not None else (lambda *a, **k: None)
 
     def load() -> None:
         say(f"guidellm: {len(rates)} points of {requests} requests at {', '.join(f'{r:g}' for r in rates)} req/s")
-        with open(os.path.join(out_dir, f"guidellm-{sweep_id}.log"), "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        log = os.path.join(out_dir, f"guidellm-{sweep_id}.log")
+        rc, _ = run_guidellm(cmd, log, rates, requests, console)
         if rc != 0:
-            raise RuntimeError(f"guidellm failed (exit {rc}): {shlex.join(cmd)}; see {log.name}")
+            raise RuntimeError(f"guidellm failed (exit {rc}): {shlex.join(cmd)}; see {log}")
 
     if serve:
         with serving(db, serve, target, run_id, labels, log_path=os.path.join(out_dir, f"server-{sweep_id}.log"),

@@ -19,6 +19,18 @@ Definitions (tests pin them):
 - the hottest engine: the highest mean usage, then the highest mean waiting, then the lowest index;
 - `stranded_share`: share of the timeline in which the hottest engine was busy while another engine had
   headroom (requests waited on one engine, or its KV was full, while capacity stood idle on another).
+
+Engines that sent no sample. The stat logger samples an engine when it steps, so an engine that got no request
+has no gauge row at all, and reading only the rows would make the worst skew (everything on one engine) read as
+no skew. The run's `dp` label (the API server's `--data-parallel-size`: the vLLM adapter labels it from the API
+server's config only, the engines' own config says 1) names the engines expected, 0..dp-1. One expected but
+absent from the gauges is:
+- *idle* when its own probe (the EngineCore source of rank engine x tp x pp) is in the run and it, with its
+  workers, recorded no step, request event or KV snapshot: it never stepped, so it held 0 requests running or
+  waiting and 0 KV in use all along. It counts as usage 0 and waiting 0 over the whole timeline (`idle_engines`);
+- a *gap* otherwise, and then no figure is given (`gaps`: engine -> why): its probe recorded work the gauges
+  lack, or it has no probe in the run (idle cannot be told from a probe that failed), or the gauges are a
+  /metrics scrape (vLLM exports every engine's gauges there: a missing one is a lost series, not an idle engine).
 """
 
 from __future__ import annotations
@@ -45,7 +57,13 @@ SAMPLES_SQL = f"""WITH g AS (
     FROM g, k WHERE g.logger = k.logger GROUP BY engine, t
     HAVING usage IS NOT NULL AND waiting IS NOT NULL"""
 
-DP_SQL = f"""WITH s AS ({SAMPLES_SQL}),
+SEEN_SQL = f"SELECT engine, bool_or(logger) FROM ({SAMPLES_SQL}) GROUP BY engine"
+
+# the samples, plus one of usage 0 and waiting 0 per idle engine ($idle) at the first sample time: held from there
+DP_SQL = f"""WITH real AS ({SAMPLES_SQL}),
+    s AS (SELECT engine, t, logger, usage, waiting FROM real UNION ALL
+          SELECT i.engine, (SELECT min(t) FROM real), (SELECT any_value(logger) FROM real), 0.0, 0.0
+          FROM (SELECT unnest($idle::SMALLINT[]) AS engine) i WHERE EXISTS (SELECT 1 FROM real)),
     start AS (SELECT max(t0) AS t0 FROM (SELECT min(t) AS t0 FROM s GROUP BY engine)),
     ticks AS (SELECT DISTINCT s.t FROM s, start WHERE s.t >= start.t0),
     iv AS (SELECT t, lead(t) OVER (ORDER BY t) - t AS d FROM ticks),
@@ -65,23 +83,84 @@ DP_SQL = f"""WITH s AS ({SAMPLES_SQL}),
     tot AS (SELECT sum(d) AS span, sum(d) FILTER (WHERE hot_busy AND other_free) AS stranded FROM per_t)
     SELECT eng.*, (SELECT engine FROM hot) AS hot_engine, tot.span / 1e9 AS span_s,
            coalesce(tot.stranded, 0) / nullif(tot.span, 0) AS stranded_share,
-           (SELECT count(*) FROM s) AS samples,
-           (SELECT any_value(logger) FROM s) AS from_logger
+           (SELECT count(*) FROM real) AS samples,
+           (SELECT any_value(logger) FROM real) AS from_logger
     FROM eng, tot ORDER BY eng.engine"""
 
 
+# per EngineCore or worker source of the run: its rank and how many steps, request events and KV snapshots it sent
+WORK_SQL = """WITH src AS (SELECT source_id, runtime, rank FROM sources
+                       WHERE run_id = $run AND runtime IN ('vllm-engine', 'vllm-worker')),
+    w AS (SELECT source_id, count(*) AS n FROM steps WHERE source_id IN (SELECT source_id FROM src) GROUP BY 1
+          UNION ALL SELECT source_id, count(*) FROM request_events WHERE source_id IN (SELECT source_id FROM src)
+          GROUP BY 1
+          UNION ALL SELECT source_id, count(*) FROM kv_snapshots WHERE source_id IN (SELECT source_id FROM src)
+          GROUP BY 1)
+    SELECT src.runtime, src.rank, coalesce(sum(w.n), 0) FROM src LEFT JOIN w USING (source_id) GROUP BY ALL"""
+
+
+def _labels(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str]:
+    """The run's dp, tp and pp labels ({} without a run_info table)."""
+    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'run_info'").fetchone()[0]:
+        return {}
+    return dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ? AND key IN ('dp', 'tp', 'pp')",
+                            [run_id]).fetchall())
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def silent_engines(con: duckdb.DuckDBPyConnection, run_id: str, seen: set[int],
+                   from_logger: bool) -> tuple[int | None, list[int], dict[int, str]]:
+    """(engines expected by the run's `dp` label or None, the idle ones, the gaps: engine -> why) among the
+    expected engines absent from the gauges `seen` (module docstring)."""
+    lab = _labels(con, run_id)
+    expected = _int(lab.get("dp"))
+    missing = sorted(set(range(expected or 0)) - seen)
+    if not missing:
+        return expected, [], {}
+    if not from_logger:
+        return expected, [], {e: "no series in the /metrics scrape, which holds every engine's gauges: a lost "
+                                 "series, not an idle engine" for e in missing}
+    width = max(1, _int(lab.get("tp")) or 1) * max(1, _int(lab.get("pp")) or 1)  # ranks per engine
+    work = con.execute(WORK_SQL, {"run": run_id}).fetchall()
+    idle, gaps = [], {}
+    for e in missing:
+        mine = [(rt, n) for rt, rank, n in work if e * width <= rank < (e + 1) * width]
+        done = sum(n for _, n in mine)
+        if done:
+            gaps[e] = (f"its probe recorded {done} rows (steps, request events, KV snapshots), but the API server's "
+                       "stat logger holds no sample of it: a gap in the gauges, not an idle engine")
+        elif any(rt == "vllm-engine" for rt, _ in mine):
+            idle.append(e)
+        else:
+            gaps[e] = ("no gauge sample and no probe of its own in the run: an idle engine cannot be told from a "
+                       "probe that failed")
+    return expected, idle, gaps
+
+
 def dp_balance(con: duckdb.DuckDBPyConnection, run_id: str, near_cap: float = T["near_cap"]) -> dict[str, Any]:
-    """How evenly the run's data-parallel engines were loaded: `engines` (how many have gauges), per engine
-    (`by_engine`: usage_mean, waiting_mean, usage_max, busy_share, headroom_share), `kv_imbalance`,
-    `waiting_imbalance`, `hot_engine`, `stranded_share` (time fractions), `span_s` (s), `samples`, `source`
-    ("stat-logger" or "scrape"). Fewer than two engines: `engines` and None for the rest."""
-    rows = con.execute(DP_SQL, {"run": run_id, "near_cap": near_cap})
+    """How evenly the run's data-parallel engines were loaded: `engines` (those counted: with gauges, plus idle
+    ones), per engine (`by_engine`: usage_mean, waiting_mean, usage_max, busy_share, headroom_share),
+    `kv_imbalance`, `waiting_imbalance`, `hot_engine`, `stranded_share` (time fractions), `span_s` (s),
+    `samples` (gauge rows read), `source` ("stat-logger" or "scrape"); `expected_engines` (the `dp` label, or
+    None), `idle_engines` (sent no sample, never stepped: counted at 0), `gaps` (engine -> why it has no figure).
+    Fewer than two engines, or any gap: None for the figures."""
+    seen = dict(con.execute(SEEN_SQL, {"run": run_id}).fetchall())  # engine -> from the stat logger
+    expected, idle, gaps = (silent_engines(con, run_id, set(seen), any(seen.values())) if seen
+                            else (_int(_labels(con, run_id).get("dp")), [], {}))  # no gauges at all: no claim
+    rows = con.execute(DP_SQL, {"run": run_id, "near_cap": near_cap, "idle": [] if gaps else idle})
     names = [d[0] for d in rows.description]
     eng = [dict(zip(names, r)) for r in rows.fetchall()]
     empty = {"engines": len(eng), "by_engine": {}, "kv_imbalance": None, "waiting_imbalance": None,
              "hot_engine": None, "stranded_share": None, "span_s": None, "samples": None, "source": None,
-             "near_cap": near_cap}
-    if len(eng) < 2 or not eng[0]["span_s"]:
+             "near_cap": near_cap, "expected_engines": expected, "idle_engines": idle if not gaps else [],
+             "gaps": gaps}
+    if len(eng) < 2 or gaps or not eng[0]["span_s"]:
         return empty
     keys = ("usage_mean", "waiting_mean", "usage_max", "busy_share", "headroom_share")
     return {**empty,

@@ -124,6 +124,18 @@ def test_config_labels_from_a_config_shaped_object():
     assert labels["model_dtype"] == "float16" and "num_gpu_blocks" not in labels
 
 
+def test_engine_side_labels_leave_dp_to_the_api_server_unless_moe():
+    from types import SimpleNamespace as NS
+
+    def cfg(moe: bool):  # an EngineCore's config after vLLM's reconfigure_for_independent_dp_rank: DP size 1
+        return NS(model_config=NS(hf_text_config=None, is_moe=moe), scheduler_config=None, cache_config=None,
+                  parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1))
+
+    assert adapter.config_labels(cfg(False))["dp"] == "1"  # what the engine's own config says
+    assert "dp" not in adapter.engine_side_labels(cfg(False))  # so a dense model's engine does not label it
+    assert adapter.engine_side_labels(cfg(True))["dp"] == "1"  # an MoE engine keeps its config's DP size
+
+
 # --- the block-pool wrappers on a pool shaped like vLLM's (no vLLM needed) -------------------------
 
 class _Block:

@@ -11,6 +11,7 @@ that is a failure.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import pathlib
@@ -129,11 +130,18 @@ def _hang_up(url: str, i: int, after_chunks: int = 4) -> int:
     return n
 
 
-def _serve(vllm_env, extra: list[str], requests: int, long_first: bool = False, hangups: int = 0):
-    """Sidecar + scraper here, the OpenAI server with the plugin on, a shared-prefix workload (`long_first`: one
-    600-token prompt alone before it, whose first 512-token chunk is a step that produces no output), then
-    `hangups` streamed n=2 requests the client drops mid-stream. Returns (tmp, db path, Δ of vLLM's /metrics
-    counters; with hang-ups, "mid": the Δ before them and "t_mid_ns": when they started, monotonic)."""
+# the tiny server every test here starts: dummy weights, no tokenizer, 34 pages of 32 tokens, eager, float32
+SERVER_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--block-size", "32", "--enforce-eager",
+               "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32",
+               "--num-gpu-blocks-override", "34", "--max-num-batched-tokens", "512"]
+
+
+@contextlib.contextmanager
+def vllm_served(vllm_env, extra: list[str], scrape: bool = False, run_id: str | None = None):
+    """A sidecar here (writing `db`; `scrape`: also polling the server's /metrics as run "scrape") and the
+    OpenAI server (SERVER_ARGS + `extra`) with the plugin on, sending to it (`run_id`: PHASESCOPE_RUN_ID).
+    Yields (url, tmp folder, db path); on exit the server stops (SIGTERM, 60 s, SIGKILL), then the sidecar.
+    The caller removes tmp."""
     exe, env = vllm_env
     tmp = tempfile.mkdtemp(prefix="ps-vs-", dir="/tmp")
     port = _free_port()
@@ -141,45 +149,53 @@ def _serve(vllm_env, extra: list[str], requests: int, long_first: bool = False, 
     sock = f"unix:{tmp}/agent.sock"
     db = f"{tmp}/run.duckdb"
     side = Sidecar(db, listen=[sock], batch_interval_s=0.05, sample_interval_s=0.5,
-                   collectors=[ScrapeCollector(url + "/metrics", run_id="scrape")]).start()
-    cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--load-format", "dummy",
-           "--skip-tokenizer-init", "--block-size", "32", "--enable-prefix-caching", "--enforce-eager",
-           "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32",
-           "--num-gpu-blocks-override", "34", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", *extra]
+                   collectors=[ScrapeCollector(url + "/metrics", run_id="scrape")] if scrape else ()).start()
+    cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--port", str(port),
+           *SERVER_ARGS, *extra]
+    env = dict(env, PHASESCOPE_AGENT=sock, **({"PHASESCOPE_RUN_ID": run_id} if run_id else {}))
     try:
-        with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=sock), log_path=f"{tmp}/server.log",
-                    start_timeout_s=400, name="vLLM"):  # stopped: SIGTERM, 60 s, SIGKILL
-            text = _get(url + "/metrics")
-            before, hist0 = _counters(text), _buckets(text)
-
-            def complete(i: int) -> dict:
-                # 4 in 5 requests share a 200-token prefix; 34 pages of 32 tokens force a preemption
-                prompt = (PREFIX + [300 + i] * 40 if i < requests * 4 // 5
-                          else [500 + (i * 7 + k) % 400 for k in range(240)])
-                if i < 0:  # longer than --max-num-batched-tokens: prefilled in 2 chunks
-                    prompt = [900 + k % 97 for k in range(600)]
-                body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
-                                   "temperature": 0}).encode()
-                req = urllib.request.Request(url + "/v1/completions", data=body,
-                                             headers={"content-type": "application/json"})
-                with urllib.request.urlopen(req, timeout=300) as f:
-                    return json.loads(f.read())["usage"]
-
-            usage = [complete(-1)] if long_first else []
-            with cf.ThreadPoolExecutor(8) as ex:
-                usage += list(ex.map(complete, range(requests)))
-            time.sleep(1.5)  # the scraper's next poll and the probes' next flush
-            if hangups:
-                mid = _counters(_get(url + "/metrics"))
-                t_mid = time.monotonic_ns()
-                with cf.ThreadPoolExecutor(hangups) as ex:
-                    assert list(ex.map(lambda i: _hang_up(url, i), range(hangups))) == [4] * hangups
-                time.sleep(3)  # vLLM's aborts, then the scraper's next poll and the probes' next flush
-            text = _get(url + "/metrics")
-            after, hist1 = _counters(text), _buckets(text)
+        with served(cmd, url, env=env, log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM"):
+            yield url, tmp, db
     finally:
         time.sleep(0.5)
         side.stop()
+
+
+def _serve(vllm_env, extra: list[str], requests: int, long_first: bool = False, hangups: int = 0):
+    """Sidecar + scraper here, the OpenAI server with the plugin on, a shared-prefix workload (`long_first`: one
+    600-token prompt alone before it, whose first 512-token chunk is a step that produces no output), then
+    `hangups` streamed n=2 requests the client drops mid-stream. Returns (tmp, db path, Δ of vLLM's /metrics
+    counters; with hang-ups, "mid": the Δ before them and "t_mid_ns": when they started, monotonic)."""
+    with vllm_served(vllm_env, ["--enable-prefix-caching", "--max-num-seqs", "8", *extra], scrape=True) as (
+            url, tmp, db):
+        text = _get(url + "/metrics")
+        before, hist0 = _counters(text), _buckets(text)
+
+        def complete(i: int) -> dict:
+            # 4 in 5 requests share a 200-token prefix; 34 pages of 32 tokens force a preemption
+            prompt = (PREFIX + [300 + i] * 40 if i < requests * 4 // 5
+                      else [500 + (i * 7 + k) % 400 for k in range(240)])
+            if i < 0:  # longer than --max-num-batched-tokens: prefilled in 2 chunks
+                prompt = [900 + k % 97 for k in range(600)]
+            body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as f:
+                return json.loads(f.read())["usage"]
+
+        usage = [complete(-1)] if long_first else []
+        with cf.ThreadPoolExecutor(8) as ex:
+            usage += list(ex.map(complete, range(requests)))
+        time.sleep(1.5)  # the scraper's next poll and the probes' next flush
+        if hangups:
+            mid = _counters(_get(url + "/metrics"))
+            t_mid = time.monotonic_ns()
+            with cf.ThreadPoolExecutor(hangups) as ex:
+                assert list(ex.map(lambda i: _hang_up(url, i), range(hangups))) == [4] * hangups
+            time.sleep(3)  # vLLM's aborts, then the scraper's next poll and the probes' next flush
+        text = _get(url + "/metrics")
+        after, hist1 = _counters(text), _buckets(text)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     delta["client_completion_tokens"] = sum(u["completion_tokens"] for u in usage)
     if hangups:

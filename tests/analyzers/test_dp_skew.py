@@ -13,7 +13,7 @@ import pytest
 
 from builders.dp_reference import dp_by_hand as by_hand
 from builders.synthetic import DP_BALANCED, DP_SKEWED, dp_engines
-from phasescope.agent.read.dp import dp_balance
+from phasescope.agent.read.dp import dp_balance, silent_engines
 from phasescope.agent.read.queries import run_named
 from phasescope.analyzers.constraints import suggested_flags
 from phasescope.analyzers.runinfo import record_run_info
@@ -27,8 +27,11 @@ def store(tmp_path):
     db = str(tmp_path / "dp.duckdb")
     dp_engines(db, "dp-skewed", DP_SKEWED)
     dp_engines(db, "dp-balanced", DP_BALANCED)
-    dp_engines(db, "dp-one", {0: DP_SKEWED[0]})
-    for run in ("dp-skewed", "dp-balanced", "dp-one"):
+    dp_engines(db, "dp-one", {0: DP_SKEWED[0]})  # engine 1 has neither gauges nor a probe
+    dp_engines(db, "dp-idle", {0: DP_SKEWED[0]}, engines=2)  # engine 1's probe is there, it never stepped
+    dp_engines(db, "dp-stepped", {0: DP_SKEWED[0]}, engines=2, stepped=[1])  # engine 1 stepped, no gauges
+    dp_engines(db, "dp-unlabelled", {0: DP_SKEWED[0]}, engines=2)  # no dp label: nothing expected
+    for run in ("dp-skewed", "dp-balanced", "dp-one", "dp-idle", "dp-stepped"):
         record_run_info(db, run, runtime="vllm", dp=2)
     con = duckdb.connect(db, read_only=True)
     yield con
@@ -86,10 +89,48 @@ def test_thresholds_decide_at_their_boundaries(store):
     assert r["stranded_share"] > s + 0.3
 
 
+def _dp(store, run):
+    return next(c for c in constraints_at(store, run, {"runtime": "vllm", "dp": "2"}) if c.name == "dp-skew")
+
+
+def test_an_engine_that_never_stepped_counts_as_idle(store):
+    """All of the load on engine 0; engine 1's probe is in the run and recorded nothing, and the stat logger has
+    no row of it: it held 0 KV and 0 requests all along, the worst skew there is (index N - 1 = 1)."""
+    c = _dp(store, "dp-idle")
+    want, f = by_hand(store, "dp-idle", idle=(1,)), c.figures
+    assert c.binds and f["engines"] == f["expected_engines"] == 2 and f["idle_engines"] == [1]
+    assert f["samples"] == want["samples"] == 50  # engine 0's rows; engine 1 has none
+    assert f["kv_usage_mean_by_engine"] == pytest.approx(want["usage"], rel=1e-12) and want["usage"][1] == 0
+    assert f["waiting_mean_by_engine"] == pytest.approx(want["waiting"], rel=1e-12)
+    assert f["kv_imbalance"] == pytest.approx(want["kv_imbalance"], rel=1e-12) == pytest.approx(1.0)
+    assert f["waiting_imbalance"] == pytest.approx(1.0) and f["hot_engine"] == 0
+    assert f["stranded_share"] == pytest.approx(want["stranded_share"], rel=1e-12)
+    assert f["span_s"] == pytest.approx(want["span_s"], rel=1e-12)
+    # engine 0's samples alone, without engine 1 counted: one engine, no figure, what was read before
+    assert dp_balance(store, "dp-unlabelled")["engines"] == 1 and dp_balance(store, "dp-unlabelled")["gaps"] == {}
+    assert "engine 1 sent no sample: never stepped" in c.change
+
+
+def test_an_engine_missing_for_another_reason_is_a_gap_not_skew(store):
+    # its probe recorded steps the gauges lack: a gap in the gauges
+    c = _dp(store, "dp-stepped")
+    assert not c.binds and c.change == "" and c.figures["expected_engines"] == 2
+    assert "recorded 5 rows (steps" in c.figures["engines_without_figures"][1]
+    b = dp_balance(store, "dp-stepped")
+    assert b["kv_imbalance"] is None and b["idle_engines"] == [] and b["by_engine"] == {}
+    # no probe of its own: idle cannot be told from a failed probe
+    c = _dp(store, "dp-one")
+    assert not c.binds and c.figures["engines"] == 1
+    assert "no probe of its own" in c.figures["engines_without_figures"][1]
+    # gauges from a /metrics scrape hold every engine: one missing there is a lost series
+    expected, idle, gaps = silent_engines(store, "dp-idle", {0}, from_logger=False)
+    assert expected == 2 and idle == [] and "lost series" in gaps[1]
+
+
 def test_one_engine_or_no_gauges_is_no_skew(store):
-    one = dp_balance(store, "dp-one")
-    assert one["engines"] == 1 and one["kv_imbalance"] is None
-    c = next(c for c in constraints_at(store, "dp-one", {"runtime": "vllm"}) if c.name == "dp-skew")
+    one = dp_balance(store, "dp-unlabelled")
+    assert one["engines"] == 1 and one["kv_imbalance"] is None and one["expected_engines"] is None
+    c = next(c for c in constraints_at(store, "dp-unlabelled", {"runtime": "vllm"}) if c.name == "dp-skew")
     assert not c.binds and c.figures == {"engines": 1}
     assert dp_balance(store, "no-such-run")["engines"] == 0
 

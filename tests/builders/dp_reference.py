@@ -7,8 +7,9 @@ import bisect
 from typing import Any
 
 
-def dp_by_hand(con: Any, run: str, near_cap: float = 0.9) -> dict:
-    """The figures from the stat logger's raw rows: step-held gauges on the union of sample times."""
+def dp_by_hand(con: Any, run: str, near_cap: float = 0.9, idle: tuple[int, ...] = ()) -> dict:
+    """The figures from the stat logger's raw rows: step-held gauges on the union of sample times; each engine of
+    `idle` (no row: it never stepped) holds usage 0 and waiting 0 from the first sample time on."""
     rows = con.execute("""SELECT m.engine, m.ts_ns + s.wall_minus_mono_ns, m.name, m.value FROM server_metrics m
         JOIN sources s USING (source_id) WHERE s.run_id = ? AND s.runtime = 'vllm-frontend'""", [run]).fetchall()
     per: dict[int, dict[int, dict[str, float]]] = {}
@@ -17,6 +18,11 @@ def dp_by_hand(con: Any, run: str, near_cap: float = 0.9) -> dict:
     samples = {e: sorted((t, d["vllm:kv_cache_usage_perc"], d["vllm:num_requests_waiting"]) for t, d in ts.items()
                    if "vllm:kv_cache_usage_perc" in d and "vllm:num_requests_waiting" in d)
                for e, ts in per.items()}
+    first = min(s[0][0] for s in samples.values())
+    samples_read = sum(len(s) for s in samples.values())
+    for e in idle:
+        assert e not in samples, f"engine {e} has rows: not idle"
+        samples[e] = [(first, 0.0, 0.0)]
     t0 = max(s[0][0] for s in samples.values())
     ticks = sorted({t for s in samples.values() for t, _, _ in s if t >= t0})
 
@@ -42,4 +48,4 @@ def dp_by_hand(con: Any, run: str, near_cap: float = 0.9) -> dict:
     idx = lambda d: max(d.values()) / (sum(d.values()) / len(d)) - 1  # noqa: E731
     return {"usage": usage, "waiting": waiting, "kv_imbalance": idx(usage), "waiting_imbalance": idx(waiting),
             "hot": hot, "stranded_share": stranded / span, "span_s": span / 1e9,
-            "samples": sum(len(s) for s in samples.values())}
+            "samples": samples_read}

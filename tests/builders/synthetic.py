@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from phasescope.agent.records.events import (
     PHASE_DECODE, PHASE_PREFILL, REQ_ABORTED, REQ_ARRIVAL, REQ_FINISHED, REQ_SCHEDULED, REQ_TOKEN,
@@ -193,20 +193,25 @@ DP_BALANCED = {e: (10 * e, 40 + 15 * e,
                for e in (0, 1)}
 
 
-def dp_engines(db_path: str, run_id: str, gauges: dict[int, tuple[int, int, list[tuple[float, int]]]]) -> str:
-    """A vLLM DP server's run: one EngineCore source per engine (runtime vllm-engine, rank = engine index) and the
-    API server's stat logger (vllm-frontend) with `vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting` and
-    `vllm:num_requests_running` per engine as `gauges` states them; plus a /metrics scrape in the same run whose
-    gauges say the opposite (every engine at 0.99, 9 waiting): a reader must take one kind, the stat logger's."""
+def dp_engines(db_path: str, run_id: str, gauges: dict[int, tuple[int, int, list[tuple[float, int]]]],
+               engines: int | None = None, stepped: Sequence[int] = ()) -> str:
+    """A vLLM DP server's run: one EngineCore source per engine, `engines` of them (default: one per engine in
+    `gauges`; runtime vllm-engine, rank = engine index), each with 5 steps if it has gauges or is in `stepped`
+    (else none: an engine that never stepped), and the API server's stat logger (vllm-frontend) with
+    `vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting` and `vllm:num_requests_running` per engine as `gauges`
+    states them; plus a /metrics scrape in the same run whose gauges say the opposite (every engine at 0.99, 9
+    waiting): a reader must take one kind, the stat logger's."""
     from phasescope.agent.sidecar.store import Store
 
     store = Store(db_path)
     wall = time.time_ns() - T0
     try:
-        n = len(gauges)
+        n = len(gauges) if engines is None else engines
         for e in range(n):
             sid = store.register_source(Hello(T0, wall, 2000 + e, e, n, run_id, "synthetic", "vllm-engine"))
-            store.append([(sid, [Step(T0 + i * 40 * MS, i, e, PHASE_DECODE, 2, 0, 2, 200, 5.0, NAN) for i in range(5)])])
+            if e in gauges or e in stepped:
+                store.append([(sid, [Step(T0 + i * 40 * MS, i, e, PHASE_DECODE, 2, 0, 2, 200, 5.0, NAN)
+                                     for i in range(5)])])
         front = store.register_source(Hello(T0, wall, 1999, 0, 1, run_id, "synthetic", "vllm-frontend"))
         scrape = store.register_source(Hello(T0, wall, 1998, 0, 1, run_id, "synthetic", "scrape"))
         out, lies = [], []

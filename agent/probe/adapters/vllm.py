@@ -248,6 +248,22 @@ def config_labels(vllm_config: Any) -> dict[str, str]:
     return out
 
 
+def engine_side_labels(vllm_config: Any) -> dict[str, str]:
+    """`config_labels` of an EngineCore or worker process: without `dp` unless the model is MoE. vLLM runs a
+    dense model's DP engines as independent DP=1 engines (vllm/v1/engine/core.py calls
+    `ParallelConfig.reconfigure_for_independent_dp_rank` before it builds the engine), so their config says
+    data_parallel_size 1 whatever the server's; the API server's stat logger labels the run's true `dp`
+    (vllm_plugin.StatLogger), which the DP skew reads as the engines to expect (agent/read/dp.py)."""
+    labels = config_labels(vllm_config)
+    try:
+        moe = bool(getattr(getattr(vllm_config, "model_config", None), "is_moe", False))
+    except Exception:  # noqa: BLE001 - a model config that cannot say: not MoE
+        moe = False
+    if not moe:
+        labels.pop("dp", None)
+    return labels
+
+
 def _model_name(vllm_config: Any) -> str:
     mc = getattr(vllm_config, "model_config", None)
     return str(getattr(mc, "served_model_name", None) or getattr(mc, "model", "") or "vllm")
@@ -319,7 +335,7 @@ class EngineHooks:
         cfg = scheduler.vllm_config
         self.tp, pp, self.dp_rank = _ranks(cfg)
         self.rank0 = self.dp_rank * self.tp * pp
-        labels = config_labels(cfg)
+        labels = engine_side_labels(cfg)
         labels["kv_imbalance_tp"] = "0 by construction (TP ranks share block ids)"
         labels["engine_process_start"] = "fork" if _FORKED else "spawn"
         self.probe = channel("engine", self.rank0, self.tp * pp * max(1, int(labels.get("dp", "1"))),
@@ -762,7 +778,7 @@ class WorkerHooks:
         cfg = worker.vllm_config
         tp, pp, dp_rank = _ranks(cfg)
         self.rank = dp_rank * tp * pp + int(getattr(worker, "rank", 0) or 0) % (tp * pp)
-        labels = config_labels(cfg)
+        labels = engine_side_labels(cfg)
         device = None
         try:
             import torch
