@@ -141,13 +141,14 @@ def test_on_port_0_a_server_whose_health_never_answers_times_out_naming_its_port
 def test_listening_ports_are_the_process_own_listeners_on_the_host():
     """Only LISTEN sockets, only at the host asked (or on every address), only this process's."""
     here, elsewhere, unlistened = socket.socket(), socket.socket(), socket.socket()
-    child = None
+    child = client = None
     try:
         here.bind(("127.0.0.1", 0))
         here.listen(1)
         elsewhere.bind(("127.0.0.2", 0))  # another loopback address
         elsewhere.listen(1)
         unlistened.bind(("127.0.0.1", 0))
+        client = socket.create_connection(here.getsockname())  # an ESTABLISHED socket at 127.0.0.1 is no listener
         child = subprocess.Popen([sys.executable, "-c", "import socket, time\ns = socket.socket()\n"
                                   "s.bind(('127.0.0.1', 0)); s.listen(1); print(s.getsockname()[1], flush=True)\n"
                                   "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
@@ -155,12 +156,14 @@ def test_listening_ports_are_the_process_own_listeners_on_the_host():
         ports = listening_ports(__import__("os").getpid(), "127.0.0.1")
         assert here.getsockname()[1] in ports
         assert elsewhere.getsockname()[1] not in ports and unlistened.getsockname()[1] not in ports
+        assert client.getsockname()[1] not in ports
         assert child_port not in ports  # a child's listener is the child's
         assert listening_ports(child.pid, "127.0.0.1") == [child_port]
         assert listening_ports(child.pid, "127.0.0.2") == []
     finally:
-        for s in (here, elsewhere, unlistened):
-            s.close()
+        for s in (here, elsewhere, unlistened, client):
+            if s is not None:
+                s.close()
         if child is not None:
             child.kill()
             child.wait()
