@@ -25,7 +25,7 @@ duckdb = pytest.importorskip("duckdb")
 from builders.dp_reference import dp_by_hand  # noqa: E402
 from phasescope.agent.sidecar import Sidecar  # noqa: E402
 from phasescope.cli.server_process import served  # noqa: E402
-from test_vllm_integration import MODEL, _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+from test_vllm_integration import MODEL, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -38,7 +38,7 @@ def test_pinned_routing_is_named_dp_skew_with_figures_from_the_rows(vllm_env):
 
     exe, env = vllm_env
     tmp = tempfile.mkdtemp(prefix="ps-dp-", dir="/tmp")
-    port = _free_port()
+    port = 0  # vLLM binds a port of its own; served() reads it back
     url = f"http://127.0.0.1:{port}"
     sock = f"unix:{tmp}/agent.sock"
     db = f"{tmp}/run.duckdb"
@@ -50,7 +50,8 @@ def test_pinned_routing_is_named_dp_skew_with_figures_from_the_rows(vllm_env):
     pinned = {i: 1 if i % 8 == 0 else 0 for i in range(16)}  # engine 1 gets requests 0 and 8
     try:
         with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=RUN),
-                    log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM"):  # stopped: SIGTERM, 60 s, SIGKILL
+                    log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM") as server:  # stopped: SIGTERM, 60 s, SIGKILL
+            url = server.url
 
             def complete(i: int) -> int:
                 body = json.dumps({"model": str(MODEL), "prompt": [300 + i + k % 50 for k in range(64)],

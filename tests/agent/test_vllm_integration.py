@@ -62,14 +62,6 @@ def vllm_env():
     shutil.rmtree(target, ignore_errors=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
@@ -136,19 +128,24 @@ def _serve(vllm_env, extra: list[str], requests: int, long_first: bool = False, 
     counters; with hang-ups, "mid": the Δ before them and "t_mid_ns": when they started, monotonic)."""
     exe, env = vllm_env
     tmp = tempfile.mkdtemp(prefix="ps-vs-", dir="/tmp")
-    port = _free_port()
+    port = 0  # vLLM binds a port of its own; served() reads it back (the scraper's URL is set then)
     url = f"http://127.0.0.1:{port}"
     sock = f"unix:{tmp}/agent.sock"
     db = f"{tmp}/run.duckdb"
-    side = Sidecar(db, listen=[sock], batch_interval_s=0.05, sample_interval_s=0.5,
-                   collectors=[ScrapeCollector(url + "/metrics", run_id="scrape")]).start()
+    scraper = ScrapeCollector(url + "/metrics", run_id="scrape")  # its source row names port 0
+    side = Sidecar(db, listen=[sock], batch_interval_s=0.05, sample_interval_s=0.5, collectors=[scraper]).start()
     cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--load-format", "dummy",
            "--skip-tokenizer-init", "--block-size", "32", "--enable-prefix-caching", "--enforce-eager",
            "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32",
            "--num-gpu-blocks-override", "34", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", *extra]
     try:
         with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=sock), log_path=f"{tmp}/server.log",
-                    start_timeout_s=400, name="vLLM"):  # stopped: SIGTERM, 60 s, SIGKILL
+                    start_timeout_s=400, name="vLLM") as server:  # stopped: SIGTERM, 60 s, SIGKILL
+            url = server.url
+            scraper.url = url + "/metrics"
+            deadline = time.monotonic() + 30
+            while scraper.scrapes == 0 and time.monotonic() < deadline:  # its first poll: before any request
+                time.sleep(0.05)
             text = _get(url + "/metrics")
             before, hist0 = _counters(text), _buckets(text)
 

@@ -17,9 +17,20 @@ import pytest
 
 duckdb = pytest.importorskip("duckdb")
 
-from test_vllm_integration import HERE, _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+from test_vllm_integration import HERE, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _free_port() -> int:
+    """A free port, released for vLLM to bind: a race (another process may take it first), kept only because
+    `sweep_server` builds guidellm's command and its /metrics scraper from the URL before the server starts
+    (cli/sweep_server.py); it goes when `serving` takes the URL that served() reads back from a port-0 server."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 SLO_TTFT_S, SLO_TPOT_S = 0.5, 0.2
 
