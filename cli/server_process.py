@@ -1,12 +1,12 @@
-"""An HTTP server subprocess for as long as a `with` block runs: started, waited for, stopped (stdlib only).
+"""An HTTP server subprocess for as long as a `with` block runs: started, waited for, stopped.
 
 `served` starts `argv` with its stdout and stderr in a log file, waits until URL/health answers 200, yields a
 `Server`, and on exit stops it: SIGTERM, 60 s to exit, then SIGKILL. A URL with port 0 (`http://127.0.0.1:0`, the
 server started with `--port 0`) means "the port the server binds": it is read back from the started process's
-listening sockets (`listening_ports`), so nothing picks a free port, releases it and hopes the child gets it. Used by `sweep --serve` (any
-OpenAI-compatible server, cli/sweep_server.py) and by `verify` on vLLM (one fresh server per run,
-cli/verify_vllm.py). When the server exits or does not answer in time, `ServerStartError` says which, with the
-command and the last lines of its log.
+listening sockets (`listening_ports`), so nothing picks a free port, releases it and hopes the child gets it.
+Used by `sweep --serve` (any OpenAI-compatible server, cli/sweep_server.py) and by `verify` on vLLM (one fresh
+server per run, cli/verify_vllm.py). When the server exits or does not answer in time, `ServerStartError` says
+which, with the command and the last lines of its log.
 """
 
 from __future__ import annotations
@@ -70,16 +70,18 @@ def log_tail(path: str, chars: int = LOG_TAIL_CHARS) -> str:
 
 
 def listening_ports(pid: int, host: str) -> list[int]:
-    """TCP ports that process `pid` itself listens on at `host` (or on every address: 0.0.0.0, ::), sorted;
-    [] when it is gone. Its children are not read: vLLM's engine processes listen on ports of their own
-    (torch.distributed's TCP store), which are not the server."""
+    """TCP ports that process `pid` itself listens on at `host` (an address, or a name: the addresses it resolves
+    to), sorted; [] when it is gone. Not its children's: vLLM's data-parallel workers listen on a dozen ports each
+    at 127.0.0.1. Not on every address (0.0.0.0, ::) either: vLLM's API server with --data-parallel-size 2 listened
+    on [::]:PORT while its engines started, besides its own port (both seen in tests/agent/test_vllm_dp_skew.py's
+    run); a server found this way is started on the URL's host (`--host 127.0.0.1`)."""
     try:
         proc = psutil.Process(pid)
         conns = proc.net_connections("tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return []
-    addrs = {host, "0.0.0.0", "::"}
-    with contextlib.suppress(OSError):  # a name: the addresses it resolves to
+    addrs = {host}
+    with contextlib.suppress(OSError):
         addrs |= {ai[4][0] for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.ip in addrs})
 

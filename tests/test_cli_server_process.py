@@ -8,6 +8,7 @@ No test picks a free port and releases it for a child: a child binds port 0, or 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -139,8 +140,8 @@ def test_on_port_0_a_server_whose_health_never_answers_times_out_naming_its_port
 
 
 def test_listening_ports_are_the_process_own_listeners_on_the_host():
-    """Only LISTEN sockets, only at the host asked (or on every address), only this process's."""
-    here, elsewhere, unlistened = socket.socket(), socket.socket(), socket.socket()
+    """Only LISTEN sockets, only at the host asked (not on every address), only this process's."""
+    here, elsewhere, unlistened, everywhere = socket.socket(), socket.socket(), socket.socket(), socket.socket()
     child = client = None
     try:
         here.bind(("127.0.0.1", 0))
@@ -148,20 +149,24 @@ def test_listening_ports_are_the_process_own_listeners_on_the_host():
         elsewhere.bind(("127.0.0.2", 0))  # another loopback address
         elsewhere.listen(1)
         unlistened.bind(("127.0.0.1", 0))
+        everywhere.bind(("0.0.0.0", 0))  # a port of this test's own, on every address
+        everywhere.listen(1)
         client = socket.create_connection(here.getsockname())  # an ESTABLISHED socket at 127.0.0.1 is no listener
         child = subprocess.Popen([sys.executable, "-c", "import socket, time\ns = socket.socket()\n"
                                   "s.bind(('127.0.0.1', 0)); s.listen(1); print(s.getsockname()[1], flush=True)\n"
                                   "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
         child_port = int(child.stdout.readline())
-        ports = listening_ports(__import__("os").getpid(), "127.0.0.1")
+        ports = listening_ports(os.getpid(), "127.0.0.1")
         assert here.getsockname()[1] in ports
         assert elsewhere.getsockname()[1] not in ports and unlistened.getsockname()[1] not in ports
-        assert client.getsockname()[1] not in ports
+        assert client.getsockname()[1] not in ports and everywhere.getsockname()[1] not in ports
+        assert everywhere.getsockname()[1] in listening_ports(os.getpid(), "0.0.0.0")
+        assert here.getsockname()[1] in listening_ports(os.getpid(), "localhost")  # a name: resolved
         assert child_port not in ports  # a child's listener is the child's
         assert listening_ports(child.pid, "127.0.0.1") == [child_port]
         assert listening_ports(child.pid, "127.0.0.2") == []
     finally:
-        for s in (here, elsewhere, unlistened, client):
+        for s in (here, elsewhere, unlistened, everywhere, client):
             if s is not None:
                 s.close()
         if child is not None:

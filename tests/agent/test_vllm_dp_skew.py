@@ -50,7 +50,8 @@ def test_pinned_routing_is_named_dp_skew_with_figures_from_the_rows(vllm_env):
     pinned = {i: 1 if i % 8 == 0 else 0 for i in range(16)}  # engine 1 gets requests 0 and 8
     try:
         with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=RUN),
-                    log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM") as server:  # stopped: SIGTERM, 60 s, SIGKILL
+                    log_path=f"{tmp}/server.log", start_timeout_s=400,
+                    name="vLLM") as server:  # stopped: SIGTERM, 60 s, SIGKILL
             url = server.url
 
             def complete(i: int) -> int:
