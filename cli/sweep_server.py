@@ -131,7 +131,8 @@ def run_guidellm(cmd: Sequence[str], log_path: str, rates: Sequence[float], requ
 def serving(db: str, cmd: Sequence[str], url: str, run_id: str, labels: dict[str, Any] | None = None,
             start_timeout_s: float = 600.0, log_path: str | None = None,
             env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A sidecar writing `db` and the server `cmd` (probe on, run `run_id`, `labels`) until URL/health answers;
+    """A sidecar writing `db` and the server `cmd` (probe on, run `run_id`, `labels`) until URL/health answers
+    (port 0 in URL and `cmd`: the server binds a free port, and the yielded server's `url` names it);
     stops the server, then the sidecar, on exit. ServerStartError (a RuntimeError) when the server exits or never
     answers, with its log's last lines."""
     from phasescope.agent.sidecar import Sidecar
@@ -141,14 +142,16 @@ def serving(db: str, cmd: Sequence[str], url: str, run_id: str, labels: dict[str
     tmp = tempfile.mkdtemp(prefix="phasescope-sweep-")
     sock = f"unix:{tmp}/agent.sock"
     host = HostCollector()  # the server's processes (pids from the probes' Hello) and the host
+    scraper = ScrapeCollector(url + "/metrics", run_id="scrape")  # its URL is the server's once it answers
     side = Sidecar(db, listen=[sock], batch_interval_s=0.1, sample_interval_s=0.5, sinks=[host],
-                   collectors=[host, ScrapeCollector(url + "/metrics", run_id="scrape")]).start()
+                   collectors=[host, scraper]).start()
     env = dict(os.environ if env is None else env, PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id)
     if labels:
         env["PHASESCOPE_LABELS"] = ",".join(f"{k}={v}" for k, v in labels.items())
     try:
         with served(cmd, url, env=env, log_path=log_path or os.path.join(tmp, "server.log"),
                     start_timeout_s=start_timeout_s) as server:
+            scraper.url = server.url + "/metrics"  # port 0 in URL and command: the port the server bound
             yield server
             time.sleep(1.5)  # the probes' last flush
     finally:
@@ -171,12 +174,13 @@ def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, mode
     sweep_id = sweep_id or uuid.uuid4().hex[:12]
     os.makedirs(out_dir, exist_ok=True)
     report = os.path.abspath(os.path.join(out_dir, f"guidellm-{sweep_id}.json"))
-    cmd = guidellm_command(guidellm_exe(), target, model, tokenizer, rates, requests, prompt_tokens,
-                           output_tokens, report, headers=headers)
+    exe = guidellm_exe()
     run_id = f"sweep-{sweep_id}"[:16]  # the probe keeps 16 bytes of a run id (records/events.py Hello)
     say = console.print if console is not None else (lambda *a, **k: None)
 
-    def load() -> None:
+    def load(url: str) -> None:
+        cmd = guidellm_command(exe, url, model, tokenizer, rates, requests, prompt_tokens, output_tokens, report,
+                               headers=headers)
         say(f"guidellm: {len(rates)} points of {requests} requests at {', '.join(f'{r:g}' for r in rates)} req/s")
         log = os.path.join(out_dir, f"guidellm-{sweep_id}.log")
         rc, _ = run_guidellm(cmd, log, rates, requests, console)
@@ -185,10 +189,10 @@ def sweep_server(db: str, target: str, rates: Sequence[float], slo: Any, *, mode
 
     if serve:
         with serving(db, serve, target, run_id, labels, log_path=os.path.join(out_dir, f"server-{sweep_id}.log"),
-                     env=env):
-            load()
+                     env=env) as server:
+            load(server.url)  # the URL the server answers on (the port it bound, with port 0)
     else:
-        load()
+        load(target)
         run_id = None  # the agent's run: found by the report's windows
     import duckdb
 

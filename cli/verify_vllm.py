@@ -17,7 +17,6 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -77,12 +76,6 @@ def apply_change(flags: list[str], change: dict[str, Any]) -> list[str]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_arm(db: str, replay: dict[str, Any], flags: list[str], site: str, *, run_id: str | None = None,
               labels: dict[str, Any] | None = None) -> str:
     """Serve `replay`'s requests on a fresh vLLM server started with `flags`, the plugin writing run `run_id` into
@@ -94,21 +87,21 @@ def serve_arm(db: str, replay: dict[str, Any], flags: list[str], site: str, *, r
     exe = vllm_python()
     run_id = run_id or uuid.uuid4().hex[:12]
     tmp = tempfile.mkdtemp(prefix="ps-vv-", dir="/tmp")  # short: the socket path
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = "http://127.0.0.1:0"  # vLLM binds a port of its own (--port 0); served() reads it back
     sock = f"unix:{tmp}/agent.sock"
     env = dict(os.environ, PYTHONPATH=site, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=f"{tmp}/vllm-cache",
                PHASESCOPE_AGENT=sock, PHASESCOPE_RUN_ID=run_id,
                # a shared machine: one torch thread the OS places on any free core (vllm_workload.py says why)
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", replay["model"], *flags,
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", "0"]
     log_path = f"{tmp}-server.log"  # beside `tmp`: kept when the server does not start (the error names it)
     kept = False
     side = Sidecar(db, listen=[sock], batch_interval_s=0.05).start()
     try:
         with served(cmd, url, env=env, log_path=log_path, start_timeout_s=START_TIMEOUT_S,
                     name=f"vLLM with {' '.join(flags)}") as server:
+            url = server.url
             t0 = time.monotonic()
 
             def complete(req: dict[str, Any]) -> int:

@@ -16,7 +16,7 @@ import duckdb
 import pytest
 
 from phasescope.cli.server_process import served
-from test_vllm_integration import MODEL, _free_port, vllm_env  # noqa: F401 (vllm_env: a fixture)
+from test_vllm_integration import MODEL, vllm_env  # noqa: F401 (vllm_env: a fixture)
 
 CHILD = textwrap.dedent('''
     import os, signal, sys, time
@@ -120,7 +120,7 @@ def test_a_vllm_engine_killed_after_sigterm_has_every_recorded_step_stored(agent
 
     exe, env = vllm_env
     db, sock, sidecar = agent
-    port = _free_port()
+    port = 0  # vLLM binds a port of its own; served() reads it back
     url = f"http://127.0.0.1:{port}"
     cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--load-format", "dummy",
            "--skip-tokenizer-init", "--block-size", "32", "--enforce-eager", "--port", str(port), "--host",
@@ -129,7 +129,7 @@ def test_a_vllm_engine_killed_after_sigterm_has_every_recorded_step_stored(agent
     with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=f"unix:{sock}", PHASESCOPE_FLUSH_INTERVAL_S="60",
                                    PHASESCOPE_RUN_ID="vllm-exit"),
                 log_path=os.path.join(short_tmp, "server.log"), start_timeout_s=600, name="vLLM") as srv:
-        server = srv.proc
+        server, url = srv.proc, srv.url
         try:
             for i in range(4):
                 body = json.dumps({"model": str(MODEL), "prompt": [10 + i] * 40, "max_tokens": 16, "ignore_eos": True,

@@ -24,7 +24,7 @@ import pytest
 
 duckdb = pytest.importorskip("duckdb")
 
-from test_vllm_integration import _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+from test_vllm_integration import vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
 from test_vllm_sweep import _close, model_dir  # noqa: E402,F401 (model_dir: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -69,7 +69,7 @@ def recorded(vllm_env, model_dir, tmp_path_factory):
 
     exe, env = vllm_env
     tmp = tmp_path_factory.mktemp("reports")
-    port = _free_port()
+    port = 0  # vLLM binds a port of its own; served() reads it back
     url = f"http://127.0.0.1:{port}"
     serve = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "tiny",
              "--load-format", "dummy", "--enforce-eager", "--dtype", "float32", "--host", "127.0.0.1",
@@ -77,7 +77,9 @@ def recorded(vllm_env, model_dir, tmp_path_factory):
              "--num-gpu-blocks-override", "64"]
     db = str(tmp / "bench.duckdb")
     aiperf = aiperf_exe()
-    with serving(db, serve, url, "vbench", {"knob": "max-num-seqs-2"}, log_path=str(tmp / "server.log"), env=env):
+    with serving(db, serve, url, "vbench", {"knob": "max-num-seqs-2"}, log_path=str(tmp / "server.log"),
+                 env=env) as server:
+        url = server.url
         for rate in RATES:
             _bench(exe, env, url, model_dir, rate, str(tmp), "bench.jsonl")
         if aiperf:

@@ -63,14 +63,6 @@ def vllm_env():
     shutil.rmtree(target, ignore_errors=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
@@ -144,18 +136,24 @@ def vllm_served(vllm_env, extra: list[str], scrape: bool = False, run_id: str | 
     The caller removes tmp."""
     exe, env = vllm_env
     tmp = tempfile.mkdtemp(prefix="ps-vs-", dir="/tmp")
-    port = _free_port()
+    port = 0  # vLLM binds a port of its own; served() reads it back (the scraper's URL is set then)
     url = f"http://127.0.0.1:{port}"
     sock = f"unix:{tmp}/agent.sock"
     db = f"{tmp}/run.duckdb"
+    scraper = ScrapeCollector(url + "/metrics", run_id="scrape") if scrape else None  # its source row names port 0
     side = Sidecar(db, listen=[sock], batch_interval_s=0.05, sample_interval_s=0.5,
-                   collectors=[ScrapeCollector(url + "/metrics", run_id="scrape")] if scrape else ()).start()
+                   collectors=[scraper] if scraper else ()).start()
     cmd = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--port", str(port),
            *SERVER_ARGS, *extra]
     env = dict(env, PHASESCOPE_AGENT=sock, **({"PHASESCOPE_RUN_ID": run_id} if run_id else {}))
     try:
-        with served(cmd, url, env=env, log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM"):
-            yield url, tmp, db
+        with served(cmd, url, env=env, log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM") as server:
+            if scraper:
+                scraper.url = server.url + "/metrics"
+                deadline = time.monotonic() + 30
+                while scraper.scrapes == 0 and time.monotonic() < deadline:  # its first poll: before any request
+                    time.sleep(0.05)
+            yield server.url, tmp, db
     finally:
         time.sleep(0.5)
         side.stop()

@@ -21,9 +21,10 @@ duckdb = pytest.importorskip("duckdb")
 
 from rich.console import Console  # noqa: E402
 
-from test_vllm_integration import HERE, _free_port, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
+from test_vllm_integration import HERE, vllm_env  # noqa: E402,F401 (vllm_env: a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 
 SLO_TTFT_S, SLO_TPOT_S = 0.5, 0.2
 
@@ -56,7 +57,7 @@ def _sweep(vllm_env, model_dir, tmp_path, flags: list[str], rates, requests: int
     from phasescope.cli.sweep_server import sweep_server
 
     exe, env = vllm_env
-    port = _free_port()
+    port = 0  # vLLM binds a port of its own; sweep_server drives the URL served() reads back
     url = f"http://127.0.0.1:{port}"
     serve = [exe, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "tiny",
              "--load-format", "dummy", "--enforce-eager", "--dtype", "float32",

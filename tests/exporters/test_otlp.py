@@ -124,14 +124,6 @@ def test_one_span_per_request_with_prefill_and_decode_children(otel_env):
     assert len({s.trace_id for s in roots.values()}) == 4  # one trace per request
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.mark.parametrize("mode", ["down", "hanging"])
 def test_unreachable_collector_never_blocks_ingestion_and_failures_are_counted(mode, monkeypatch, short_tmp):
     from phasescope.agent.sidecar import Sidecar
@@ -139,14 +131,12 @@ def test_unreachable_collector_never_blocks_ingestion_and_failures_are_counted(m
     for k in list(os.environ):
         if k.startswith("OTEL_"):
             monkeypatch.delenv(k)
-    hang = None
-    if mode == "down":
-        port = _free_port()  # nobody listens
-    else:
-        hang = socket.socket()  # accepts connections (backlog) and never answers
-        hang.bind(("127.0.0.1", 0))
-        hang.listen(64)
-        port = hang.getsockname()[1]
+    hang = socket.socket()  # held to the end: no other process can take the port
+    hang.bind(("127.0.0.1", 0))
+    if mode == "hanging":
+        hang.listen(64)  # accepts connections (backlog) and never answers
+    # "down": bound, never listening: connections are refused
+    port = hang.getsockname()[1]
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")  # seconds (the standard variable)
     reg = CollectorRegistry()
@@ -178,8 +168,7 @@ def test_unreachable_collector_never_blocks_ingestion_and_failures_are_counted(m
         sc.stop()  # closes the sinks; OTLP shutdown is bounded by close_timeout_s
         assert time.monotonic() - t0 < 8
         server.close()
-        if hang is not None:
-            hang.close()
+        hang.close()
     failures = reg.get_sample_value("phasescope_otlp_export_failures_total", {"signal": "metrics"})
     assert failures == reg.get_sample_value("phasescope_otlp_exports_total", {"signal": "metrics"})
 
