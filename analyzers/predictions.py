@@ -30,11 +30,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "itl_p99_ms": ("p99 inter-token latency", "ms"),
     "kv_internal_fragmentation": ("mean slack inside used KV pages", "fraction"),
     "preemptions": ("preemptions in the run", "count"),
+    "prefix_missed_tokens": ("prompt tokens the prefix cache did not serve at first admission", "tokens"),
 }
 
 # relative error of each prediction model, the half-width of its stated interval: measured by the verify suite
 # (docs/verify.md, `python benchmarks/verify_suite.py`); revised there when the suite says otherwise
-MODEL_ERROR: dict[str, float] = {"itl_p99_ms": 0.25, "kv_internal_fragmentation": 0.25, "preemptions": 0.0}
+MODEL_ERROR: dict[str, float] = {"itl_p99_ms": 0.25, "kv_internal_fragmentation": 0.25, "preemptions": 0.0,
+                                 "prefix_missed_tokens": 0.1}
 
 # where the verify suite could not confirm a model within its stated error, what is known of its error instead
 # (issue 29: "where that is not possible, the finding's text states its known error"); the finding's text quotes it
@@ -112,6 +114,18 @@ def predict(finding: Finding, labels: Mapping[str, str] | None = None) -> Predic
         fit = int(e["max_seqs_without_preemption"])
         change = {"--max-num-seqs": fit} if runtime == "vllm" else {"max_requests_per_batch": fit}
         return _make(finding, "preemptions", float(e["preemptions"]), 0.0, change, runtime)
+    if finding.id == "prefix-miss-sub-page" and e.get("suggested_page_size_tokens") and e.get("page_size_tokens"):
+        # the page its suggestion names serves the whole pages of each lookup's shared prefix (the finding's
+        # `smaller_page_saved_tokens`, counted per first admission from the lookups' shared lengths)
+        page, choice = int(e["page_size_tokens"]), int(e["suggested_page_size_tokens"])
+        pages = _int((labels or {}).get("num_pages"))
+        if runtime == "vllm":
+            change = {"--block-size": choice}
+        else:
+            change = {"page_size": choice, **({"num_pages": pages * page // choice} if pages else {})}
+        now = float(e["missed_tokens"])
+        return _make(finding, "prefix_missed_tokens", now, max(now - float(e["smaller_page_saved_tokens"]), 0.0),
+                     change, runtime)
     return None
 
 

@@ -72,6 +72,7 @@ def measure(con: Any, run_id: str, metric: str) -> float:
     """The prediction's metric (`predictions.METRICS`) of one run, by the query its finding reads."""
     from phasescope.agent.read.queries import itl_attribution
     from phasescope.analyzers.kvcache import INTERNAL_SQL
+    from phasescope.analyzers.prefix_miss import miss_causes
     from phasescope.analyzers.sql import PREEMPTIONS, one
 
     if metric == "itl_p99_ms":
@@ -80,6 +81,9 @@ def measure(con: Any, run_id: str, metric: str) -> float:
         value = one(con, INTERNAL_SQL, run_id)["internal_fragmentation_mean"]
     elif metric == "preemptions":
         value = one(con, PREEMPTIONS, run_id)["preemptions"]
+    elif metric == "prefix_missed_tokens":
+        causes = miss_causes(con, run_id)
+        value = causes["missed_tokens"] if causes["lookups"] else None
     else:
         raise ValueError(f"no measurement for metric {metric!r}")
     if value is None:
@@ -95,6 +99,9 @@ RAW_SQL: dict[str, str] = {
         JOIN sources s USING (source_id) WHERE s.run_id = ? AND k.total_pages > 0 ORDER BY k.ts_ns""",
     # each gap after a request's first token: `tokens` ITL samples of gap / tokens (the `itl` view)
     "itl_p99_ms": "SELECT ts_ns - prev_ns AS gap_ns, tokens FROM itl WHERE run_id = ? ORDER BY request_id, ts_ns",
+    # each request's first admission: its prompt and the tokens the cache served
+    "prefix_missed_tokens": """SELECT l.request_id, l.prompt_tokens, l.hit_tokens FROM prefix_lookups l
+        JOIN sources s USING (source_id) WHERE s.run_id = ? AND l.kind = 'first' ORDER BY l.request_id""",
 }
 
 

@@ -106,15 +106,15 @@ def _calibrated(db, res, factor: float = 3.0):
     return slo, out
 
 
-RATES, N = [1.0, 2.0, 4.0, 8.0, 16.0], 12  # every case: 5 constant rates x 12 requests, 64 + 32 tokens
+RATES, N = [1.0, 2.0, 4.0, 8.0, 16.0], 12  # every case: 5 constant rates x 12 requests, 64 (or more) + 32 tokens
 
 
 def _swept(vllm_env, model_dir, tmp_path, flags: list[str], expect: str, shown: str,
-           headers: dict[str, str] | None = None):
+           headers: dict[str, str] | None = None, prompt_tokens: int = 64):
     """A case's sweep at calibrated SLOs (`_calibrated`), printed with each point's `shown` figure; asserts that
     the binding constraint is `expect`. Returns (db, slo, result, binding)."""
-    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, flags, RATES, N, prompt_tokens=64, output_tokens=32,
-                          headers=headers)
+    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, flags, RATES, N, prompt_tokens=prompt_tokens,
+                          output_tokens=32, headers=headers)
     slo, res = _calibrated(db, res)
     print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
           [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p[shown]) for p in res["points"]])
@@ -260,6 +260,39 @@ def test_dp_skew_all_requests_on_one_engine(vllm_env, guidellm, model_dir, tmp_p
             assert f["waiting_mean_by_engine"][e] == pytest.approx(want["waiting"][e], rel=1e-9, abs=1e-12)
         assert f["kv_imbalance"] == pytest.approx(want["kv_imbalance"], rel=1e-9) == pytest.approx(1.0)
         assert f["stranded_share"] == pytest.approx(want["stranded_share"], rel=1e-9) and f["stranded_share"] >= 0.2
+    finally:
+        con.close()
+    _same_answer(db, slo, res)
+
+
+def test_prefill_interference(vllm_env, guidellm, model_dir, tmp_path):
+    """Long prompts with chunked prefill off (--no-enable-chunked-prefill; a step then prefills a whole 768-token
+    prompt beside the running decodes): prefill interference binds at the knee, the KV pool and the batch cap
+    both far from full; its step counts and medians equal the raw steps of the evidence point's run (numpy over
+    the rank-0 steps, not the analyzer's SQL), and the change it names is vLLM's chunking flag."""
+    import numpy as np
+
+    db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--no-enable-chunked-prefill", "--max-num-seqs", "16",
+                                                            "--max-num-batched-tokens", "1024",
+                                                            "--num-gpu-blocks-override", "512", "--block-size", "32"],
+                             "prefill-interference", "tpot_p99_s", prompt_tokens=768)
+    con = duckdb.connect(db, read_only=True)
+    try:
+        _check_points(con, res, RATES, N)
+        run = res["points"][res["evidence_point"]]["run_id"]
+        assert _labels(con, run)["enable_chunked_prefill"] == "False"
+        rows = con.execute("""SELECT CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END, phase, prefill_tokens,
+            decode_tokens FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = ? AND t.rank = 0""",
+                           [run]).fetchall()
+        ms = np.array([r[0] for r in rows], dtype=float)
+        pure = np.array([r[1] == "decode" for r in rows])
+        cosched = np.array([r[3] > 0 and r[2] >= 128 for r in rows])
+        f = b["figures"]
+        assert f["decode_steps"] == sum(r[3] > 0 for r in rows) and f["cosched_steps"] == int(cosched.sum()) >= 5
+        assert f["pure_decode_p50_ms"] == pytest.approx(float(np.median(ms[pure])))
+        assert f["cosched_p50_ms"] == pytest.approx(float(np.median(ms[cosched])))
+        assert f["stall_ratio"] == pytest.approx(f["cosched_p50_ms"] / f["pure_decode_p50_ms"]) and f["stall_ratio"] >= 3
+        assert "--enable-chunked-prefill" in b["change"] and "--max-num-batched-tokens" in b["change"]
     finally:
         con.close()
     _same_answer(db, slo, res)

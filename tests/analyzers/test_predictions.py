@@ -104,3 +104,16 @@ def test_the_sequence_cap_predicts_no_preemption():
     assert predict(f, {"runtime": "vllm"}).change == {"--max-num-seqs": 3}
     # a p95 sequence longer than the whole cache: no cap helps, no prediction
     assert predict(_finding("kv-near-cap", max_seqs_without_preemption=0, preemptions=17), {}) is None
+
+
+def test_the_smaller_page_predicts_the_missed_prompt_tokens_it_serves():
+    f = _finding("prefix-miss-sub-page", page_size_tokens=64, suggested_page_size_tokens=32, missed_tokens=1408,
+                 smaller_page_saved_tokens=480)
+    p = predict(f, {"runtime": "vllm"})
+    assert (p.metric, p.current, p.predicted, p.change) == ("prefix_missed_tokens", 1408.0, 928.0, {"--block-size": 32})
+    assert p.low < 928.0 < p.high
+    # HF: the same cache memory in pages of the suggested size
+    assert predict(f, {"runtime": "cb", "num_pages": "64"}).change == {"page_size": 32, "num_pages": 128}
+    # no size the runtime takes is smaller (vllm-cpu at 32): the finding says lengthen the prefix, no number
+    assert predict(_finding("prefix-miss-sub-page", page_size_tokens=32, suggested_page_size_tokens=None,
+                            missed_tokens=900, smaller_page_saved_tokens=0), {"runtime": "vllm"}) is None

@@ -32,6 +32,8 @@ def value_from_rows(metric: str, rows: dict[str, list]) -> float:
     if metric == "itl_p99_ms":  # a gap of k tokens is k samples of gap / k
         gap, tokens = np.asarray(rows["gap_ns"], dtype=float), np.asarray(rows["tokens"], dtype=int)
         return float(np.quantile(np.repeat(gap / 1e6 / tokens, tokens), 0.99))
+    if metric == "prefix_missed_tokens":  # each first admission's prompt tokens the cache did not serve
+        return float(sum(int(n) - int(h) for n, h in zip(rows["prompt_tokens"], rows["hit_tokens"])))
     raise AssertionError(f"no raw-row definition for {metric}")
 
 
@@ -80,4 +82,6 @@ def test_value_from_rows_definitions():
     # 99 gaps of 1 ms and one gap of 2 tokens over 100 ms: 101 samples, the top two 50 ms
     rows = {"gap_ns": [1_000_000] * 99 + [100_000_000], "tokens": [1] * 99 + [2]}
     assert value_from_rows("itl_p99_ms", rows) == pytest.approx(50.0)
+    rows = {"request_id": ["a", "b", "c"], "prompt_tokens": [60, 60, 30], "hit_tokens": [0, 32, 16]}
+    assert value_from_rows("prefix_missed_tokens", rows) == 60 + 28 + 14
     assert os.path.isdir(RESULTS)
