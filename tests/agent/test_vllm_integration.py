@@ -169,22 +169,25 @@ def _serve(vllm_env, extra: list[str], requests: int, long_first: bool = False, 
         text = _get(url + "/metrics")
         before, hist0 = _counters(text), _buckets(text)
 
+        shared = requests * 4 // 5  # 4 in 5 requests share a 200-token prefix
+
         def complete(i: int) -> dict:
-            # 4 in 5 requests share a 200-token prefix; 34 pages of 32 tokens force a preemption
-            prompt = (PREFIX + [300 + i] * 40 if i < requests * 4 // 5
-                      else [500 + (i * 7 + k) % 400 for k in range(240)])
+            # the others are 240 distinct tokens that generate 160: 13 pages each once done, so any 3 of them running
+            # at once outgrow the 33 usable pages of 34 and vLLM must preempt, however the host schedules them
+            # (with 24 tokens each, a preemption came only when they happened to overlap: once not, at load ~17)
+            prompt = PREFIX + [300 + i] * 40 if i < shared else [500 + (i * 7 + k) % 400 for k in range(240)]
             if i < 0:  # longer than --max-num-batched-tokens: prefilled in 2 chunks
                 prompt = [900 + k % 97 for k in range(600)]
-            body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24, "ignore_eos": True,
-                               "temperature": 0}).encode()
+            body = json.dumps({"model": str(MODEL), "prompt": prompt, "max_tokens": 24 if i < shared else 160,
+                               "ignore_eos": True, "temperature": 0}).encode()
             req = urllib.request.Request(url + "/v1/completions", data=body,
                                          headers={"content-type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as f:
                 return json.loads(f.read())["usage"]
 
         usage = [complete(-1)] if long_first else []
-        with cf.ThreadPoolExecutor(8) as ex:
-            usage += list(ex.map(complete, range(requests)))
+        with cf.ThreadPoolExecutor(8) as ex:  # the distinct ones first: they arrive together, with 4 shared ones
+            usage += list(ex.map(complete, [*range(shared, requests), *range(shared)]))
         time.sleep(1.5)  # the scraper's next poll and the probes' next flush
         if hangups:
             mid = _counters(_get(url + "/metrics"))
