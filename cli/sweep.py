@@ -273,7 +273,8 @@ def add_commands(sub: Any) -> None:
                    help="sweep this server (e.g. http://127.0.0.1:8000) instead of HF continuous batching in-process")
     g.add_argument("--serve", default=None, metavar="CMD",
                    help="start the server with this command, recorded into --db by a sidecar the sweep runs "
-                        "(without it, an agent you run records it; then `phasescope explain REPORT --db FILE`)")
+                        "(without it, an agent you run records it; then `phasescope explain REPORT --db FILE`); "
+                        "with port 0 in --url and CMD, the port the server binds is read back")
     g.add_argument("--model", default=None, help="served model name (guidellm's request field)")
     g.add_argument("--tokenizer", default=None, help="tokenizer guidellm counts tokens with (default: --model)")
     g.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompt length, tokens (default: 64)")
