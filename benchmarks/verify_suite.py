@@ -240,9 +240,9 @@ def main() -> int:
     args = ap.parse_args()
     found = candidates()
     todo = [(n, f) for n, f, why in found if not why and (not args.cases or n in args.cases)]
-    if args.table_only:
-        todo = []
     todo += [(n, c["finding"]) for n, c in {**HF_CASES, **VLLM_CASES}.items() if not args.cases or n in args.cases]
+    if args.table_only:  # the suite's own cases included: nothing is re-run
+        todo = []
     skipped = sorted({(n, f, why) for n, f, why in found if why})
     os.makedirs(OUT, exist_ok=True)
     console, results = Console(stderr=True), []
