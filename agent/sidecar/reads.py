@@ -45,15 +45,12 @@ class Reads:
         self._counted(+1)
         try:
             con = self._cursor()
-            timer = threading.Timer(self.read_timeout_s, con.interrupt)
-            timer.daemon = True
             with self._lock:
                 self._cons.add(con)
-            timer.start()
             try:
-                yield con
+                with interrupt_after(con, self.read_timeout_s):
+                    yield con
             finally:
-                timer.cancel()
                 with self._lock:
                     self._cons.discard(con)
                 con.close()
@@ -81,3 +78,33 @@ class Reads:
                 self._set_limit(limit)
             except Exception as exc:  # noqa: BLE001 - a broken connection: the writer reopens it
                 log.warning("could not set DuckDB memory_limit to %s: %r", limit, exc)
+
+
+# how often a read past its time limit is interrupted again, s
+REINTERRUPT_EVERY_S = 0.05
+
+
+@contextmanager
+def interrupt_after(con: duckdb.DuckDBPyConnection, timeout_s: float) -> Iterator[None]:
+    """Interrupt `con` once `timeout_s` (s) has passed, and again every REINTERRUPT_EVERY_S until the block ends.
+    Once is not enough: DuckDB's interrupt stops the statement running at that moment, and one that lands between
+    two statements of a read (the fold's, or Python work between them on a busy host) is lost, so the next
+    statement ran unbounded: an endless read held the read API for 30 s at load ~10 (tests/agent/test_zero_loss)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(timeout_s):
+            return
+        while not done.is_set():
+            try:
+                con.interrupt()
+            except Exception:  # noqa: BLE001 - it may have just closed
+                return
+            done.wait(REINTERRUPT_EVERY_S)
+
+    watcher = threading.Thread(target=watch, name="phasescope-read-limit", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()

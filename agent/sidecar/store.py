@@ -26,7 +26,7 @@ from . import columnar
 from ..records import derived
 from ..records.schema import SCHEMA_VERSION, TABLES, ddl
 from ..read.storefile import check_writable
-from .reads import Reads
+from .reads import Reads, interrupt_after
 
 log = logging.getLogger("phasescope.store")
 
@@ -337,15 +337,10 @@ class Store:
         were: the views stay exact without it (they fold the rest in at each read), only slower."""
         try:
             with self.reading() as con:
-                timer = threading.Timer(timeout_s, con.interrupt) if timeout_s else None
-                if timer is not None:
-                    timer.daemon = True
-                    timer.start()
-                try:
+                if not timeout_s:
                     return derived.refresh(con)
-                finally:
-                    if timer is not None:
-                        timer.cancel()
+                with interrupt_after(con, timeout_s):
+                    return derived.refresh(con)
         except Exception as exc:  # noqa: BLE001 - an optimisation; the raw rows are what counts
             log.warning("could not refresh the derived tables: %r", exc)
             return 0

@@ -274,6 +274,30 @@ def test_a_read_past_its_time_limit_is_interrupted(short_tmp):
         store.close()
 
 
+def test_a_read_whose_time_ran_out_between_statements_is_still_interrupted(short_tmp):
+    """The limit passes while no statement runs (Python work between two statements: the fold's, or a busy host's
+    scheduling); the next statement must still be interrupted, not run unbounded (one interrupt at the deadline
+    was lost in that gap: the read API held an endless read for 30 s in a clean-clone CI run at load ~10)."""
+    store = Store(os.path.join(short_tmp, "t.duckdb"), read_timeout_s=0.2)
+    try:
+        with pytest.raises(duckdb.InterruptException):
+            with store.reading() as con:
+                assert con.execute("SELECT 1").fetchone() == (1,)
+                time.sleep(0.5)  # the deadline passes here, between statements
+                safety = threading.Timer(20, con.interrupt)  # so that a lost interrupt fails the test, not hangs it
+                safety.daemon = True
+                safety.start()
+                t0 = time.monotonic()
+                try:
+                    con.execute(_ENDLESS_READ).fetchone()
+                finally:
+                    safety.cancel()
+                    elapsed = time.monotonic() - t0
+        assert elapsed < 10, f"interrupted only by the test's 20 s safety ({elapsed:.1f} s)"
+    finally:
+        store.close()
+
+
 def test_the_read_api_answers_503_for_an_interrupted_read(short_tmp, monkeypatch):
     import json
     import urllib.error
