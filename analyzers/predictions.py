@@ -97,13 +97,7 @@ def predict(finding: Finding, labels: Mapping[str, str] | None = None) -> Predic
             change = {"max_batch_tokens": chunk}
         return _make(finding, "itl_p99_ms", float(e["itl_p99_ms"]), float(e["predicted_itl_p99_ms"]), change, runtime)
     if finding.id == "kv-internal-fragmentation" and e.get("suggested_page_size") != e.get("page_size"):
-        page, choice = int(e["page_size"]), int(e["suggested_page_size"])
-        # the change keeps the cache's memory: as many tokens in smaller pages (a runtime sizes it from memory)
-        pages = _int((labels or {}).get("num_pages"))
-        if runtime == "vllm":
-            change = {"--block-size": choice}
-        else:
-            change = {"page_size": choice, **({"num_pages": pages * page // choice} if pages else {})}
+        change = _page_change(runtime, int(e["page_size"]), int(e["suggested_page_size"]), labels)
         # the model's effect (from the requests' lengths) applied to the measured slack of the run
         now = float(e["internal_fragmentation_mean"])
         after = now + float(e["predicted_waste_suggested"]) - float(e["predicted_waste_current"])
@@ -117,16 +111,20 @@ def predict(finding: Finding, labels: Mapping[str, str] | None = None) -> Predic
     if finding.id == "prefix-miss-sub-page" and e.get("suggested_page_size_tokens") and e.get("page_size_tokens"):
         # the page its suggestion names serves the whole pages of each lookup's shared prefix (the finding's
         # `smaller_page_saved_tokens`, counted per first admission from the lookups' shared lengths)
-        page, choice = int(e["page_size_tokens"]), int(e["suggested_page_size_tokens"])
-        pages = _int((labels or {}).get("num_pages"))
-        if runtime == "vllm":
-            change = {"--block-size": choice}
-        else:
-            change = {"page_size": choice, **({"num_pages": pages * page // choice} if pages else {})}
+        change = _page_change(runtime, int(e["page_size_tokens"]), int(e["suggested_page_size_tokens"]), labels)
         now = float(e["missed_tokens"])
         return _make(finding, "prefix_missed_tokens", now, max(now - float(e["smaller_page_saved_tokens"]), 0.0),
                      change, runtime)
     return None
+
+
+def _page_change(runtime: str, page: int, choice: int, labels: Mapping[str, str] | None) -> dict[str, Any]:
+    """The runtime's knob for pages of `choice` tokens instead of `page`. The change keeps the cache's memory: as
+    many tokens in smaller pages (vLLM sizes its pool from memory; HF CB is told `num_pages`, scaled)."""
+    if runtime == "vllm":
+        return {"--block-size": choice}
+    pages = _int((labels or {}).get("num_pages"))
+    return {"page_size": choice, **({"num_pages": pages * page // choice} if pages else {})}
 
 
 def why_not_predicted(finding_id: str) -> str:

@@ -5,14 +5,12 @@ client-clock refinement over the `queueing` scenario's store. No server."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import time
 
-import duckdb
 import pytest
 
-from builders.scenarios import DATA_DIR, load
+from test_windows import store  # noqa: F401 (a fixture: the queueing scenario loaded, (connection, run))
 from phasescope.cli.reports import VLLM_DATE_SLACK_S, detect_kind, read_aiperf, read_report, read_vllm
 
 SAMPLE = pathlib.Path(__file__).resolve().parent / "reports" / "vllm-0.32-bench-serve.jsonl"
@@ -153,13 +151,6 @@ def test_aiperf_sample_points(utc, tmp_path):
     assert p["strategy"] == "concurrency, concurrency=4" and p["streams"] == 4
 
 
-@pytest.fixture
-def store(tmp_path):
-    path = str(tmp_path / "run.duckdb")
-    run = load(os.path.join(DATA_DIR, "queueing"), path)
-    con = duckdb.connect(path)
-    yield con, run
-    con.close()
 
 
 def test_refine_windows_same_clock_only(store):
