@@ -40,6 +40,7 @@ from typing import Any
 import duckdb
 
 from ..records.kvmath import kv_imbalance  # max / mean - 1, the TP index
+from .queries import run_labels as _labels  # the run's labels ({} without a run_info table)
 from .thresholds import T
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"
@@ -97,14 +98,6 @@ WORK_SQL = """WITH src AS (SELECT source_id, runtime, rank FROM sources
           UNION ALL SELECT source_id, count(*) FROM kv_snapshots WHERE source_id IN (SELECT source_id FROM src)
           GROUP BY 1)
     SELECT src.runtime, src.rank, coalesce(sum(w.n), 0) FROM src LEFT JOIN w USING (source_id) GROUP BY ALL"""
-
-
-def _labels(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str]:
-    """The run's dp, tp and pp labels ({} without a run_info table)."""
-    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'run_info'").fetchone()[0]:
-        return {}
-    return dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ? AND key IN ('dp', 'tp', 'pp')",
-                            [run_id]).fetchall())
 
 
 def _int(value: str | None) -> int | None:
