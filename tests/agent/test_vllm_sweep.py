@@ -265,17 +265,34 @@ def test_dp_skew_all_requests_on_one_engine(vllm_env, guidellm, model_dir, tmp_p
     _same_answer(db, slo, res)
 
 
+def _wider(model_dir: str, tmp_path) -> str:
+    """model_dir with a 4-layer, 512-wide config (13.6M random weights): a step's cost is then its arithmetic, not
+    the per-step overhead that makes tiny-llama's 768-token prefill step cost about what a decode step does (on a
+    quiet host the tiny model's ratio stayed under 3 and host-bound bound instead)."""
+    import json
+    import shutil
+
+    out = tmp_path / "wider-llama"
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=8, head_dim=64)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
 def test_prefill_interference(vllm_env, guidellm, model_dir, tmp_path):
     """Long prompts with chunked prefill off (--no-enable-chunked-prefill; a step then prefills a whole 768-token
-    prompt beside the running decodes): prefill interference binds at the knee, the KV pool and the batch cap
-    both far from full; its step counts and medians equal the raw steps of the evidence point's run (numpy over
-    the rank-0 steps, not the analyzer's SQL), and the change it names is vLLM's chunking flag."""
+    prompt beside the running decodes) on a model whose steps cost their arithmetic (`_wider`): prefill
+    interference binds at the knee, the KV pool and the batch cap both far from full; its step counts and medians
+    equal the raw steps of the evidence point's run (numpy over the rank-0 steps, not the analyzer's SQL), and the
+    change it names is vLLM's chunking flag."""
     import numpy as np
 
-    db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--no-enable-chunked-prefill", "--max-num-seqs", "16",
-                                                            "--max-num-batched-tokens", "1024",
-                                                            "--num-gpu-blocks-override", "512", "--block-size", "32"],
-                             "prefill-interference", "tpot_p99_s", prompt_tokens=768)
+    flags = ["--no-enable-chunked-prefill", "--max-num-seqs", "16", "--max-num-batched-tokens", "1024",
+             "--num-gpu-blocks-override", "512", "--block-size", "32"]
+    db, slo, res, b = _swept(vllm_env, _wider(model_dir, tmp_path), tmp_path, flags, "prefill-interference",
+                             "tpot_p99_s", prompt_tokens=768)
     con = duckdb.connect(db, read_only=True)
     try:
         _check_points(con, res, RATES, N)
