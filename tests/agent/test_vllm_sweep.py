@@ -160,9 +160,13 @@ def _check_points(con, res, rates, requests):
         assert lab["sweep_id"] == res["sweep_id"] and int(lab["sweep_point"]) == i
         assert float(lab["sweep_rate_per_s"]) == p["rate_per_s"] and lab["window_of"] == res["source_run"]
         assert "knob" in lab
-        # the point holds the requests the server saw arrive in the benchmark's window: at least those guidellm
-        # counted (at 8-16 req/s guidellm 0.8.1 counted 11 of the 12 the server got in the window)
-        assert requests >= p["requests"] >= res["benchmarks"][i]["successful"] + res["benchmarks"][i]["not_successful"]
+        # the point holds the requests the server saw arrive in the benchmark's window: with the stragglers said to
+        # come after it (outside every window), at least those guidellm counted (at 8-16 req/s guidellm 0.8.1
+        # counted 11 of the 12 the server got in the window; or a straggler the server saw arrive after the
+        # benchmark's end). A request guidellm counts as errored may never have reached the server
+        # (under load one failed in the client's HTTP read and the server has no trace of it): its successful ones did
+        late = sum(r["after_benchmark"] == i for r in res["outside_windows"]["rows"])
+        assert requests >= p["requests"] and p["requests"] + late >= res["benchmarks"][i]["successful"]
         raw = con.execute("""SELECT count(DISTINCT r.request_id) FROM request_events r JOIN sources s USING (source_id)
             WHERE s.run_id = ? AND r.event = 'arrival' AND r.ts_ns + s.wall_minus_mono_ns BETWEEN ? AND ?""",
                           [res["source_run"], res["benchmarks"][i]["start_ns"], res["benchmarks"][i]["end_ns"]]
@@ -173,7 +177,9 @@ def _check_points(con, res, rates, requests):
     # arrive: 59 of 60 in the CI run of d4d037d)
     total = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [res["source_run"]]).fetchone()[0]
     ow = res["outside_windows"]
-    assert sum(p["requests"] for p in res["points"]) + ow["requests"] == total == requests * len(rates)
+    sent = sum(b["successful"] + b["not_successful"] for b in res["benchmarks"])
+    assert sum(p["requests"] for p in res["points"]) + ow["requests"] == total
+    assert sum(b["successful"] for b in res["benchmarks"]) <= total <= sent == requests * len(rates)
     assert ow["requests"] <= 2, ow  # a straggler, not a mapping that misses a window
     for r in ow["rows"]:
         assert r["after_benchmark"] >= 0 and 0 <= r["late_s"] < 5, r
