@@ -179,7 +179,12 @@ def _check_points(con, res, rates, requests):
     ow = res["outside_windows"]
     sent = sum(b["successful"] + b["not_successful"] for b in res["benchmarks"])
     assert sum(p["requests"] for p in res["points"]) + ow["requests"] == total
-    assert sum(b["successful"] for b in res["benchmarks"]) <= total <= sent == requests * len(rates)
+    # the run holds at least what guidellm counted successful and at most what it was told to send; not at most what
+    # it accounted for: guidellm 0.8.1 drops from its report a request cancelled before its own `resolve_start` stamp
+    # (benchmark/schemas/accumulator.py: "cancelled before starting ... do not include") though the HTTP request may
+    # have gone out (CI run of 2d2b950: the server saw 60, the report accounted for 59)
+    assert sum(b["successful"] for b in res["benchmarks"]) <= total <= requests * len(rates)
+    assert sent <= requests * len(rates)
     assert ow["requests"] <= 2, ow  # a straggler, not a mapping that misses a window
     for r in ow["rows"]:
         assert r["after_benchmark"] >= 0 and 0 <= r["late_s"] < 5, r
