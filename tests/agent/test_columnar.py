@@ -256,3 +256,101 @@ def test_split_records_round_trips_every_stored_type():
     assert set(got) == set(want)
     for cls, rows in want.items():
         assert all(ev.same_record(a, b) for a, b in zip(got[cls], rows)) and len(got[cls]) == len(rows), cls
+
+
+# --- the frame scan and the columns, value for value (issue 31: the survivors of cosmic-ray's run) ---------
+
+
+def test_a_frame_that_cannot_be_read_raises_frame_error_saying_why():
+    """Each structural fault is a FrameError (the connection's error path), never another exception, and
+    its message names the fault."""
+    steps = [ev.Step(10 + i, i, 0, ev.PHASE_DECODE, 1, 0, 1, 8, 1.0, math.nan) for i in range(8)]
+    one, n = ev.encode_records(steps)
+    mixed, m = ev.encode_records(_sample_records() * 2)  # > 256 bytes: positions are not small cached ints
+    size = columnar.TYPES[2].size
+    with pytest.raises(ev.FrameError, match="unknown record type 250 at byte 0"):
+        columnar.decode(bytes([250]) + one, n)  # the first byte is no record type
+    with pytest.raises(ev.FrameError, match=f"payload ends after {n} of {n + 1} records"):
+        columnar.decode(one, n + 1)  # one type, one record fewer than said: not the no-scan path
+    with pytest.raises(ev.FrameError, match=f"payload ends after {m} of {m + 1} records"):
+        columnar.decode(mixed, m + 1)
+    with pytest.raises(ev.FrameError, match=f"truncated Step record at byte {(n - 1) * size}"):
+        columnar.decode(one[:-3], n)  # the last record cut short
+    with pytest.raises(ev.FrameError, match=f"^3 trailing bytes after {n} records$"):
+        columnar.decode(one + b"\x02\x00\x00", n)
+    with pytest.raises(ev.FrameError, match="^60 trailing bytes after 1 records$"):  # more than the records hold
+        columnar.decode(one[:size] + bytes(60), 1)
+
+
+def test_two_types_of_one_size_in_one_frame_are_told_apart():
+    """GpuSample and PageEvent records are the same size: a frame of both must be scanned, not read as the
+    first record's type."""
+    assert columnar.TYPES[6].size == columnar.TYPES[12].size
+    recs = [ev.GpuSample(1, 0, 50.0, 1 << 30, 1 << 34, 300.0, 60.0, 1500.0, 0), ev.PageEvent(2, 0, 3, "evicted", 12.5,
+            math.nan, 1, 0), ev.GpuSample(3, 1, 40.0, 1 << 29, 1 << 34, 200.0, 50.0, 1400.0, 0)]
+    payload, n = ev.encode_records(recs)
+    d = columnar.decode(payload, n)
+    assert not d.rejected and sorted(d.arrays) == [6, 12]
+    got = _by_type(columnar.records_of(d.arrays))
+    assert len(got[ev.GpuSample]) == 2 and len(got[ev.PageEvent]) == 1
+    assert all(ev.same_record(a, b) for a, b in zip(got[ev.GpuSample] + got[ev.PageEvent], [recs[0], recs[2], recs[1]]))
+
+
+def test_text_that_is_not_ascii_is_kept_when_valid_and_rejected_when_not():
+    good = ev.RequestEvent(5, 0, ev.REQ_ARRIVAL, "réq-1", 8, 0)
+    payload, n = ev.encode_records([good, ev.RequestEvent(6, 0, ev.REQ_ARRIVAL, "plain\x7f", 8, 0)])
+    bad = bytearray(payload[: len(payload) // 2])
+    rid = bad.index("r".encode())  # the request id's first byte: a lone continuation byte is not UTF-8
+    bad[rid] = 0x80
+    d = columnar.decode(payload + bytes(bad), n + 1)
+    assert d.rejected == collections.Counter({"bad_utf8": 1})
+    assert [r.request_id for r in columnar.records_of(d.arrays)] == ["réq-1", "plain\x7f"]
+
+
+def test_records_the_sidecar_makes_get_codes_of_their_own_and_keep_their_text():
+    """ProcessSample and HostSample never cross the wire: they get pseudo type codes >= 1000 that no wire
+    type has, and the wire types stay as they were; text that is not ASCII round-trips in both kinds."""
+    wire = {code: t.cls for code, t in columnar.TYPES.items() if code < 1000}
+    proc = ev.ProcessSample(7, 42, "rün-1", 1.5, 0.5, 3, 43, 0.9, 0.1, 1 << 20, 12, 5, 6)
+    host = ev.HostSample(8, 2, 50.0, 1.5, 1 << 34, 1 << 33, 0, 0, 0, 1.0, math.nan, -1, -1, math.nan)
+    req = ev.RequestEvent(9, 0, ev.REQ_ARRIVAL, "réq-2", 8, 0)
+    arrays, control = columnar.split_records([proc, host, req])
+    assert not control
+    local = {code for code in arrays if code not in wire}
+    assert len(local) == 2 and all(isinstance(c, int) and c >= 1000 for c in local)
+    assert {code: t.cls for code, t in columnar.TYPES.items() if code < 1000} == wire
+    got = _by_type(columnar.records_of(arrays))
+    assert ev.same_record(got[ev.ProcessSample][0], proc) and ev.same_record(got[ev.HostSample][0], host)
+    assert got[ev.RequestEvent][0].request_id == "réq-2"
+
+
+@pytest.mark.parametrize("arrow", ["pyarrow", "numpy"])
+def test_columns_store_each_kind_of_field_as_itself(tmp_path, monkeypatch, arrow):
+    """Through the store's insert, with Arrow and with plain numpy columns: text (wire fixed-width and the
+    sidecar's own), enums and numbers read back as they were sent."""
+    from phasescope.agent.sidecar import store as store_mod
+
+    if arrow == "numpy":
+        monkeypatch.setattr(store_mod, "_pa", None)
+    proc = ev.ProcessSample(7, 42, "rün-1", 1.5, 0.5, 3, 43, 0.9, 0.1, 1 << 20, 12, 5, 6)
+    wire = [ev.RequestEvent(9, 0, ev.REQ_TOKEN, "réq-2", 8, 3), ev.Step(10, 4, 0, ev.PHASE_MIXED, 3, 16, 2,
+                                                                              80, 2.0, math.nan)]
+    payload, n = ev.encode_records(wire)
+    d = columnar.decode(payload, n)
+    local, _ = columnar.split_records([proc])
+    path = str(tmp_path / "c.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(1, 0, 1, 0, 1, "cols", "m", "module"))
+        assert store.write([Part(sid, {**dict(d.arrays), **dict(local)})]) == 3
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        assert con.execute("SELECT run_id, pid, rss_bytes FROM process_samples").fetchall() == [("rün-1", 42, 1 << 20)]
+        assert con.execute("SELECT request_id, event, tokens, cached_tokens FROM request_events").fetchall() == [
+            ("réq-2", ev.REQUEST_EVENTS[ev.REQ_TOKEN], 8, 3)]
+        assert con.execute("SELECT phase, prefill_tokens, host_ms FROM steps").fetchall() == [
+            (ev.PHASES[ev.PHASE_MIXED], 16, 2.0)]
+    finally:
+        con.close()
