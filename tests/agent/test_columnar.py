@@ -239,6 +239,8 @@ def test_interleaved_types_decode_back_exactly():
         assert len(got[cls]) == len(rows) and all(ev.same_record(a, b) for a, b in zip(got[cls], rows)), cls
     only_steps = columnar.records_of(d.arrays, {ev.Step})
     assert [r.step_id for r in only_steps] == [1, 2, 3]
+    # a type asked for after ones that are not (the frame's first record is a Step): still found
+    assert [r.page_id for r in columnar.records_of(d.arrays, {ev.PageEvent})] == [3]
     # one type alone takes the no-scan path and gives the same rows; a payload starting past `start` too
     steps = [r for r in recs if type(r) is ev.Step]
     sp, sn = ev.encode_records(steps)
