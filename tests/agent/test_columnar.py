@@ -284,6 +284,24 @@ def test_a_frame_that_cannot_be_read_raises_frame_error_saying_why():
         columnar.decode(one[:size] + bytes(60), 1)
 
 
+def test_any_frame_length_and_count_decodes_exactly_or_raises_frame_error():
+    """Every payload length up to four Steps and a bit, each said to hold 1-4 records, at offset 0 and 8, with a
+    Step type byte at every record boundary: it decodes only when the length is exactly the records', and
+    raises FrameError otherwise (the one-type fast path must not take a frame the scan would refuse)."""
+    size = columnar.TYPES[2].size
+    for count in range(1, 5):
+        for length in range(1, 4 * size + 3):
+            body = bytearray(length)
+            body[::size] = bytes([2]) * len(body[::size])
+            for start in (0, 8):
+                try:
+                    d = columnar.decode(bytes(start) + bytes(body), count, start=start)
+                except ev.FrameError:
+                    assert length != count * size, (count, length, start)
+                else:
+                    assert length == count * size and d.records == d.kept() == count, (count, length, start)
+
+
 def test_two_types_of_one_size_in_one_frame_are_told_apart():
     """GpuSample and PageEvent records are the same size: a frame of both must be scanned, not read as the
     first record's type."""
@@ -316,8 +334,8 @@ def test_records_the_sidecar_makes_get_codes_of_their_own_and_keep_their_text():
     proc = ev.ProcessSample(7, 42, "rün-1", 1.5, 0.5, 3, 43, 0.9, 0.1, 1 << 20, 12, 5, 6)
     host = ev.HostSample(8, 2, 50.0, 1.5, 1 << 34, 1 << 33, 0, 0, 0, 1.0, math.nan, -1, -1, math.nan)
     req = ev.RequestEvent(9, 0, ev.REQ_ARRIVAL, "réq-2", 8, 0)
-    arrays, control = columnar.split_records([proc, host, req])
-    assert not control
+    arrays, control = columnar.split_records([ev.RunLabel(1, "k", "v"), proc, host, req])
+    assert control == [ev.RunLabel(1, "k", "v")]  # a control record first: the records after it still split
     local = {code for code in arrays if code not in wire}
     assert len(local) == 2 and all(isinstance(c, int) and c >= 1000 for c in local)
     assert {code: t.cls for code, t in columnar.TYPES.items() if code < 1000} == wire
