@@ -6,8 +6,11 @@ before someone trusts a dashboard built on missing data:
 
 - `kv-snapshots-stopped`: the run had KV snapshots, then steps went on for
   `telemetry_stale_s` seconds (and at least `min_stale_steps` steps) without one;
-- `prefix-counters-stuck`: prefix counters kept arriving (or had arrived) but their queried
-  tokens stopped growing while prefill steps went on for `telemetry_stale_s` seconds;
+- `prefix-counters-stuck`: prefix counters had arrived, but their queried tokens stopped growing while
+  new requests went on being admitted (first scheduled) for `telemetry_stale_s` seconds (and at least
+  `min_stale_steps // 4` of them). Admissions, not prefill steps: a re-prefill after a preemption and
+  the later chunks of a chunked prompt are no lookup, and on a starved host they alone can run past
+  `telemetry_stale_s` after the last admission (a false alarm measured on a loaded 2-core CI machine);
 - `gpu-timing-stopped`: a source that had CUDA-event-timed steps had none for `telemetry_stale_s`
   seconds of steps (the sampler's rate fell to zero, or the poller is stuck);
 - `clock-skew`: a probe's wall clock at connect differs from the sidecar's by more than
@@ -40,13 +43,25 @@ _PREFIX_STUCK = f"""WITH p AS (SELECT {_WALL} AS t, x.queried_tokens_total AS q
                         FROM prefix_counters x JOIN sources s USING (source_id) WHERE s.run_id = $run),
         pc AS (SELECT count(*) AS n, max(q) AS qmax FROM p),
         {{moved}},
+        adm AS (SELECT min(x.ts_ns + s.wall_minus_mono_ns) FILTER (WHERE x.event = 'scheduled') / 1e9 AS t,
+                       coalesce(max(x.tokens) FILTER (WHERE x.event = 'arrival'), 0) AS prompt_tokens
+                FROM request_log x JOIN sources s USING (source_id) WHERE x.run_id = $run
+                GROUP BY x.request_id HAVING count(*) FILTER (WHERE x.event = 'scheduled') > 0),
+        ad AS (SELECT max(adm.t) AS last_admission_s,
+                      count(*) FILTER (WHERE adm.t > moved.last_move_s) AS admissions_after,
+                      coalesce(sum(adm.prompt_tokens) FILTER (WHERE adm.t > moved.last_move_s), 0)
+                          AS admitted_prompt_tokens_after
+               FROM moved, adm),
         pre AS (SELECT {_WALL} AS t, x.prefill_tokens FROM steps x JOIN sources s USING (source_id)
                 WHERE s.run_id = $run AND x.prefill_tokens > 0)
     SELECT any_value(pc.n) AS counter_records, any_value(pc.qmax) AS queried_tokens_total,
-           any_value(moved.last_move_s) AS last_move_s, max(pre.t) AS last_prefill_s,
+           any_value(moved.last_move_s) AS last_move_s, any_value(ad.last_admission_s) AS last_admission_s,
+           any_value(ad.admissions_after) AS admissions_after,
+           any_value(ad.admitted_prompt_tokens_after) AS admitted_prompt_tokens_after,
+           max(pre.t) AS last_prefill_s,
            count(pre.t) FILTER (WHERE pre.t > moved.last_move_s) AS prefill_steps_after,
            coalesce(sum(pre.prefill_tokens) FILTER (WHERE pre.t > moved.last_move_s), 0) AS prefill_tokens_after
-    FROM moved, pc LEFT JOIN pre ON true"""
+    FROM moved, pc, ad LEFT JOIN pre ON true"""
 # the last time the queried counter grew over the record before it (time order)
 PREFIX_STUCK_SQL = _PREFIX_STUCK.format(moved="""moved AS (SELECT max(t) AS last_move_s FROM
                     (SELECT t, q, lag(q) OVER (ORDER BY t) AS prev FROM p) WHERE prev IS NULL OR q > prev)""")
@@ -79,13 +94,16 @@ SKEW_SQL = """SELECT source_id, pid, rank,
 # same number the full queries compute row by row)
 STEPS_LAST_SQL = """WITH per AS (
         SELECT source_id, max(ts_ns) AS last_ns, max(ts_ns) FILTER (WHERE NOT isnan(gpu_ms)) AS timed_ns,
-               count(*) FILTER (WHERE NOT isnan(gpu_ms)) AS timed_steps,
-               max(ts_ns) FILTER (WHERE prefill_tokens > 0) AS prefill_ns
+               count(*) FILTER (WHERE NOT isnan(gpu_ms)) AS timed_steps
         FROM steps WHERE source_id IN (SELECT source_id FROM sources WHERE run_id = $run) GROUP BY source_id)
     SELECT p.source_id, (p.last_ns + s.wall_minus_mono_ns) / 1e9 AS last_step_s,
-           (p.timed_ns + s.wall_minus_mono_ns) / 1e9 AS last_timed_s, p.timed_steps,
-           (p.prefill_ns + s.wall_minus_mono_ns) / 1e9 AS last_prefill_s
+           (p.timed_ns + s.wall_minus_mono_ns) / 1e9 AS last_timed_s, p.timed_steps
     FROM per p JOIN sources s USING (source_id)"""
+# the run's last scheduled event, wall seconds: re-admissions included, so never before its last admission
+SCHEDULED_LAST_SQL = """WITH per AS (SELECT source_id, max(ts_ns) AS last_ns FROM request_events
+                 WHERE event = 'scheduled' AND source_id IN (SELECT source_id FROM sources WHERE run_id = $run)
+                 GROUP BY source_id)
+    SELECT max((p.last_ns + s.wall_minus_mono_ns) / 1e9) AS last_scheduled_s FROM per p JOIN sources s USING (source_id)"""
 KV_LAST_SQL = """WITH per AS (SELECT source_id, max(ts_ns) AS last_ns, count(*) AS n FROM kv_snapshots
                  WHERE source_id IN (SELECT source_id FROM sources WHERE run_id = $run) GROUP BY source_id)
     SELECT max((p.last_ns + s.wall_minus_mono_ns) / 1e9) AS last_kv_s, coalesce(sum(p.n), 0) AS snapshots
@@ -105,15 +123,15 @@ def _can_fire(con, run_id: str, stale_s: float) -> dict[str, bool]:
     under `stale_s`); True when the full query must decide."""
     per = con.execute(STEPS_LAST_SQL, {"run": run_id}).fetchall()
     last_step = max((r[1] for r in per if r[1] is not None), default=None)
-    last_prefill = max((r[4] for r in per if r[4] is not None), default=None)
     kv = one(con, KV_LAST_SQL, run_id)
     out = {"kv": bool(kv["snapshots"]) and last_step is not None and last_step - kv["last_kv_s"] >= stale_s}
     gaps = [r[1] - r[2] for r in per if r[3]]  # sources that had GPU-timed steps
     out["gpu"] = bool(gaps) and max(gaps) >= stale_s
-    if last_prefill is None:
+    last_scheduled = one(con, SCHEDULED_LAST_SQL, run_id)["last_scheduled_s"]
+    if last_scheduled is None:
         out["prefix"] = False
     else:
-        px = one(con, PREFIX_MOVED_AFTER_SQL, run_id, w_ns=int((last_prefill - stale_s + _MARGIN_S) * 1e9))
+        px = one(con, PREFIX_MOVED_AFTER_SQL, run_id, w_ns=int((last_scheduled - stale_s + _MARGIN_S) * 1e9))
         out["prefix"] = bool(px["n"]) and not px["moved_after"]
     return out
 
@@ -166,18 +184,20 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
     px = one(con, PREFIX_STUCK_TAIL_SQL, run_id) if can["prefix"] else {}
     if px and px["last_move_s"] is None and (px["counter_records"] or 0) > PREFIX_TAIL + 1:
         px = one(con, PREFIX_STUCK_SQL, run_id)
-    if px and px["counter_records"] and px["last_move_s"] is not None and px["last_prefill_s"] is not None:
-        stuck = px["last_prefill_s"] - px["last_move_s"]
-        if stuck >= telemetry_stale_s and px["prefill_steps_after"] >= min_stale_steps // 4:
+    if px and px["counter_records"] and px["last_move_s"] is not None and px["last_admission_s"] is not None:
+        stuck = px["last_admission_s"] - px["last_move_s"]
+        if stuck >= telemetry_stale_s and px["admissions_after"] >= max(1, min_stale_steps // 4):
             out.append(_warning(
                 run_id, th, id="telemetry-prefix-counters-stuck",
-                title="Prefix-cache counters stopped moving while prompts were prefilled",
+                title="Prefix-cache counters stopped moving while new requests were admitted",
                 evidence={**px, "stuck_s": stuck, "query": PREFIX_STUCK_SQL},
                 suggestion=("The prefix-cache counters are no longer wired (adapter lost its hook, cache disabled "
                             "at runtime): hit rates shown are those of the past. Check the adapter's log and the "
                             "server's prefix-caching setting."),
-                expected_effect=(f"{px['prefill_tokens_after']} prompt tokens in {px['prefill_steps_after']} prefill "
-                                 f"steps over {stuck:.1f} s went uncounted by the prefix cache.")))
+                expected_effect=(f"{px['admissions_after']} requests ({px['admitted_prompt_tokens_after']} prompt "
+                                 f"tokens) admitted over {stuck:.1f} s after the counters' last move went uncounted "
+                                 f"by the prefix cache; {px['prefill_tokens_after']} prompt tokens in "
+                                 f"{px['prefill_steps_after']} prefill steps ran in that time.")))
 
     gpu = one(con, GPU_STOPPED_SQL, run_id) if can["gpu"] else {}
     if gpu and gpu.get("last_timed_s") is not None and (

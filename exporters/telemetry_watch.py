@@ -1,7 +1,8 @@
 """`phasescope_telemetry_degraded{model, reason}`: live flags for telemetry that stopped being true.
 
 A sidecar sink beside the Prometheus exporter. It keeps, per model, when (sidecar monotonic
-clock, s) it last received steps, KV snapshots, a moving prefix counter, a GPU-timed step, a
+clock, s) it last received steps, KV snapshots, a moving prefix counter, a request's first admission
+(its first `scheduled` event: a re-admission after a preemption is no prefix lookup), a GPU-timed step, a
 probe's drop, and whether an adapter said it understands the runtime only in part or a probe's
 clock was skewed at connect. At scrape time each reason is 1 while it holds, else 0, so an
 alert can fire on `== 1` (reasons and thresholds as in analyzers/telemetry.py, the offline
@@ -19,34 +20,56 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from phasescope.agent.records.events import Hello, KVSnapshot, PrefixCounters, ProbeHealth, RunLabel, Step
+from phasescope.agent.records.events import (REQUEST_EVENTS, Hello, KVSnapshot, PrefixCounters, ProbeHealth,
+                                             RequestEvent, RunLabel, Step)
 from phasescope.agent.read.thresholds import T
 from phasescope.agent.sidecar import Batch, Chunk
 
 from .sources import SourceTable
+
+_SCHEDULED, _PREEMPTED, _TOKEN = (REQUEST_EVENTS.index(e) for e in ("scheduled", "preempted", "token"))
+_ENDS = tuple(REQUEST_EVENTS.index(e) for e in ("finished", "aborted", "cancelled"))
+_MAX_PREEMPTED = 1 << 16  # ids awaiting re-admission kept per model; past it the set restarts (a readmission
+# then reads as an admission: at worst a stuck counter is flagged late, never falsely)
 
 REASONS = ("kv-snapshots-stopped", "prefix-counters-stuck", "gpu-timing-stopped", "records-dropped",
            "clock-skew", "adapter-partial")
 
 
 class _ModelState:
-    __slots__ = ("last_step", "last_prefill", "last_kv", "last_prefix_move", "prefix_q", "last_gpu",
+    __slots__ = ("last_step", "last_admit", "preempted", "last_kv", "last_prefix_move", "prefix_q", "last_gpu",
                  "dropped", "last_drop", "skew_s", "adapter_missing")
 
     def __init__(self) -> None:
-        self.last_step = self.last_prefill = self.last_kv = self.last_prefix_move = self.last_gpu = None
+        self.last_step = self.last_admit = self.last_kv = self.last_prefix_move = self.last_gpu = None
         self.last_drop = None
         self.prefix_q = -1
         self.dropped: dict[int, int] = {}  # source -> latest dropped_total
         self.skew_s = 0.0
         self.adapter_missing = ""
+        self.preempted: set = set()  # request ids (as sent) preempted and not yet scheduled again
+
+    def request_event(self, event: int, rid: object, now: float) -> None:
+        """One non-token request event: a first admission moves `last_admit`."""
+        if event == _SCHEDULED:
+            if rid in self.preempted:
+                self.preempted.discard(rid)
+            else:
+                self.last_admit = now
+        elif event == _PREEMPTED:
+            if len(self.preempted) >= _MAX_PREEMPTED:
+                self.preempted.clear()
+            self.preempted.add(rid)
+        elif event in _ENDS:
+            self.preempted.discard(rid)
 
 
 class TelemetryWatch:
     """Sidecar sink: per-model telemetry freshness, exported as `phasescope_telemetry_degraded`."""
 
-    record_types = frozenset({Hello, Step, KVSnapshot, PrefixCounters, ProbeHealth, RunLabel})
-    columnar_types = frozenset({Step})  # steps come as numpy columns (a Chunk per frame), not one tuple each
+    record_types = frozenset({Hello, Step, KVSnapshot, PrefixCounters, ProbeHealth, RunLabel, RequestEvent})
+    # steps and request events come as numpy columns (a Chunk per frame), not one tuple each
+    columnar_types = frozenset({Step, RequestEvent})
 
     def __init__(self, registry: CollectorRegistry, stale_s: float = T["telemetry_stale_s"],
                  max_clock_skew_s: float = T["max_clock_skew_s"], clock: Callable[[], float] = time.monotonic,
@@ -73,16 +96,19 @@ class TelemetryWatch:
                 if t is Chunk:
                     if rec.cls is Step and len(rec.rows):
                         st.last_step = now
-                        if rec.rows["prefill_tokens"].any():
-                            st.last_prefill = now
                         if not np.isnan(rec.rows["gpu_ms"]).all():
                             st.last_gpu = now
+                    elif rec.cls is RequestEvent:
+                        ev = rec.rows["event"]
+                        rids = rec.rows["request_id"]
+                        for i in np.flatnonzero(ev != _TOKEN):  # tokens are most events and never matter here
+                            st.request_event(int(ev[i]), bytes(rids[i]), now)
                 elif t is Step:
                     st.last_step = now
-                    if rec.prefill_tokens:
-                        st.last_prefill = now
                     if not math.isnan(rec.gpu_ms):
                         st.last_gpu = now
+                elif t is RequestEvent:
+                    st.request_event(rec.event, rec.request_id.encode(), now)
                 elif t is KVSnapshot:
                     st.last_kv = now
                 elif t is PrefixCounters:
@@ -114,7 +140,7 @@ class TelemetryWatch:
 
         return {
             "kv-snapshots-stopped": silent_while_steps(st.last_kv, st.last_step),
-            "prefix-counters-stuck": silent_while_steps(st.last_prefix_move, st.last_prefill),
+            "prefix-counters-stuck": silent_while_steps(st.last_prefix_move, st.last_admit),
             "gpu-timing-stopped": silent_while_steps(st.last_gpu, st.last_step),
             "records-dropped": st.last_drop is not None and now - st.last_drop < stale,
             "clock-skew": abs(st.skew_s) > self.max_clock_skew_s,

@@ -168,9 +168,9 @@ CASES: list[tuple[str, str, str, str, Get, str, str | None, dict]] = [
      key("stuck_s"), ">=", None, {}),
     ("telemetry-silent", "telemetry_degraded", "telemetry-kv-snapshots-stopped", "min_stale_steps",
      key("steps_after"), ">=", None, {}),
-    # the prefix counters need a quarter of min_stale_steps prefill steps after their last move
+    # the prefix counters need a quarter of min_stale_steps first admissions after their last move
     ("telemetry-silent", "telemetry_degraded", "telemetry-prefix-counters-stuck", "min_stale_steps",
-     lambda e: 4 * e["prefill_steps_after"] + 3, ">=", None, {}),
+     lambda e: 4 * e["admissions_after"] + 3, ">=", None, {}),
     ("prefix-miss-causes", "prefix_miss_causes", "prefix-miss-sub-page", "prefix_miss_min_tokens",
      key("total_missed_tokens"), ">=", None, {}),
     ("prefix-miss-causes", "prefix_miss_causes", "prefix-miss-sub-page", "prefix_miss_cause_share",

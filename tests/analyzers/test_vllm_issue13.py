@@ -297,7 +297,11 @@ def check_silent_run(con, run_id: str, vllm: dict) -> dict:
     pre_after = steps[(steps["t"] > last_move) & (steps["prefill_tokens"] > 0)]
     assert len(steps_after) == after * per_request == 192
     assert (len(pre_after), pre_after["prefill_tokens"].sum()) == (after, sum(prefill[before:])) == (24, 576)
-    silent_s, stuck_s = steps["t"].max() - last_kv, pre_after["t"].max() - last_move
+    # the counters stand still while requests go on being admitted: the first scheduled event of each request
+    adm = frame(con, f"""SELECT min({wall}) FILTER (WHERE x.event = 'scheduled') AS t FROM request_events x
+                        JOIN sources s USING (source_id) WHERE s.run_id = $run GROUP BY x.request_id""", run_id)
+    assert len(adm) == vw.SILENT_PROMPTS and (adm["t"] > last_move).sum() == after
+    silent_s, stuck_s = steps["t"].max() - last_kv, adm["t"].max() - last_move
     # paced: the last prompt starts >= 24 x 0.5 s after the silence, which came after the last snapshot
     assert silent_s >= after * vw.SILENT_PACE_S and stuck_s >= after * vw.SILENT_PACE_S
     found = {f.id: f for f in telemetry_degraded(con, run_id)}
@@ -307,6 +311,7 @@ def check_silent_run(con, run_id: str, vllm: dict) -> dict:
     assert kvf["silent_s"] == pytest.approx(silent_s, abs=1e-5) and silent_s >= T["telemetry_stale_s"]
     assert (pxf["counter_records"], pxf["queried_tokens_total"]) == (before, 88 * before)
     assert (pxf["prefill_steps_after"], pxf["prefill_tokens_after"]) == (24, 576)
+    assert (pxf["admissions_after"], pxf["admitted_prompt_tokens_after"]) == (after, 88 * after)
     assert pxf["stuck_s"] == pytest.approx(stuck_s, abs=1e-5)
     assert set(found) <= {f.id for f in diagnose(con, run_id)}
     return {"silent_s": silent_s, "stuck_s": stuck_s}
@@ -320,7 +325,9 @@ def test_silent_fixture_fires_with_its_numbers(scenario):
     f = {x.id: x for x in telemetry_degraded(con, run_id)}
     kv_effect = f["telemetry-kv-snapshots-stopped"].expected_effect
     assert f"192 steps over {r['silent_s']:.1f} s ran after the last of 48 KV snapshots" in kv_effect
-    assert "576 prompt tokens in 24 prefill steps" in f["telemetry-prefix-counters-stuck"].expected_effect
+    px_effect = f["telemetry-prefix-counters-stuck"].expected_effect
+    assert f"24 requests (2112 prompt tokens) admitted over {r['stuck_s']:.1f} s" in px_effect
+    assert "576 prompt tokens in 24 prefill steps" in px_effect
 
 
 @pytest.mark.slow
