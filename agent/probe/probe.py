@@ -183,7 +183,8 @@ class Probe(StepTimer, Outbox):
                     cached_tokens,
                 )
             )
-            self.sampler.other_ns += self._perf() - t  # counted in the probe's cost (cost.py)
+            # counted in the probe's cost (cost.py), at most one interval's cap (sampling.py: a deschedule is no cost)
+            self.sampler.other_ns += min(self._perf() - t, self.sampler.cost_cap_ns)
         except Exception as exc:  # noqa: BLE001 - the host must never see our errors
             self._error(exc)
 
@@ -198,7 +199,7 @@ class Probe(StepTimer, Outbox):
         """Queue any record (adapters and collectors use this). Never raises."""
         t = self._perf()
         self._push(record)
-        self.sampler.other_ns += self._perf() - t
+        self.sampler.other_ns += min(self._perf() - t, self.sampler.cost_cap_ns)
 
     def health(self) -> ProbeHealth:
         """The probe's counters now."""

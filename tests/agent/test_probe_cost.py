@@ -73,3 +73,35 @@ def test_health_carries_the_cost_and_survives_the_wire():
     assert probe.sampler.other_ns > 0  # the request events are counted
     back = decode_frame(encode_frame([h]))[0]
     assert type(back) is ProbeHealth and back == h
+
+
+def test_a_descheduled_interval_counts_at_most_the_cap_and_a_costly_hook_lifts_the_cap():
+    """Wall-clock self-timing: a step whose hook the OS descheduled for 5 ms counts the cap, not 5 ms; a hook
+    that truly costs 300 us (over the floor) is counted in full once the estimate has seen it."""
+    from phasescope.agent.probe import sampling as sm
+    s = BudgetSampler(budget=0.005, seed=1)
+    assert s.cost_cap_ns == sm.INITIAL_COST_CAP_NS
+    for i in range(100):  # 2 us hooks; one descheduled for 5 ms
+        s.account(PHASE_DECODE, 1_000_000, 5_000_000 if i == 50 else 2_000, False)
+    assert s.clipped_total == 1 and s.hooks_ns() == 99 * 2_000 + sm.INITIAL_COST_CAP_NS
+    s.update(background_ns=0)
+    assert s.cost_cap_ns == sm.COST_CAP_FLOOR_NS  # 4 x ~12 us is under the floor
+    for i in range(100):
+        s.account(PHASE_DECODE, 1_000_000, 5_000_000 if i == 50 else 2_000, False)
+    assert s.clipped_total == 2 and s.hooks_ns() == 99 * 2_000 + sm.INITIAL_COST_CAP_NS + 99 * 2_000 + sm.COST_CAP_FLOOR_NS
+    # hooks of 300 us: clipped at the floor at first, the estimate (smoothed) rises, then all count
+    for _ in range(12):
+        before = s.clipped_total
+        for _ in range(100):
+            s.account(PHASE_DECODE, 1_000_000, 300_000, False)
+        s.update(background_ns=0)
+    assert s.clipped_total == before and s.cost_cap_ns >= 4 * 300_000 * 0.9
+    # a request event's interval in the probe is capped the same way
+    probe = attach(torch.nn.Identity(), connect=False)
+    try:
+        probe.sampler.cost_cap_ns = 1  # every interval takes longer than 1 ns
+        probe.request_event("r", "arrival", tokens=3)
+        probe.emit(ProbeHealth(0, 0, 0, 0, 0, 0, 1.0, 0.0, 0.0))
+        assert probe.sampler.other_ns == 2
+    finally:
+        probe.close()
