@@ -29,8 +29,8 @@ from .sources import SourceTable
 
 _SCHEDULED, _PREEMPTED, _TOKEN = (REQUEST_EVENTS.index(e) for e in ("scheduled", "preempted", "token"))
 _ENDS = tuple(REQUEST_EVENTS.index(e) for e in ("finished", "aborted", "cancelled"))
-_MAX_PREEMPTED = 1 << 16  # ids awaiting re-admission kept per model; past it the set restarts (a readmission
-# then reads as an admission: at worst a stuck counter is flagged late, never falsely)
+_MAX_PREEMPTED = 1 << 16  # ids awaiting re-admission kept per model; past it the set restarts, and the
+# re-admission of an id dropped then reads as an admission (only with > 65,536 preempted requests waiting at once)
 
 REASONS = ("kv-snapshots-stopped", "prefix-counters-stuck", "gpu-timing-stopped", "records-dropped",
            "clock-skew", "adapter-partial")

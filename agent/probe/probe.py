@@ -183,8 +183,11 @@ class Probe(StepTimer, Outbox):
                     cached_tokens,
                 )
             )
-            # counted in the probe's cost (cost.py), at most one interval's cap (sampling.py: a deschedule is no cost)
-            self.sampler.other_ns += min(self._perf() - t, self.sampler.cost_cap_ns)
+            # counted in the probe's cost (cost.py), at most one interval's cap (sampling.py: a deschedule is no
+            # cost); a compare, not min(): ~100 ns less per record
+            sampler = self.sampler
+            d = self._perf() - t
+            sampler.other_ns += d if d <= sampler.cost_cap_ns else sampler.cost_cap_ns
         except Exception as exc:  # noqa: BLE001 - the host must never see our errors
             self._error(exc)
 
@@ -199,7 +202,9 @@ class Probe(StepTimer, Outbox):
         """Queue any record (adapters and collectors use this). Never raises."""
         t = self._perf()
         self._push(record)
-        self.sampler.other_ns += min(self._perf() - t, self.sampler.cost_cap_ns)
+        sampler = self.sampler
+        d = self._perf() - t
+        sampler.other_ns += d if d <= sampler.cost_cap_ns else sampler.cost_cap_ns
 
     def health(self) -> ProbeHealth:
         """The probe's counters now."""
