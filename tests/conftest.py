@@ -12,6 +12,17 @@ from ci_guard import (pytest_make_collect_report, pytest_runtest_makereport,  # 
                       pytest_sessionfinish, pytest_terminal_summary)
 
 
+@pytest.fixture(autouse=True)
+def _umask_kept():
+    """The process's umask after each test is the one before it. `phasescope agent` sets 0o077 for its own
+    process (cli/main.py); a test that runs it in-process once left a worker's later folders 0700, and a
+    test that hands a folder to another uid then failed or passed by test order (issue 27)."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     """A 2-layer random-weight Llama (GQA: 4 heads, 2 KV heads), eval mode, CPU."""

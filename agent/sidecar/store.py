@@ -201,13 +201,11 @@ class Store:
         """Append `rows` (JSON-able dicts) to the quarantine file (0600), one line each."""
         import json
 
-        old = os.umask(0o077)
-        try:
-            with open(self.quarantine_path, "a", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps({"kind": kind, "reason": reason, "row": row}, default=str) + "\n")
-        finally:
-            os.umask(old)
+        # the mode on open, not a umask flip: the umask is the whole process's, and this is the writer thread
+        fd = os.open(self.quarantine_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with open(fd, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"kind": kind, "reason": reason, "row": row}, default=str) + "\n")
 
     def quarantine_sources(self, reason: str) -> int:
         """A write failed on the pending sources rows alone: write each in a transaction of its own and set

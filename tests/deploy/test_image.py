@@ -84,6 +84,7 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
     for d in (sock_dir, data_dir):
         d.mkdir(parents=True)
         os.chown(d, 10001, 10001)
+    short.chmod(0o755)  # uid 10001 (the probe below) passes through it, whatever this process's umask is
     mport = aport = 0  # the agent binds port 0 for both and prints the ports it got (read below)
     ctr = subprocess.check_output(B + ["from", image], text=True).strip()
     # `buildah run` (1.28) mounts a fresh copy of each image VOLUME (in the working container's own
