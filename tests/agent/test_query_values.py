@@ -1,0 +1,221 @@
+"""The figures users read (phase, request, SLO, latency-histogram and KV summaries), from stated records.
+
+Every expected value is computed here from README.md's definitions over the records written, never read
+back from a run: TTFT = first token - arrival, queue = scheduled - arrival, TPOT = decode time / (output
+tokens - 1) when more than one, E2E = last token - arrival, ITL one sample per token; block usage, token
+usage, internal and external fragmentation per snapshot; step time = gpu_ms where timed, else host_ms.
+Quantiles are linear interpolation (DuckDB's quantile_cont = numpy's default). The records are chosen so
+that each neighbouring formula gives another number: an SLO equal to one request's TTFT and one's TPOT
+(< vs <=), a request with one output token (no TPOT), one aborted and one preempted, a second run that must
+not leak in, GPU-timed steps whose host time differs. These are the fast tests `sql_mutants.py` runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import duckdb
+import numpy as np
+import pytest
+
+from phasescope.agent.read import queries
+from phasescope.agent.records import events as ev
+from phasescope.agent.sidecar.store import Store
+
+T0 = 1_000_000_000
+MS = 1_000_000
+NAN = float("nan")
+
+# (request, prompt tokens, arrival, scheduled, [token times], end event, end time, preempted at) in ms from T0;
+# every token event brings one token
+REQUESTS = [
+    ("a", 10, 0, 10, [50, 70, 100], ev.REQ_FINISHED, 100, None),
+    ("b", 20, 20, 40, [120, 130], ev.REQ_FINISHED, 130, None),
+    ("c", 5, 30, 35, [300], ev.REQ_FINISHED, 300, None),
+    ("d", 8, 40, 200, [400, 460, 490, 500], ev.REQ_FINISHED, 500, 250),
+    ("e", 7, 50, 60, [200], ev.REQ_ABORTED, 250, None),
+]
+# (phase, host ms, gpu ms or NaN, prefill tokens, decode tokens)
+STEPS = [
+    (ev.PHASE_PREFILL, 4.0, NAN, 10, 0), (ev.PHASE_PREFILL, 10.0, 9.5, 20, 0), (ev.PHASE_PREFILL, 7.0, NAN, 5, 0),
+    (ev.PHASE_DECODE, 1.0, NAN, 0, 2), (ev.PHASE_DECODE, 2.0, 1.5, 0, 3), (ev.PHASE_DECODE, 3.0, NAN, 0, 1),
+    (ev.PHASE_DECODE, 4.0, NAN, 0, 4), (ev.PHASE_DECODE, 100.0, NAN, 0, 2),
+    (ev.PHASE_MIXED, 5.0, 6.0, 8, 3),
+]
+PAGE = 16
+# (total, used, free, live tokens, largest free run, allocated total, freed total, kv bytes) at 0, 1, 2.5 s
+KV = [
+    (100, 10, 90, 150, 45, 10, 0, 1000),
+    (100, 40, 60, 500, 20, 45, 5, 4000),
+    (100, 30, 70, 380, 70, 60, 35, 2500),
+]
+
+
+def _store(path: str) -> None:
+    store = Store(path)
+    try:
+        src = store.register_source(ev.Hello(T0, 0, 4242, 0, 1, "v", "m", "hf-cb"))
+        other = store.register_source(ev.Hello(T0, 0, 4243, 0, 1, "w", "m", "hf-cb"))
+        reqs: list = []
+        for rid, prompt, arr, sch, toks, end, end_ms, pre in REQUESTS:
+            reqs.append(ev.RequestEvent(T0 + arr * MS, 0, ev.REQ_ARRIVAL, rid, prompt, 0))
+            reqs.append(ev.RequestEvent(T0 + sch * MS, 0, ev.REQ_SCHEDULED, rid, 0, 0))
+            if pre is not None:
+                reqs.append(ev.RequestEvent(T0 + pre * MS, 0, ev.REQ_PREEMPTED, rid, 0, 0))
+            reqs.extend(ev.RequestEvent(T0 + t * MS, 0, ev.REQ_TOKEN, rid, 1, 0) for t in toks)
+            reqs.append(ev.RequestEvent(T0 + end_ms * MS, 0, end, rid, len(toks), 0))
+        reqs.sort(key=lambda r: r.ts_ns)
+        steps = [ev.Step(T0 + i * MS, i, 0, ph, 1, pf, dc, 0, host, gpu) for i, (ph, host, gpu, pf, dc) in enumerate(STEPS)]
+        kv = [ev.KVSnapshot(T0 + int(t * 1e9), 0, PAGE, tot, used, free, 0, 0, 0, 1, live, run, alloc, freed, b, "bf16")
+              for t, (tot, used, free, live, run, alloc, freed, b) in zip((0, 1, 2.5), KV)]
+        # the other run: a fast request and a slow step that must not move run v's figures
+        noise = [ev.RequestEvent(T0, 0, ev.REQ_ARRIVAL, "x", 99, 0), ev.RequestEvent(T0, 0, ev.REQ_SCHEDULED, "x", 0, 0),
+                 ev.RequestEvent(T0 + MS, 0, ev.REQ_TOKEN, "x", 1, 0), ev.RequestEvent(T0 + MS, 0, ev.REQ_FINISHED, "x", 1, 0)]
+        store.append([(src, reqs), (src, steps), (src, kv), (other, noise),
+                      (other, [ev.Step(T0, 0, 0, ev.PHASE_DECODE, 1, 0, 1, 0, 500.0, NAN)])])
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def con(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("values") / "v.duckdb")
+    _store(path)
+    c = duckdb.connect(path, read_only=True)
+    yield c
+    c.close()
+
+
+def _q(values: list[float], qs: tuple[float, ...]) -> list[float]:
+    return [float(np.quantile(np.array(values, dtype=float), q)) for q in qs]
+
+
+def _span(reqs: list) -> float:
+    """Last token - first arrival over `reqs`, s."""
+    return (max(q[4][-1] for q in reqs) - min(q[2] for q in reqs)) / 1e3
+
+
+def _per_request() -> dict[str, dict]:
+    out = {}
+    for rid, prompt, arr, sch, toks, end, end_ms, pre in REQUESTS:
+        n = len(toks)
+        out[rid] = {"ttft": (toks[0] - arr) / 1e3, "queue": (sch - arr) / 1e3, "e2e": (toks[-1] - arr) / 1e3,
+                    "tpot": (toks[-1] - toks[0]) / 1e3 / (n - 1) if n > 1 else None, "out": n, "prompt": prompt,
+                    "finished": end == ev.REQ_FINISHED, "preempted": pre is not None}
+    return out
+
+
+def test_request_summary_is_the_definitions_over_the_run(con):
+    r = _per_request()
+    s = queries.request_summary(con, "v")
+    ttft = _q([x["ttft"] for x in r.values()], (0.5, 0.95, 0.99))
+    tpot = _q([x["tpot"] for x in r.values() if x["tpot"] is not None], (0.5, 0.95, 0.99))
+    queue = _q([x["queue"] for x in r.values()], (0.5, 0.95))
+    e2e = _q([x["e2e"] for x in r.values()], (0.5, 0.95, 0.99))
+    span = _span(REQUESTS)
+    expected = {"requests": 5, "finished": 4, "aborted": 1, "preemptions": 1,
+                "output_tokens": sum(x["out"] for x in r.values()), "prompt_tokens": 50, "span_s": span,
+                "ttft_p50_s": ttft[0], "ttft_p95_s": ttft[1], "ttft_p99_s": ttft[2],
+                "tpot_p50_s": tpot[0], "tpot_p95_s": tpot[1], "tpot_p99_s": tpot[2],
+                "queue_p50_s": queue[0], "queue_p95_s": queue[1],
+                "e2e_p50_s": e2e[0], "e2e_p95_s": e2e[1], "e2e_p99_s": e2e[2]}
+    expected["output_tokens_per_s"] = expected["output_tokens"] / span
+    assert set(s) == set(expected)
+    for k, v in expected.items():
+        assert s[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    # the whole file: run w's request counts too
+    assert queries.request_summary(con)["requests"] == 6
+    assert queries.request_summary(con, "no-such")["requests"] == 0
+
+
+def test_each_request_row_is_its_definition(con):
+    rows = con.execute("""SELECT request_id, ttft_s, queue_s, e2e_s, tpot_s, output_tokens, prompt_tokens, status,
+                                 preemptions FROM requests WHERE run_id = 'v' ORDER BY request_id""").fetchall()
+    r = _per_request()
+    assert [row[0] for row in rows] == sorted(r)
+    for rid, ttft, queue, e2e, tpot, out, prompt, status, pre in rows:
+        x = r[rid]
+        assert (ttft, queue, e2e) == pytest.approx((x["ttft"], x["queue"], x["e2e"]), rel=1e-12), rid
+        assert (tpot is None) == (x["tpot"] is None), rid
+        if tpot is not None:
+            assert tpot == pytest.approx(x["tpot"], rel=1e-12), rid
+        assert (out, prompt, pre) == (x["out"], x["prompt"], int(x["preempted"])), rid
+        assert status == ("finished" if x["finished"] else "aborted"), rid
+
+
+@pytest.mark.parametrize("ttft_slo, tpot_slo", [(0.1, 0.025), (0.099, 0.025), (0.1, 0.0249), (1.0, 1.0)])
+def test_slo_attainment_counts_a_request_at_the_slo_as_meeting_it(con, ttft_slo, tpot_slo):
+    r = {k: v for k, v in _per_request().items() if v["finished"]}
+    ttft_ok = [k for k, v in r.items() if v["ttft"] <= ttft_slo]
+    tpot_ok = [k for k, v in r.items() if (v["tpot"] or 0) <= tpot_slo]
+    both = [k for k in ttft_ok if k in tpot_ok]
+    span = _span([q for q in REQUESTS if q[5] == ev.REQ_FINISHED])
+    s = queries.slo_attainment(con, "v", ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
+    assert (s["finished"], s["ttft_ok"], s["tpot_ok"], s["both_ok"]) == (4, len(ttft_ok), len(tpot_ok), len(both))
+    assert s["attainment"] == pytest.approx(len(both) / 4, rel=1e-12)
+    assert s["goodput_req_per_s"] == pytest.approx(len(both) / span, rel=1e-12)
+    assert s["goodput_tokens_per_s"] == pytest.approx(sum(r[k]["out"] for k in both) / span, rel=1e-12)
+
+
+def test_the_slo_cases_tell_both_sides_of_each_bound():
+    """The cases above hold a request exactly at each SLO (b's TTFT 0.1 s, a's TPOT 0.025 s)."""
+    r = _per_request()
+    assert r["b"]["ttft"] == 0.1 and r["a"]["tpot"] == 0.025
+
+
+@pytest.mark.parametrize("metric", ["ttft", "tpot", "e2e", "queue", "itl"])
+def test_latency_histogram_puts_every_sample_in_its_bin(con, metric):
+    r = _per_request()
+    if metric == "itl":  # one sample per token after a request's first: the gaps (each token event brings one)
+        xs = [(b - a) / 1e3 for q in REQUESTS for a, b in zip(q[4], q[4][1:])]
+    else:
+        xs = [v[metric] for v in r.values() if v[metric] is not None]
+    xs = [x for x in xs if x > 0]
+    rows = queries.latency_histogram(con, "v", metric=metric, bins=4)
+    assert sum(b["count"] for b in rows) == len(xs)
+    assert rows[0]["lo_s"] == pytest.approx(min(xs), rel=1e-9)
+    assert rows[-1]["hi_s"] == pytest.approx(max(xs), rel=1e-9)
+    edges = np.exp(np.linspace(math.log(min(xs)), math.log(max(xs)), 5))
+    edges[0], edges[-1] = min(xs), max(xs)  # exp(log(x)) can round past x: the end edges are the samples
+    want = np.histogram(xs, bins=edges)[0]  # numpy: the last bin holds its right edge, as the query's least()
+    got = {round(math.log(b["lo_s"] / min(xs)) / math.log(max(xs) / min(xs)) * 4): b["count"] for b in rows}
+    assert got == {i: int(n) for i, n in enumerate(want) if n}
+    for b in rows:
+        assert b["hi_s"] > b["lo_s"]
+
+
+def test_phase_summary_times_a_step_by_its_gpu_time_where_it_has_one(con):
+    rows = {r["phase"]: r for r in queries.phase_summary(con, "v")}
+    assert sorted(rows) == sorted(ev.PHASES[p] for p in {s[0] for s in STEPS})
+    for p in {s[0] for s in STEPS}:
+        mine = [s for s in STEPS if s[0] == p]
+        ms = [gpu if not math.isnan(gpu) else host for _, host, gpu, _, _ in mine]
+        row = rows[ev.PHASES[p]]
+        assert row["steps"] == len(mine)
+        assert [row["p50_ms"], row["p95_ms"], row["p99_ms"]] == pytest.approx(_q(ms, (0.5, 0.95, 0.99)), rel=1e-12)
+        assert (row["prefill_tokens"], row["decode_tokens"]) == (sum(s[3] for s in mine), sum(s[4] for s in mine))
+        assert row["gpu_timed"] == sum(not math.isnan(s[2]) for s in mine)
+
+
+@pytest.mark.parametrize("run", ["v", None])  # with a run: the KV rollup answers; without: the raw snapshots
+def test_kv_summary_is_the_definitions_per_snapshot(con, run):
+    block = [u / t for t, u, *_ in KV]
+    token = [live / (t * PAGE) for t, _, _, live, *_ in KV]
+    internal = [1 - live / (u * PAGE) for _, u, _, live, *_ in KV]
+    external = [1 - r / f for _, _, f, _, r, *_ in KV]
+    (row,) = queries.kv_summary(con, run)
+    assert (row["rank"], row["snapshots"], row["page_size"], row["total_pages"], row["kv_bytes_max"],
+            row["kv_dtype"]) == (0, 3, PAGE, 100, 4000, "bf16")
+    assert row["block_usage_mean"] == pytest.approx(np.mean(block), rel=1e-12)
+    assert row["block_usage_max"] == pytest.approx(max(block), rel=1e-12)
+    assert row["token_usage_mean"] == pytest.approx(np.mean(token), rel=1e-12)
+    assert row["internal_fragmentation_mean"] == pytest.approx(np.mean(internal), rel=1e-12)
+    assert row["external_fragmentation_mean"] == pytest.approx(np.mean(external), rel=1e-12)
+    assert row["pages_allocated_per_s"] == pytest.approx((60 - 10) / 2.5, rel=1e-12)
+
+
+def test_the_kv_cases_are_not_degenerate():
+    """Each mean above differs from the max, the first and the last snapshot's value (avg vs max/min/any)."""
+    for vals in ([u / t for t, u, *_ in KV], [1 - r / f for _, _, f, _, r, *_ in KV],
+                 [1 - live / (u * PAGE) for _, u, _, live, *_ in KV], [live / (t * PAGE) for t, _, _, live, *_ in KV]):
+        assert len({round(np.mean(vals), 12), max(vals), min(vals), vals[0], vals[-1]}) >= 4
