@@ -51,9 +51,11 @@ except ImportError:  # Python 3.10
 SQL_WORD = re.compile(r"\b(SELECT|FROM|WHERE|WHEN|JOIN|GROUP BY|ORDER BY|FILTER|OVER)\b")
 
 
-def _swap(a: str, b: str) -> list[tuple[str, str, str]]:
-    """Both directions of a word swap, as (name, regex, replacement)."""
-    return [(f"{a}->{b}", rf"\b{a}\b", b), (f"{b}->{a}", rf"\b{b}\b", a)]
+def _swap(a: str, b: str, call: bool = True) -> list[tuple[str, str, str]]:
+    """Both directions of a word swap, as (name, regex, replacement); `call`: only where a `(` follows
+    (a function, not a CTE or column of that name: `WITH last AS`)."""
+    after = r"(?=\()" if call else r"\b"
+    return [(f"{a}->{b}", rf"\b{a}{after}", b), (f"{b}->{a}", rf"\b{b}{after}", a)]
 
 
 # (name, regex over the SQL text, replacement): one mutant per match
@@ -74,12 +76,12 @@ OPERATORS: list[tuple[str, str, str]] = [
     *_swap("first", "last"),
     ("sum->avg", r"\bsum(?=\()", "avg"),
     ("quantile_cont->quantile_disc", r"\bquantile_cont\b", "quantile_disc"),
-    *_swap("AND", "OR"),
+    *_swap("AND", "OR", call=False),
     ("IS NULL->IS NOT NULL", r"\bIS NULL\b", "IS NOT NULL"),
     ("IS NOT NULL->IS NULL", r"\bIS NOT NULL\b", "IS NULL"),
     ("IS DISTINCT->IS NOT DISTINCT", r"\bIS DISTINCT FROM\b", "IS NOT DISTINCT FROM"),
     ("IS NOT DISTINCT->IS DISTINCT", r"\bIS NOT DISTINCT FROM\b", "IS DISTINCT FROM"),
-    *_swap("ASC", "DESC"),
+    *_swap("ASC", "DESC", call=False),
     ("NULLS FIRST->NULLS LAST", r"\bNULLS FIRST\b", "NULLS LAST"),
     ("NULLS LAST->NULLS FIRST", r"\bNULLS LAST\b", "NULLS FIRST"),
     ("int->int+1", r"(?<![\w.$])\d+(?![\w.])", ""),

@@ -33,7 +33,7 @@ REQUESTS = [
     ("b", 20, 20, 40, [120, 130], ev.REQ_FINISHED, 130, None),
     ("c", 5, 30, 35, [300], ev.REQ_FINISHED, 300, None),
     ("d", 8, 40, 200, [400, 460, 490, 500], ev.REQ_FINISHED, 500, 250),
-    ("e", 7, 50, 60, [200], ev.REQ_ABORTED, 250, None),
+    ("e", 7, 50, 62, [200], ev.REQ_ABORTED, 250, None),
 ]
 # (phase, host ms, gpu ms or NaN, prefill tokens, decode tokens)
 STEPS = [
@@ -43,12 +43,20 @@ STEPS = [
     (ev.PHASE_MIXED, 5.0, 6.0, 8, 3),
 ]
 PAGE = 16
-# (total, used, free, live tokens, largest free run, allocated total, freed total, kv bytes) at 0, 1, 2.5 s
+# (s from T0, total, used, free, live tokens, largest free run, allocated total, freed total, kv bytes). Edge
+# snapshots: an empty cache (used 0: no internal fragmentation), a cache not yet sized (total 0: left out of
+# everything), one page used, one page in all, a full cache (free 0: no external fragmentation) and one free
+# page; the span is exactly 1 s (a nullif(span, 1) would say no churn)
 KV = [
-    (100, 10, 90, 150, 45, 10, 0, 1000),
-    (100, 40, 60, 500, 20, 45, 5, 4000),
-    (100, 30, 70, 380, 70, 60, 35, 2500),
+    (0.0, 100, 0, 100, 0, 100, 0, 0, 0),
+    (0.2, 0, 0, 0, 0, 0, 0, 0, 0),
+    (0.4, 100, 1, 99, 10, 60, 1, 0, 16),
+    (0.5, 1, 1, 0, 16, 0, 2, 0, 32),
+    (0.7, 100, 40, 60, 500, 20, 45, 5, 4000),
+    (0.85, 100, 100, 0, 1500, 0, 120, 20, 9000),
+    (1.0, 120, 119, 1, 1800, 1, 150, 31, 7000),
 ]
+KV_OK = [k for k in KV if k[1] > 0]  # the snapshots every KV figure is over
 
 
 def _store(path: str) -> None:
@@ -66,8 +74,8 @@ def _store(path: str) -> None:
             reqs.append(ev.RequestEvent(T0 + end_ms * MS, 0, end, rid, len(toks), 0))
         reqs.sort(key=lambda r: r.ts_ns)
         steps = [ev.Step(T0 + i * MS, i, 0, ph, 1, pf, dc, 0, host, gpu) for i, (ph, host, gpu, pf, dc) in enumerate(STEPS)]
-        kv = [ev.KVSnapshot(T0 + int(t * 1e9), 0, PAGE, tot, used, free, 0, 0, 0, 1, live, run, alloc, freed, b, "bf16")
-              for t, (tot, used, free, live, run, alloc, freed, b) in zip((0, 1, 2.5), KV)]
+        kv = [ev.KVSnapshot(T0 + round(t * 1e9), 0, PAGE, tot, used, free, 0, 0, 0, 1, live, run, alloc, freed, b, "bf16")
+              for t, tot, used, free, live, run, alloc, freed, b in KV]
         # the other run: a fast request and a slow step that must not move run v's figures
         noise = [ev.RequestEvent(T0, 0, ev.REQ_ARRIVAL, "x", 99, 0), ev.RequestEvent(T0, 0, ev.REQ_SCHEDULED, "x", 0, 0),
                  ev.RequestEvent(T0 + MS, 0, ev.REQ_TOKEN, "x", 1, 0), ev.RequestEvent(T0 + MS, 0, ev.REQ_FINISHED, "x", 1, 0)]
@@ -199,23 +207,27 @@ def test_phase_summary_times_a_step_by_its_gpu_time_where_it_has_one(con):
 
 @pytest.mark.parametrize("run", ["v", None])  # with a run: the KV rollup answers; without: the raw snapshots
 def test_kv_summary_is_the_definitions_per_snapshot(con, run):
-    block = [u / t for t, u, *_ in KV]
-    token = [live / (t * PAGE) for t, _, _, live, *_ in KV]
-    internal = [1 - live / (u * PAGE) for _, u, _, live, *_ in KV]
-    external = [1 - r / f for _, _, f, _, r, *_ in KV]
+    block = [u / t for _, t, u, *_ in KV_OK]
+    token = [live / (t * PAGE) for _, t, _, _, live, *_ in KV_OK]
+    internal = [1 - live / (u * PAGE) for _, _, u, _, live, *_ in KV_OK if u > 0]
+    external = [1 - r / f for _, _, _, f, _, r, *_ in KV_OK if f > 0]
     (row,) = queries.kv_summary(con, run)
     assert (row["rank"], row["snapshots"], row["page_size"], row["total_pages"], row["kv_bytes_max"],
-            row["kv_dtype"]) == (0, 3, PAGE, 100, 4000, "bf16")
+            row["kv_dtype"]) == (0, len(KV_OK), PAGE, 120, 9000, "bf16")
     assert row["block_usage_mean"] == pytest.approx(np.mean(block), rel=1e-12)
     assert row["block_usage_max"] == pytest.approx(max(block), rel=1e-12)
     assert row["token_usage_mean"] == pytest.approx(np.mean(token), rel=1e-12)
     assert row["internal_fragmentation_mean"] == pytest.approx(np.mean(internal), rel=1e-12)
     assert row["external_fragmentation_mean"] == pytest.approx(np.mean(external), rel=1e-12)
-    assert row["pages_allocated_per_s"] == pytest.approx((60 - 10) / 2.5, rel=1e-12)
+    span_s = KV_OK[-1][0] - KV_OK[0][0]
+    assert span_s == 1.0
+    assert row["pages_allocated_per_s"] == pytest.approx((KV_OK[-1][6] - KV_OK[0][6]) / span_s, rel=1e-12)
 
 
 def test_the_kv_cases_are_not_degenerate():
     """Each mean above differs from the max, the first and the last snapshot's value (avg vs max/min/any)."""
-    for vals in ([u / t for t, u, *_ in KV], [1 - r / f for _, _, f, _, r, *_ in KV],
-                 [1 - live / (u * PAGE) for _, u, _, live, *_ in KV], [live / (t * PAGE) for t, _, _, live, *_ in KV]):
-        assert len({round(np.mean(vals), 12), max(vals), min(vals), vals[0], vals[-1]}) >= 4
+    for vals in ([u / t for _, t, u, *_ in KV_OK], [1 - r / f for _, _, _, f, _, r, *_ in KV_OK if f > 0],
+                 [1 - live / (u * PAGE) for _, _, u, _, live, *_ in KV_OK if u > 0],
+                 [live / (t * PAGE) for _, t, _, _, live, *_ in KV_OK]):
+        mean = float(np.mean(vals))
+        assert all(abs(mean - v) > 1e-6 for v in (max(vals), min(vals), vals[0], vals[-1])), vals
