@@ -45,29 +45,62 @@ def build_two_rank_store(path: str) -> str:
     return path
 
 
+class LazyStores(dict):
+    """name -> path of a fixture store, each built on its first read and kept for the session.
+
+    Built lazily, not all in the fixture's setup: pytest-timeout counts a session fixture's setup in the
+    first test that asks for it, and building every store at once (two demo runs and every scenario) took
+    92 s beside 2 CPU spinners and past the 300 s limit beside 4, which erred every page test at once.
+    One store's build is what a test pays now."""
+
+    def __init__(self, folder) -> None:
+        super().__init__()
+        from builders import scenarios
+
+        self._folder = folder
+        self._builders = {"empty": self._empty, "demo": self._demo, "two-rank": self._two_rank}
+        for name in sorted(os.listdir(scenarios.DATA_DIR)):  # every scenario fixture (healthy, each problem)
+            src = os.path.join(scenarios.DATA_DIR, name)
+            if os.path.exists(os.path.join(src, "config.json")):
+                self._builders[f"scenario:{name}"] = (lambda src=src, name=name: self._scenario(src, name))
+
+    def names(self) -> list[str]:
+        """Every store's name (built or not)."""
+        return list(self._builders)
+
+    def __missing__(self, name: str) -> str:
+        path = self._builders[name]()
+        self[name] = path
+        return path
+
+    def _empty(self) -> str:
+        path = str(self._folder / "empty.duckdb")
+        Store(path).close()
+        return path
+
+    def _demo(self) -> str:
+        from phasescope.cli.demo import DemoConfig, run_demo
+
+        path = str(self._folder / "demo.duckdb")
+        run_demo(path, DemoConfig(requests=16, seed=3, device="cpu"), quiet=True)
+        run_demo(path, DemoConfig(requests=16, seed=4, device="cpu", num_pages=48), quiet=True)  # a second run
+        return path
+
+    def _two_rank(self) -> str:
+        return build_two_rank_store(str(self._folder / "tp.duckdb"))
+
+    def _scenario(self, src: str, name: str) -> str:
+        from builders import scenarios
+
+        path = str(self._folder / f"{name}.duckdb")
+        scenarios.load(src, path)
+        return path
+
+
 @pytest.fixture(scope="session")
 def stores(tmp_path_factory):
-    """name -> path of each fixture store."""
-    d = tmp_path_factory.mktemp("dash")
-    empty = str(d / "empty.duckdb")
-    Store(empty).close()
-    from phasescope.cli.demo import DemoConfig, run_demo
-
-    demo = str(d / "demo.duckdb")
-    run_demo(demo, DemoConfig(requests=16, seed=3, device="cpu"), quiet=True)
-    run_demo(demo, DemoConfig(requests=16, seed=4, device="cpu", num_pages=48), quiet=True)  # a second run
-    out = {"empty": empty, "demo": demo, "two-rank": build_two_rank_store(str(d / "tp.duckdb"))}
-    # every scenario fixture of the analyzers (healthy and each problem), rebuilt from tests/data
-    from builders import scenarios
-
-    for name in sorted(os.listdir(scenarios.DATA_DIR)):
-        folder = os.path.join(scenarios.DATA_DIR, name)
-        if os.path.exists(os.path.join(folder, "config.json")):
-            path = str(d / f"{name}.duckdb")
-            scenarios.load(folder, path)
-            out[f"scenario:{name}"] = path
-    return out
-
+    """name -> path of each fixture store (LazyStores: built on first read)."""
+    return LazyStores(tmp_path_factory.mktemp("dash"))
 
 
 @pytest.fixture(scope="session")
