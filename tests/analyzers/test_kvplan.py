@@ -95,3 +95,65 @@ def test_default_budget_subtracts_each_ranks_weights():
     assert default_budget(mem, None) == 0.45 * mem  # weights unknown: the starting split's 45%
     with pytest.raises(ValueError, match="TP 3 cannot split 8 KV heads"):
         plan(llama3_8b, 8192, 40 * GIB, tps=(3,))
+
+
+# --- edges and messages (issue 31: each survivor of the kvplan mutation run, killed by a value) ---
+
+def test_check_tp_refuses_zero_and_names_every_tp_that_fits():
+    from phasescope.analyzers.kvplan import check_tp
+
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        check_tp(G28, 0)
+    check_tp(G28, 1)  # one rank holds every head
+    # the divisors of 8 KV heads, and 2x / 4x replication, in order
+    with pytest.raises(ValueError) as e:
+        check_tp(G28, 3)
+    assert str(e.value) == "TP 3 cannot split 8 KV heads (neither divides the other); use one of 1, 2, 4, 8, 16, 32"
+    with pytest.raises(ValueError) as e:
+        check_tp(ModelGeometry(layers=2, heads=6, kv_heads=6, head_dim=64), 4)
+    assert str(e.value).endswith("use one of 1, 2, 3, 6, 12, 24")
+
+
+def test_replication_is_a_float_and_max_sequences_defaults_to_one_rank():
+    assert isinstance(replication_factor(G28, 16), float) and isinstance(replication_factor(G28, 8), float)
+    assert max_sequences(G28, 2048, 40 * GIB) == 182  # tp defaults to 1
+    assert max_sequences(G28, 0, 40 * GIB) == 0  # no tokens per sequence: no sequence is sized, none counted
+    assert max_sequences(G28, -1, 40 * GIB) == 0  # nor a negative count of them
+    one = ModelGeometry(layers=1, heads=1, kv_heads=1, head_dim=1)  # int4: 2 x 1 x 1 x 1 x 0.5 = 1 byte a token
+    assert max_sequences(one, 1, 10, kv_dtype="int4") == 10
+
+
+def test_plan_rows_are_frozen_and_default_to_one_rank():
+    import dataclasses
+
+    (row,) = plan(G28, 2048, 40 * GIB)  # tps defaults to (1,)
+    assert (row.tp, row.max_sequences) == (1, 182)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.tp = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("context, budget, ok", [(0, 40 * GIB, False), (-1, 40 * GIB, False), (1, 40 * GIB, True),
+                                                 (2048, 0, False), (2048, -5, False), (2048, 1, True),
+                                                 (2048, 0.5, True)])
+def test_plan_refuses_a_context_or_budget_at_or_below_zero(context, budget, ok):
+    if ok:
+        (row,) = plan(G28, context, budget)
+        assert row.max_sequences == int(budget // (kv_bytes_per_token(G28) * context))
+    else:
+        with pytest.raises(ValueError, match="must be > 0"):
+            plan(G28, context, budget)
+
+
+def test_weights_per_gpu_are_exact_and_absent_when_not_known():
+    g = ModelGeometry(layers=28, heads=28, kv_heads=8, head_dim=128, params=1001.0, dtype="bfloat16")
+    (row,) = plan(g, 2048, 40 * GIB, tps=(4,))
+    assert row.weight_bytes_per_gpu == 2002 / 4 == 500.5  # true division: a floor would say 500
+    (row,) = plan(G28, 2048, 40 * GIB, weights_known=False)
+    assert row.weight_bytes_per_gpu is None
+
+
+def test_default_budget_is_zero_when_the_weights_leave_nothing():
+    from phasescope.analyzers.kvplan import default_budget
+
+    assert default_budget(80 * GIB, 79 * GIB) == 0.0  # 95% of 80 GiB < 79 GiB of weights
+    assert default_budget(80 * GIB, 0.0) == pytest.approx(80 * GIB * 0.95 * 45 / 65, rel=1e-12)
