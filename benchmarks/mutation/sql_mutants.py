@@ -84,8 +84,8 @@ OPERATORS: list[tuple[str, str, str]] = [
     *_swap("ASC", "DESC", call=False),
     ("NULLS FIRST->NULLS LAST", r"\bNULLS FIRST\b", "NULLS LAST"),
     ("NULLS LAST->NULLS FIRST", r"\bNULLS LAST\b", "NULLS FIRST"),
-    ("int->int+1", r"(?<![\w.$])\d+(?![\w.])", ""),
-    ("num->num/2", r"(?<![\w.$])(?:\d+\.\d+|\d+e\d+)(?![\w.])", ""),
+    ("int->int+1", r"(?<![\w.$])(?<!\de-)\d+(?![\w.])", ""),
+    ("num->num/2", r"(?<![\w.$])(?:\d+\.\d+|\d+e-?\d+)(?![\w.])", ""),
 ]
 _COMPILED = [(n, re.compile(p), r) for n, p, r in OPERATORS]
 
