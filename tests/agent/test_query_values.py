@@ -13,6 +13,7 @@ not leak in, GPU-timed steps whose host time differs. These are the fast tests `
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import duckdb
 import numpy as np
@@ -26,14 +27,27 @@ T0 = 1_000_000_000
 MS = 1_000_000
 NAN = float("nan")
 
-# (request, prompt tokens, arrival, scheduled, [token times], end event, end time, preempted at) in ms from T0;
-# every token event brings one token
+class Req(NamedTuple):
+    """A request's records, times in ms from T0."""
+    rid: str
+    prompt: int
+    arrival: int
+    scheduled: list[tuple[int, int]]  # (time, cached tokens) of each scheduled event
+    tokens: list[tuple[int, int]]  # (time, new tokens) of each token event
+    end: int  # REQ_FINISHED or REQ_ABORTED
+    end_ms: int
+    preempted: list[int] = []
+    queued: int | None = None  # the engine's own queue entry (vLLM's QUEUED)
+
+
 REQUESTS = [
-    ("a", 10, 0, 10, [50, 70, 100], ev.REQ_FINISHED, 100, None),
-    ("b", 20, 20, 40, [120, 130], ev.REQ_FINISHED, 130, None),
-    ("c", 5, 30, 30, [300], ev.REQ_FINISHED, 300, None),  # scheduled on arrival: a queue time of 0
-    ("d", 8, 40, 200, [400, 460, 490, 500], ev.REQ_FINISHED, 500, 250),
-    ("e", 7, 50, 62, [200], ev.REQ_ABORTED, 250, None),
+    Req("a", 10, 0, [(10, 4)], [(50, 1), (70, 1), (100, 2)], ev.REQ_FINISHED, 100),  # a chunk of 2 at the end
+    Req("b", 20, 20, [(40, 0)], [(120, 1), (130, 1)], ev.REQ_FINISHED, 130),
+    Req("c", 5, 30, [(30, 0)], [(300, 1)], ev.REQ_FINISHED, 300),  # scheduled on arrival: a queue time of 0
+    # queued by the engine 5 ms after arrival, preempted and scheduled again with 6 cached tokens
+    Req("d", 8, 40, [(200, 0), (260, 6)], [(400, 1), (460, 1), (490, 1), (500, 1)], ev.REQ_FINISHED, 500, [250], 45),
+    Req("e", 7, 50, [(62, 0)], [(200, 1)], ev.REQ_ABORTED, 250),
+    Req("f", 9, 70, [], [], ev.REQ_ABORTED, 90),  # aborted in the queue: no token, no times
 ]
 # (phase, host ms, gpu ms or NaN, prefill tokens, decode tokens)
 STEPS = [
@@ -57,9 +71,11 @@ KV = [
     (1.0, 120, 119, 1, 1800, 1, 150, 31, 7000),
 ]
 KV_OK = [k for k in KV if k[1] > 0]  # the snapshots every KV figure is over
-# rank 1: two snapshots 2 s apart (allocations per second: a delta over 2, where rank 0's span of 1 s
-# cannot tell / from *)
-KV1 = [(0.0, 50, 10, 40, 100, 40, 7, 0, 500), (2.0, 50, 20, 30, 300, 10, 37, 2, 1200)]
+# rank 1: three snapshots over 12 s (allocations per second: a delta over 12, where rank 0's span of 1 s cannot
+# tell / from *), in two of the KV rollup's 10 s cells of 2 and 1 snapshots (a mean of cell means, a sum of
+# cell counts or a min of cell maxima would differ)
+KV1 = [(0.0, 50, 10, 40, 100, 40, 7, 0, 500), (2.0, 50, 20, 30, 300, 10, 37, 2, 1200),
+       (12.0, 64, 40, 24, 620, 12, 90, 40, 3000)]
 
 
 def _store(path: str) -> None:
@@ -69,13 +85,14 @@ def _store(path: str) -> None:
         other = store.register_source(ev.Hello(T0, 0, 4243, 0, 1, "w", "m", "hf-cb"))
         rank1 = store.register_source(ev.Hello(T0, 0, 4242, 1, 2, "v", "m", "hf-cb"))
         reqs: list = []
-        for rid, prompt, arr, sch, toks, end, end_ms, pre in REQUESTS:
-            reqs.append(ev.RequestEvent(T0 + arr * MS, 0, ev.REQ_ARRIVAL, rid, prompt, 0))
-            reqs.append(ev.RequestEvent(T0 + sch * MS, 0, ev.REQ_SCHEDULED, rid, 0, 0))
-            if pre is not None:
-                reqs.append(ev.RequestEvent(T0 + pre * MS, 0, ev.REQ_PREEMPTED, rid, 0, 0))
-            reqs.extend(ev.RequestEvent(T0 + t * MS, 0, ev.REQ_TOKEN, rid, 1, 0) for t in toks)
-            reqs.append(ev.RequestEvent(T0 + end_ms * MS, 0, end, rid, len(toks), 0))
+        for q in REQUESTS:
+            reqs.append(ev.RequestEvent(T0 + q.arrival * MS, 0, ev.REQ_ARRIVAL, q.rid, q.prompt, 0))
+            if q.queued is not None:
+                reqs.append(ev.RequestEvent(T0 + q.queued * MS, 0, ev.REQ_QUEUED, q.rid, 0, 0))
+            reqs.extend(ev.RequestEvent(T0 + t * MS, 0, ev.REQ_SCHEDULED, q.rid, 0, c) for t, c in q.scheduled)
+            reqs.extend(ev.RequestEvent(T0 + t * MS, 0, ev.REQ_PREEMPTED, q.rid, 0, 0) for t in q.preempted)
+            reqs.extend(ev.RequestEvent(T0 + t * MS, 0, ev.REQ_TOKEN, q.rid, n, 0) for t, n in q.tokens)
+            reqs.append(ev.RequestEvent(T0 + q.end_ms * MS, 0, q.end, q.rid, sum(n for _, n in q.tokens), 0))
         reqs.sort(key=lambda r: r.ts_ns)
         steps = [ev.Step(T0 + i * MS, i, 0, ph, 1, pf, dc, 0, host, gpu) for i, (ph, host, gpu, pf, dc) in enumerate(STEPS)]
         kv = [ev.KVSnapshot(T0 + round(t * 1e9), 0, PAGE, tot, used, free, 0, 0, 0, 1, live, run, alloc, freed, b, "bf16")
@@ -104,31 +121,54 @@ def _q(values: list[float], qs: tuple[float, ...]) -> list[float]:
     return [float(np.quantile(np.array(values, dtype=float), q)) for q in qs]
 
 
-def _span(reqs: list) -> float:
+def _span(reqs: list[Req]) -> float:
     """Last token - first arrival over `reqs`, s."""
-    return (max(q[4][-1] for q in reqs) - min(q[2] for q in reqs)) / 1e3
+    return (max(q.tokens[-1][0] for q in reqs if q.tokens) - min(q.arrival for q in reqs)) / 1e3
 
 
 def _per_request() -> dict[str, dict]:
+    """README.md's definitions over each request's records (None where a figure has no times)."""
     out = {}
-    for rid, prompt, arr, sch, toks, end, end_ms, pre in REQUESTS:
-        n = len(toks)
-        out[rid] = {"ttft": (toks[0] - arr) / 1e3, "queue": (sch - arr) / 1e3, "e2e": (toks[-1] - arr) / 1e3,
-                    "tpot": (toks[-1] - toks[0]) / 1e3 / (n - 1) if n > 1 else None, "out": n, "prompt": prompt,
-                    "finished": end == ev.REQ_FINISHED, "preempted": pre is not None}
+    for q in REQUESTS:
+        n = sum(k for _, k in q.tokens)
+        first, last = (q.tokens[0][0], q.tokens[-1][0]) if q.tokens else (None, None)
+        sch = q.scheduled[0][0] if q.scheduled else None
+        start = q.arrival if q.queued is None else q.queued  # vLLM's queue starts at its QUEUED event
+        out[q.rid] = {
+            "ttft": None if first is None else (first - q.arrival) / 1e3,
+            "queue": None if sch is None else (sch - start) / 1e3,
+            "frontend": None if q.queued is None else (q.queued - q.arrival) / 1e3,
+            "prefill": None if first is None or sch is None else (first - sch) / 1e3,
+            "decode": None if first is None else (last - first) / 1e3,
+            "e2e": None if last is None else (last - q.arrival) / 1e3,
+            "tpot": (last - first) / 1e3 / (n - 1) if n > 1 else None, "out": n, "prompt": q.prompt,
+            "readmit_cached": sum(c for _, c in q.scheduled[1:]), "preemptions": len(q.preempted),
+            "status": "finished" if q.end == ev.REQ_FINISHED else "aborted"}
     return out
+
+
+def _itl_samples() -> list[float]:
+    """One sample per token after a request's first: a gap of k tokens is k samples of gap / k, s."""
+    out = []
+    for q in REQUESTS:
+        for (a, _), (b, k) in zip(q.tokens, q.tokens[1:]):
+            out += [(b - a) / 1e3 / k] * k
+    return out
+
+
+def _quantiles_of(r: dict[str, dict], key: str, qs: tuple[float, ...]) -> list[float]:
+    return _q([x[key] for x in r.values() if x[key] is not None], qs)
 
 
 def test_request_summary_is_the_definitions_over_the_run(con):
     r = _per_request()
     s = queries.request_summary(con, "v")
-    ttft = _q([x["ttft"] for x in r.values()], (0.5, 0.95, 0.99))
-    tpot = _q([x["tpot"] for x in r.values() if x["tpot"] is not None], (0.5, 0.95, 0.99))
-    queue = _q([x["queue"] for x in r.values()], (0.5, 0.95))
-    e2e = _q([x["e2e"] for x in r.values()], (0.5, 0.95, 0.99))
+    ttft, tpot, e2e = (_quantiles_of(r, k, (0.5, 0.95, 0.99)) for k in ("ttft", "tpot", "e2e"))
+    queue = _quantiles_of(r, "queue", (0.5, 0.95))
     span = _span(REQUESTS)
-    expected = {"requests": 5, "finished": 4, "aborted": 1, "preemptions": 1,
-                "output_tokens": sum(x["out"] for x in r.values()), "prompt_tokens": 50, "span_s": span,
+    expected = {"requests": 6, "finished": 4, "aborted": 2, "preemptions": 1,
+                "output_tokens": sum(x["out"] for x in r.values()), "prompt_tokens": sum(q.prompt for q in REQUESTS),
+                "span_s": span,
                 "ttft_p50_s": ttft[0], "ttft_p95_s": ttft[1], "ttft_p99_s": ttft[2],
                 "tpot_p50_s": tpot[0], "tpot_p95_s": tpot[1], "tpot_p99_s": tpot[2],
                 "queue_p50_s": queue[0], "queue_p95_s": queue[1],
@@ -138,33 +178,44 @@ def test_request_summary_is_the_definitions_over_the_run(con):
     for k, v in expected.items():
         assert s[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
     # the whole file: run w's request counts too
-    assert queries.request_summary(con)["requests"] == 6
+    assert queries.request_summary(con)["requests"] == 7
     assert queries.request_summary(con, "no-such")["requests"] == 0
 
 
+COLUMNS = ("ttft", "queue", "frontend", "prefill", "decode", "e2e", "tpot")
+
+
 def test_each_request_row_is_its_definition(con):
-    rows = con.execute("""SELECT request_id, ttft_s, queue_s, e2e_s, tpot_s, output_tokens, prompt_tokens, status,
-                                 preemptions FROM requests WHERE run_id = 'v' ORDER BY request_id""").fetchall()
+    rows = con.execute(f"""SELECT request_id, {", ".join(c + "_s" for c in COLUMNS)}, output_tokens, prompt_tokens,
+                                  status, preemptions, readmit_cached_tokens
+                           FROM requests WHERE run_id = 'v' ORDER BY request_id""").fetchall()
     r = _per_request()
     assert [row[0] for row in rows] == sorted(r)
-    for rid, ttft, queue, e2e, tpot, out, prompt, status, pre in rows:
-        x = r[rid]
-        assert (ttft, queue, e2e) == pytest.approx((x["ttft"], x["queue"], x["e2e"]), rel=1e-12), rid
-        assert (tpot is None) == (x["tpot"] is None), rid
-        if tpot is not None:
-            assert tpot == pytest.approx(x["tpot"], rel=1e-12), rid
-        assert (out, prompt, pre) == (x["out"], x["prompt"], int(x["preempted"])), rid
-        assert status == ("finished" if x["finished"] else "aborted"), rid
+    for row in rows:
+        x = r[row[0]]
+        for col, got in zip(COLUMNS, row[1:]):
+            assert (got is None) == (x[col] is None), (row[0], col, got)
+            if got is not None:
+                assert got == pytest.approx(x[col], rel=1e-12, abs=1e-15), (row[0], col)
+        assert row[1 + len(COLUMNS):] == (x["out"], x["prompt"], x["status"], x["preemptions"], x["readmit_cached"]), row
 
 
-# (0.3, 0.025): c (one output token, no TPOT) meets the TTFT SLO and counts as meeting the TPOT one
-@pytest.mark.parametrize("ttft_slo, tpot_slo", [(0.1, 0.025), (0.099, 0.025), (0.1, 0.0249), (0.3, 0.025), (1.0, 1.0)])
+def test_the_request_cases_hold_what_tells_formulas_apart():
+    r = _per_request()
+    assert r["a"]["out"] == 4 and r["a"]["tpot"] != (100 - 50) / 1e3 / 2  # a chunk: tokens, not token events
+    assert r["d"]["frontend"] == 0.005 and r["d"]["readmit_cached"] == 6 and r["f"]["out"] == 0
+    assert len({x["prefill"] for x in r.values()} - {None}) >= 4 and len({x["decode"] for x in r.values()}) >= 4
+
+
+# b sits exactly at both SLOs of the first case (TTFT 0.1 s, TPOT 0.01 s); (0.3, 0.01): c (one output token, no
+# TPOT) meets the TTFT SLO and counts as meeting the TPOT one
+@pytest.mark.parametrize("ttft_slo, tpot_slo", [(0.1, 0.01), (0.099, 0.01), (0.1, 0.0099), (0.3, 0.01), (1.0, 1.0)])
 def test_slo_attainment_counts_a_request_at_the_slo_as_meeting_it(con, ttft_slo, tpot_slo):
-    r = {k: v for k, v in _per_request().items() if v["finished"]}
+    r = {k: v for k, v in _per_request().items() if v["status"] == "finished"}
     ttft_ok = [k for k, v in r.items() if v["ttft"] <= ttft_slo]
     tpot_ok = [k for k, v in r.items() if (v["tpot"] or 0) <= tpot_slo]
     both = [k for k in ttft_ok if k in tpot_ok]
-    span = _span([q for q in REQUESTS if q[5] == ev.REQ_FINISHED])
+    span = _span([q for q in REQUESTS if q.end == ev.REQ_FINISHED])
     s = queries.slo_attainment(con, "v", ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
     assert (s["finished"], s["ttft_ok"], s["tpot_ok"], s["both_ok"]) == (4, len(ttft_ok), len(tpot_ok), len(both))
     assert s["attainment"] == pytest.approx(len(both) / 4, rel=1e-12)
@@ -173,16 +224,16 @@ def test_slo_attainment_counts_a_request_at_the_slo_as_meeting_it(con, ttft_slo,
 
 
 def test_the_slo_cases_tell_both_sides_of_each_bound():
-    """The cases above hold a request exactly at each SLO (b's TTFT 0.1 s, a's TPOT 0.025 s)."""
+    """The cases above hold a request exactly at each SLO (b: TTFT 0.1 s, TPOT 0.01 s)."""
     r = _per_request()
-    assert r["b"]["ttft"] == 0.1 and r["a"]["tpot"] == 0.025
+    assert r["b"]["ttft"] == 0.1 and r["b"]["tpot"] == 0.01
 
 
 @pytest.mark.parametrize("metric", ["ttft", "tpot", "e2e", "queue", "itl"])
 def test_latency_histogram_puts_every_sample_in_its_bin(con, metric):
     r = _per_request()
-    if metric == "itl":  # one sample per token after a request's first: the gaps (each token event brings one)
-        xs = [(b - a) / 1e3 for q in REQUESTS for a, b in zip(q[4], q[4][1:])]
+    if metric == "itl":
+        xs = _itl_samples()
     else:
         xs = [v[metric] for v in r.values() if v[metric] is not None]
     xs = [x for x in xs if x > 0]
