@@ -76,6 +76,10 @@ KV_OK = [k for k in KV if k[1] > 0]  # the snapshots every KV figure is over
 # cell counts or a min of cell maxima would differ)
 KV1 = [(0.0, 50, 10, 40, 100, 40, 7, 0, 500), (2.0, 50, 20, 30, 300, 10, 37, 2, 1200),
        (12.0, 64, 40, 24, 620, 12, 90, 40, 3000)]
+# rank 2: one snapshot (every mean is over one, no span: no churn figure); rank 3: only a cache not yet sized,
+# which no KV figure may list
+KV2 = [(3.0, 10, 4, 6, 50, 6, 11, 0, 100)]
+KV3 = [(3.0, 0, 0, 0, 0, 0, 0, 0, 0)]
 
 
 def _store(path: str) -> None:
@@ -83,7 +87,7 @@ def _store(path: str) -> None:
     try:
         src = store.register_source(ev.Hello(T0, 0, 4242, 0, 1, "v", "m", "hf-cb"))
         other = store.register_source(ev.Hello(T0, 0, 4243, 0, 1, "w", "m", "hf-cb"))
-        rank1 = store.register_source(ev.Hello(T0, 0, 4242, 1, 2, "v", "m", "hf-cb"))
+        rank1, rank2, rank3 = (store.register_source(ev.Hello(T0, 0, 4242, r, 4, "v", "m", "hf-cb")) for r in (1, 2, 3))
         reqs: list = []
         for q in REQUESTS:
             reqs.append(ev.RequestEvent(T0 + q.arrival * MS, 0, ev.REQ_ARRIVAL, q.rid, q.prompt, 0))
@@ -97,12 +101,14 @@ def _store(path: str) -> None:
         steps = [ev.Step(T0 + i * MS, i, 0, ph, 1, pf, dc, 0, host, gpu) for i, (ph, host, gpu, pf, dc) in enumerate(STEPS)]
         kv = [ev.KVSnapshot(T0 + round(t * 1e9), 0, PAGE, tot, used, free, 0, 0, 0, 1, live, run, alloc, freed, b, "bf16")
               for t, tot, used, free, live, run, alloc, freed, b in KV]
-        kv1 = [ev.KVSnapshot(T0 + round(t * 1e9), 1, PAGE, tot, used, free, 0, 0, 0, 1, live, run, alloc, freed, b, "bf16")
-               for t, tot, used, free, live, run, alloc, freed, b in KV1]
+        def snaps(rank: int, rows: list) -> list:
+            return [ev.KVSnapshot(T0 + round(t * 1e9), rank, PAGE, tot, used, free, 0, 0, 0, 1, live, run, alloc, freed,
+                                  b, "bf16") for t, tot, used, free, live, run, alloc, freed, b in rows]
         # the other run: a fast request and a slow step that must not move run v's figures
         noise = [ev.RequestEvent(T0, 0, ev.REQ_ARRIVAL, "x", 99, 0), ev.RequestEvent(T0, 0, ev.REQ_SCHEDULED, "x", 0, 0),
                  ev.RequestEvent(T0 + MS, 0, ev.REQ_TOKEN, "x", 1, 0), ev.RequestEvent(T0 + MS, 0, ev.REQ_FINISHED, "x", 1, 0)]
-        store.append([(src, reqs), (src, steps), (src, kv), (rank1, kv1), (other, noise),
+        store.append([(src, reqs), (src, steps), (src, kv), (rank1, snaps(1, KV1)), (rank2, snaps(2, KV2)),
+                      (rank3, snaps(3, KV3)), (other, noise),
                       (other, [ev.Step(T0, 0, 0, ev.PHASE_DECODE, 1, 0, 1, 0, 500.0, NAN)])])
     finally:
         store.close()
@@ -266,8 +272,8 @@ def test_phase_summary_times_a_step_by_its_gpu_time_where_it_has_one(con):
 @pytest.mark.parametrize("run", ["v", None])  # with a run: the KV rollup answers; without: the raw snapshots
 def test_kv_summary_is_the_definitions_per_snapshot(con, run):
     rows = queries.kv_summary(con, run)
-    assert [r["rank"] for r in rows] == [0, 1]
-    for row, snaps in zip(rows, (KV_OK, KV1)):
+    assert [r["rank"] for r in rows] == [0, 1, 2]  # not rank 3: it never had a sized cache
+    for row, snaps in zip(rows, (KV_OK, KV1, KV2)):
         block = [u / t for _, t, u, *_ in snaps]
         token = [live / (t * PAGE) for _, t, _, _, live, *_ in snaps]
         internal = [1 - live / (u * PAGE) for _, _, u, _, live, *_ in snaps if u > 0]
@@ -280,7 +286,10 @@ def test_kv_summary_is_the_definitions_per_snapshot(con, run):
         assert row["internal_fragmentation_mean"] == pytest.approx(np.mean(internal), rel=1e-12)
         assert row["external_fragmentation_mean"] == pytest.approx(np.mean(external), rel=1e-12)
         span_s = snaps[-1][0] - snaps[0][0]
-        assert row["pages_allocated_per_s"] == pytest.approx((snaps[-1][6] - snaps[0][6]) / span_s, rel=1e-12)
+        if span_s == 0:
+            assert row["pages_allocated_per_s"] is None  # one snapshot: no rate
+        else:
+            assert row["pages_allocated_per_s"] == pytest.approx((snaps[-1][6] - snaps[0][6]) / span_s, rel=1e-12)
     assert KV_OK[-1][0] - KV_OK[0][0] == 1.0  # rank 0's span: exactly 1 s
 
 
