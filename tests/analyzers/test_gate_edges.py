@@ -1,0 +1,83 @@
+"""Gate edges the fixtures do not reach (issue 31: survivors of `benchmarks/mutation/run.sh gates`).
+
+Each store is stated records chosen to sit exactly on one gate: the smallest world a TP rule reads, weights
+that take the whole GPU, a memory margin exactly at its floor. A gate moved by one step (`<` for `<=`)
+changes what these return.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from phasescope.agent.records import events as ev
+from phasescope.agent.sidecar.store import Store
+from phasescope.analyzers import memory, tp
+
+T0 = 1_000_000_000
+MS = 1_000_000
+
+
+def _store(path: str, ranks: int, gpu_used: int | None = None) -> None:
+    """`ranks` TP ranks of run "g", 20 decode steps each (rank r takes 10 + 2r ms), optional GPU samples."""
+    store = Store(path)
+    try:
+        for rank in range(ranks):
+            sid = store.register_source(ev.Hello(T0, 0, 900 + rank, rank, ranks, "g", "m", "vllm"))
+            steps = [ev.Step(T0 + i * 30 * MS, i, rank, ev.PHASE_DECODE, 4, 0, 4, 100, float("nan"), 10.0 + 2 * rank)
+                     for i in range(20)]
+            recs: list = steps
+            if gpu_used is not None and rank == 0:
+                recs = recs + [ev.GpuSample(T0 + i * 100 * MS, 0, 50.0, gpu_used, 1000, 300.0, 50.0, 1500.0, 0)
+                               for i in range(5)]
+            store.append([(sid, recs)])
+    finally:
+        store.close()
+
+
+def test_a_two_rank_world_is_read_by_the_straggler_rule(tmp_path):
+    path = str(tmp_path / "tp2.duckdb")
+    _store(path, ranks=2)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        (f,) = tp.tp_straggler(con, "g", max_skew=0.05)  # skew 12 / 11 - 1 = 0.09 (median of two: their mean)
+        assert (f.id, f.evidence["straggler_rank"], f.evidence["straggler_share"]) == ("tp-straggler", 1, 1.0)
+    finally:
+        con.close()
+    one = str(tmp_path / "tp1.duckdb")
+    _store(one, ranks=1)
+    con = duckdb.connect(one, read_only=True)
+    try:
+        assert tp.tp_straggler(con, "g", max_skew=0.0) == []  # one rank: nothing to compare
+    finally:
+        con.close()
+
+
+def test_weights_that_fill_the_gpu_leave_no_room_for_kv(tmp_path):
+    path = str(tmp_path / "full.duckdb")
+    _store(path, ranks=1)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        labels = {"gpu_mem_bytes": "1000", "weight_bytes": "1000", "kv_budget_bytes": "10"}
+        (f,) = memory.kv_budget_oom_risk(con, "g", model=None, labels=labels)
+        assert f.evidence["remaining_after_weights_bytes"] == 0
+        assert f.evidence["kv_share_of_remaining"] == float("inf") and f.severity == "critical"
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("used, severity", [(950, "warning"), (951, "critical")])
+def test_a_margin_exactly_at_its_floor_is_not_critical(tmp_path, used, severity):
+    """KV takes 500 / 600 of what the weights leave (over 0.8: fires, under 0.9: not critical by share); the
+    peak leaves (1000 - used) / 1000 free: 0.05 is at min_margin (not below it), 0.049 is below."""
+    path = str(tmp_path / "m.duckdb")
+    _store(path, ranks=1, gpu_used=used)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        labels = {"weight_bytes": "400", "kv_budget_bytes": "500"}
+        (f,) = memory.kv_budget_oom_risk(con, "g", model=None, labels=labels, max_kv_share_of_remaining=0.8,
+                                         min_margin=0.05)
+        assert f.evidence["split"]["margin"] == pytest.approx((1000 - used) / 1000, abs=0)
+        assert f.severity == severity
+    finally:
+        con.close()
