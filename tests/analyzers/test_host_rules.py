@@ -143,3 +143,28 @@ def test_named_queries_over_the_fixture(scenario):
     assert 0.0 < row["busiest_thread_cores"] < 1.0 and row["busiest_thread_wait_ratio"] > 0.3
     (h,) = host_timeline(con, run_id, bucket_s=1e6)
     assert 0.0 <= h["cpu_util_pct"] <= 100.0 and h["mem_total_bytes"] > 0
+
+
+# --- each gate at its exact figure (issue 31: survivors of the gates mutation run) ---
+
+def test_host_bound_reads_a_run_with_exactly_min_host_samples(tmp_path):
+    con = _store(tmp_path, _steps(40, 6.0, 1.5), [_proc(i, cores=0.98) for i in range(21)])
+    assert one_id(host_bound(con, "run-h", min_host_samples=21)) == "host-bound"  # 21 samples: enough
+    assert host_bound(con, "run-h", min_host_samples=22) == []
+
+
+def one_id(findings):
+    (f,) = findings
+    return f.id
+
+
+@pytest.mark.parametrize("gate, figure", [("min_rss_growth_mib_per_min", "slope_mib_per_min"), ("min_rss_r2", "r2"),
+                                          ("min_rss_growth_ratio", "growth_ratio"), ("min_rss_span_s", "span_s")])
+def test_memory_growth_fires_at_each_threshold_and_not_one_step_above(tmp_path, gate, figure):
+    mib = 1 << 20
+    procs = [_proc(i, rss=300 * mib + i * 20 * mib // 60 + (i % 3) * mib) for i in range(0, 181)]  # r2 < 1
+    con = _store(tmp_path, _steps(361, 5.0, math.nan), procs)
+    (f,) = process_memory_growth(con, "run-h")
+    at = f.evidence[figure]
+    assert one_id(process_memory_growth(con, "run-h", **{gate: at})) == "process-memory-growth"
+    assert process_memory_growth(con, "run-h", **{gate: math.nextafter(at, math.inf)}) == []
