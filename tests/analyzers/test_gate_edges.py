@@ -26,7 +26,8 @@ def _store(path: str, ranks: int, gpu_used: int | None = None) -> None:
             sid = store.register_source(ev.Hello(T0, 0, 900 + rank, rank, ranks, "g", "m", "vllm"))
             steps = [ev.Step(T0 + i * 30 * MS, i, rank, ev.PHASE_DECODE, 4, 0, 4, 100, float("nan"), 10.0 + 2 * rank)
                      for i in range(20)]
-            recs: list = steps
+            recs: list = steps + [ev.KVSnapshot(T0 + i * 30 * MS, rank, 16, 100, 10 + 5 * rank, 90 - 5 * rank, 0, 0, 0, 1,
+                                                150, 80, i, 0, (10 + 5 * rank) * 1000, "bf16") for i in range(20)]
             if gpu_used is not None and rank == 0:
                 recs = recs + [ev.GpuSample(T0 + i * 100 * MS, 0, 50.0, gpu_used, 1000, 300.0, 50.0, 1500.0, 0)
                                for i in range(5)]
@@ -79,5 +80,18 @@ def test_a_margin_exactly_at_its_floor_is_not_critical(tmp_path, used, severity)
                                          min_margin=0.05)
         assert f.evidence["split"]["margin"] == pytest.approx((1000 - used) / 1000, abs=0)
         assert f.severity == severity
+    finally:
+        con.close()
+
+
+def test_one_tp_group_of_the_whole_world_names_no_replica(tmp_path):
+    """A world that is one TP group (world == TP size) is one replica: the evidence names none."""
+    path = str(tmp_path / "kv2.duckdb")
+    _store(path, ranks=2)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        (f,) = tp.tp_kv_imbalance(con, "g", max_imbalance=0.0)
+        assert f.evidence["kv_imbalance"] == pytest.approx(15000 / 12500 - 1, rel=1e-12)  # max / mean - 1
+        assert "replica" not in f.evidence
     finally:
         con.close()

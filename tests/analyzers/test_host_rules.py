@@ -168,3 +168,12 @@ def test_memory_growth_fires_at_each_threshold_and_not_one_step_above(tmp_path, 
     at = f.evidence[figure]
     assert one_id(process_memory_growth(con, "run-h", **{gate: at})) == "process-memory-growth"
     assert process_memory_growth(con, "run-h", **{gate: math.nextafter(at, math.inf)}) == []
+
+
+@pytest.mark.parametrize("wait, severity", [(0.5, "critical"), (0.49, "warning")])
+def test_a_cpu_wait_of_half_the_time_is_critical(tmp_path, wait, severity):
+    # the busiest thread runs 1 - wait of the time and waits `wait`: wait / (run + wait) = wait
+    con = _store(tmp_path, _steps(40, 20.0, math.nan), [_proc(i, cores=1 - wait, wait=wait) for i in range(21)])
+    (f,) = host_bound(con, "run-h")
+    assert f.evidence["cpu_starved"] and f.evidence["cpu_wait_ratio"] == pytest.approx(wait, abs=1e-12)
+    assert f.severity == severity
