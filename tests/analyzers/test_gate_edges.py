@@ -95,3 +95,29 @@ def test_one_tp_group_of_the_whole_world_names_no_replica(tmp_path):
         assert "replica" not in f.evidence
     finally:
         con.close()
+
+
+def test_a_prefix_collapse_with_no_eviction_does_not_blame_eviction(tmp_path):
+    """Four 100-token prompts sharing a 64-token prefix, none served from the cache, no block evicted: the
+    finding fires (3 x 64 / 400 = 0.48 achievable, 0 reached) and its advice says nothing of eviction."""
+    from phasescope.analyzers.prefix import prefix_hit_collapse
+
+    path = str(tmp_path / "p.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 901, 0, 1, "g", "m", "vllm"))
+        recs: list = [ev.PrefixCounters(T0 + i * MS, 0, 100 * i, 0, 0, 0) for i in range(5)]
+        for i in range(4):
+            rid, t = f"r{i}", T0 + i * 10 * MS
+            recs += [ev.RequestEvent(t, 0, ev.REQ_ARRIVAL, rid, 100, 0), ev.RequestEvent(t + MS, 0, ev.REQ_SCHEDULED, rid, 0, 0),
+                     ev.RequestEvent(t + 2 * MS, 0, ev.REQ_TOKEN, rid, 1, 0), ev.RequestEvent(t + 2 * MS, 0, ev.REQ_FINISHED, rid, 1, 0)]
+        store.append([(sid, sorted(recs, key=lambda r: r.ts_ns))])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        (f,) = prefix_hit_collapse(con, "g", labels={"shared_prefix_tokens": "64"})
+        assert f.evidence["evicted_blocks"] == 0 and f.evidence["achievable_hit_rate"] == pytest.approx(0.48)
+        assert "evict" not in f.suggestion
+    finally:
+        con.close()
