@@ -121,3 +121,17 @@ def test_a_prefix_collapse_with_no_eviction_does_not_blame_eviction(tmp_path):
         assert "evict" not in f.suggestion
     finally:
         con.close()
+
+
+@pytest.mark.parametrize("budget, severity", [(540, "warning"), (541, "critical")])
+def test_kv_taking_exactly_nine_tenths_of_what_the_weights_leave_is_not_critical(tmp_path, budget, severity):
+    path = str(tmp_path / "s.duckdb")
+    _store(path, ranks=1)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        labels = {"gpu_mem_bytes": "1000", "weight_bytes": "400", "kv_budget_bytes": str(budget)}
+        (f,) = memory.kv_budget_oom_risk(con, "g", model=None, labels=labels)
+        assert f.evidence["kv_share_of_remaining"] == pytest.approx(budget / 600, abs=0)  # 540 / 600 = 0.9
+        assert f.severity == severity
+    finally:
+        con.close()

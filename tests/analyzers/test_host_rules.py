@@ -177,3 +177,12 @@ def test_a_cpu_wait_of_half_the_time_is_critical(tmp_path, wait, severity):
     (f,) = host_bound(con, "run-h")
     assert f.evidence["cpu_starved"] and f.evidence["cpu_wait_ratio"] == pytest.approx(wait, abs=1e-12)
     assert f.severity == severity
+
+
+@pytest.mark.parametrize("cores, fires", [(0.9, True), (0.89, False)])
+def test_launch_bound_at_exactly_min_busy_thread_cores(tmp_path, cores, fires):
+    con = _store(tmp_path, _steps(40, 6.0, 1.5), [_proc(i, cores=cores) for i in range(21)])
+    found = host_bound(con, "run-h", min_busy_thread_cores=0.9)
+    assert bool(found) == fires
+    if fires:
+        assert found[0].evidence["launch_bound"] and found[0].evidence["busiest_thread_cores_p50"] == 0.9
