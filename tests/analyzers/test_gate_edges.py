@@ -135,3 +135,27 @@ def test_kv_taking_exactly_nine_tenths_of_what_the_weights_leave_is_not_critical
         assert f.severity == severity
     finally:
         con.close()
+
+
+def test_a_clock_skew_exactly_at_its_limit_is_no_finding(tmp_path):
+    """The probe's Hello stamp (wall) against the sidecar's receive time: a skew equal to max_clock_skew_s is
+    within it; one bit under it, the skew is past the limit."""
+    import math
+
+    from phasescope.analyzers.telemetry import telemetry_degraded
+
+    path = str(tmp_path / "c.duckdb")
+    _store(path, ranks=1)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        skew = abs(con.execute("""SELECT ((ts_ns + wall_minus_mono_ns) - connected_ns) / 1e9 FROM sources
+                                  WHERE run_id = 'g'""").fetchone()[0])
+        assert skew > 1  # the Hello says T0 (1 s after the epoch); the sidecar got it now
+
+        def ids(limit: float) -> set[str]:
+            return {f.id for f in telemetry_degraded(con, "g", max_clock_skew_s=limit)}
+
+        assert "telemetry-clock-skew" not in ids(skew)
+        assert "telemetry-clock-skew" in ids(math.nextafter(skew, 0))
+    finally:
+        con.close()

@@ -186,3 +186,12 @@ def test_launch_bound_at_exactly_min_busy_thread_cores(tmp_path, cores, fires):
     assert bool(found) == fires
     if fires:
         assert found[0].evidence["launch_bound"] and found[0].evidence["busiest_thread_cores_p50"] == 0.9
+
+
+def test_throttled_at_exactly_min_throttled_ratio_fires(tmp_path):
+    hosts = [_host(i, periods=100 * i, throttled=40 * i) for i in range(21)]
+    con = _store(tmp_path, _steps(40, 20.0, math.nan), [_proc(i, cores=0.3) for i in range(21)], hosts)
+    (f,) = host_bound(con, "run-h")
+    at = f.evidence["throttled_ratio"]
+    assert one_id(host_bound(con, "run-h", min_throttled_ratio=at)) == "host-bound"
+    assert host_bound(con, "run-h", min_throttled_ratio=math.nextafter(at, math.inf)) == []
