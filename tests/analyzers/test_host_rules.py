@@ -195,3 +195,13 @@ def test_throttled_at_exactly_min_throttled_ratio_fires(tmp_path):
     at = f.evidence["throttled_ratio"]
     assert one_id(host_bound(con, "run-h", min_throttled_ratio=at)) == "host-bound"
     assert host_bound(con, "run-h", min_throttled_ratio=math.nextafter(at, math.inf)) == []
+
+
+@pytest.mark.parametrize("host_ms, fires", [(3.0, True), (2.99, False)])
+def test_launch_bound_at_exactly_min_host_gpu_ratio(tmp_path, host_ms, fires):
+    """Host time 3.0 ms over GPU time 1.5 ms is the default min_host_gpu_ratio of 2.0 exactly."""
+    con = _store(tmp_path, _steps(40, host_ms, 1.5), [_proc(i, cores=0.98) for i in range(21)])
+    found = host_bound(con, "run-h")
+    assert bool(found) == fires
+    if fires:
+        assert found[0].evidence["launch_bound"] and found[0].evidence["host_gpu_ratio_p50"] == 2.0
