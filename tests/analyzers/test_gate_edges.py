@@ -159,3 +159,26 @@ def test_a_clock_skew_exactly_at_its_limit_is_no_finding(tmp_path):
         assert "telemetry-clock-skew" in ids(math.nextafter(skew, 0))
     finally:
         con.close()
+
+
+def test_a_hit_rate_halved_exactly_is_not_a_collapse_and_a_first_half_at_the_floor_counts(tmp_path):
+    """First half of the run: 50 of 100 queried tokens hit (0.5); second half: 25 of 100 (0.25)."""
+    from phasescope.analyzers.prefix import prefix_hit_collapse
+
+    path = str(tmp_path / "w.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 902, 0, 1, "g", "m", "vllm"))
+        counters = [(0, 0, 0), (1000, 100, 50), (2000, 200, 100), (3000, 300, 125)]  # (ms, queried, hit) totals
+        store.append([(sid, [ev.PrefixCounters(T0 + t * MS, 0, q, h, 0, 0) for t, q, h in counters])])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        # 0.25 is not below 0.5 x 0.5: no collapse
+        assert prefix_hit_collapse(con, "g", collapse_ratio=0.5, min_window_hit_rate=0.5) == []
+        # below 0.51 x 0.5 it is, and a first half at exactly min_window_hit_rate is enough to judge
+        (f,) = prefix_hit_collapse(con, "g", collapse_ratio=0.51, min_window_hit_rate=0.5)
+        assert (f.evidence["hit_rate_first_half"], f.evidence["hit_rate_second_half"]) == (0.5, 0.25)
+    finally:
+        con.close()
