@@ -18,7 +18,7 @@ T0 = 1_000_000_000
 MS = 1_000_000
 
 
-def _store(path: str, ranks: int, gpu_used: int | None = None) -> None:
+def _store(path: str, ranks: int, gpu_used: int | None = None, kv_dtype: str = "bf16") -> None:
     """`ranks` TP ranks of run "g", 20 decode steps each (rank r takes 10 + 2r ms), optional GPU samples."""
     store = Store(path)
     try:
@@ -27,7 +27,7 @@ def _store(path: str, ranks: int, gpu_used: int | None = None) -> None:
             steps = [ev.Step(T0 + i * 30 * MS, i, rank, ev.PHASE_DECODE, 4, 0, 4, 100, float("nan"), 10.0 + 2 * rank)
                      for i in range(20)]
             recs: list = steps + [ev.KVSnapshot(T0 + i * 30 * MS, rank, 16, 100, 10 + 5 * rank, 90 - 5 * rank, 0, 0, 0, 1,
-                                                150, 80, i, 0, (10 + 5 * rank) * 1000, "bf16") for i in range(20)]
+                                                150, 80, i, 0, (10 + 5 * rank) * 1000, kv_dtype) for i in range(20)]
             if gpu_used is not None and rank == 0:
                 recs = recs + [ev.GpuSample(T0 + i * 100 * MS, 0, 50.0, gpu_used, 1000, 300.0, 50.0, 1500.0, 0)
                                for i in range(5)]
@@ -180,5 +180,19 @@ def test_a_hit_rate_halved_exactly_is_not_a_collapse_and_a_first_half_at_the_flo
         # below 0.51 x 0.5 it is, and a first half at exactly min_window_hit_rate is enough to judge
         (f,) = prefix_hit_collapse(con, "g", collapse_ratio=0.51, min_window_hit_rate=0.5)
         assert (f.evidence["hit_rate_first_half"], f.evidence["hit_rate_second_half"]) == (0.5, 0.25)
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("kv_dtype, hint", [("fp8", False), ("bf16", True)])
+def test_the_fp8_hint_is_given_only_where_the_kv_is_wider_than_fp8(tmp_path, kv_dtype, hint):
+    from phasescope.analyzers.kvcache import kv_headroom_low
+
+    path = str(tmp_path / "h.duckdb")
+    _store(path, ranks=1, kv_dtype=kv_dtype)
+    con = duckdb.connect(path, read_only=True)
+    try:
+        (f,) = kv_headroom_low(con, "g", headroom_usage=0.1)  # peak block usage 10 / 100
+        assert ("fp8 KV would hold" in f.suggestion) == hint, f.suggestion
     finally:
         con.close()
