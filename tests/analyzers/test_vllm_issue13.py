@@ -342,9 +342,12 @@ def test_real_vllm_silent_run_reproduces_the_degradation(tmp_path):
 
 # --- a healthy vLLM run: data flows, nothing fires (healthy-vllm) --------------------------------------------
 
-def check_healthy_run(con, run_id: str, vllm: dict) -> dict:
+def check_healthy_run(con, run_id: str, vllm: dict, quiet_p50_ms: float | None = None) -> dict:
     """The healthy-vllm run: prefix lookups, page events, KV snapshots, prefix counters and token events all
-    there and as the workload implies, and none of the issue-13 analyses (nor any rule of `diagnose`) fires."""
+    there and as the workload implies, and none of the issue-13 analyses (nor any rule of `diagnose`) fires.
+
+    `quiet_p50_ms`: the median ITL of the same workload on a quiet machine (the committed fixture's). A rebuild
+    whose median is 3x that ran on a machine that slowed every step; see below what it can then promise."""
     from phasescope.analyzers.itl import itl_spikes
     from phasescope.analyzers.prefix_miss import miss_causes, prefix_miss_causes
     from phasescope.analyzers.residency import kv_evicted_before_reuse
@@ -423,11 +426,24 @@ def check_healthy_run(con, run_id: str, vllm: dict) -> dict:
     assert (g["tokens"] == 1).all() and (g["steps_in_gap"] == 1).all()  # no request sat out a step: no queueing
     assert (g["cause"] != "prefill").all()
     p50, p99 = qcont(g["itl_ms"], 0.5), qcont(g["itl_ms"], 0.99)
-    assert p99 / p50 < T["itl_spike_ratio"]
-    for rule in (prefix_miss_causes, kv_evicted_before_reuse, itl_spikes, telemetry_degraded):
+    for rule in (prefix_miss_causes, kv_evicted_before_reuse, telemetry_degraded):
         assert rule(con, run_id) == [], rule.__name__
-    found = diagnose(con, run_id)
-    assert found == [], [(f.id, f.severity) for f in found]
+    if quiet_p50_ms is not None and p50 >= 3 * quiet_p50_ms:
+        # measured in this very run (4 CPU spinners beside the suite: p50 134 ms against the fixture's 29.3, p99
+        # 465 ms): the machine stretched the engine's steps themselves, unevenly, so the ITL tail is the host's.
+        # What the workload promises still holds and is checked above (every gap one step, none with a prefill,
+        # no miss, eviction or stale telemetry); a flat tail is not promised, and an ITL finding may only blame
+        # the host (or name no cause), never the workload's prefills, preemptions or queueing.
+        allowed = {"itl-spikes-host", "itl-spikes-other", "itl-spikes-unattributed", "host-bound"}
+        spikes = {f.id for f in itl_spikes(con, run_id)}
+        assert spikes <= allowed, (spikes, p50, p99)
+        found = diagnose(con, run_id)
+        assert {f.id for f in found} <= allowed, [(f.id, f.severity) for f in found]
+    else:
+        assert p99 / p50 < T["itl_spike_ratio"]
+        assert itl_spikes(con, run_id) == []
+        found = diagnose(con, run_id)
+        assert found == [], [(f.id, f.severity) for f in found]
     return {"p50": p50, "p99": p99, "steps": len(steps), "served_s": steps["t"].max() - steps["t"].min()}
 
 
@@ -439,10 +455,11 @@ def test_healthy_vllm_fixture_carries_the_data_and_fires_nothing(scenario):
 
 
 @pytest.mark.slow
-def test_real_vllm_healthy_run_fires_nothing(tmp_path):
+def test_real_vllm_healthy_run_fires_nothing(tmp_path, scenario):
     skip_without_vllm()
+    quiet = check_healthy_run(*scenario("healthy-vllm"), config("healthy-vllm")["vllm"])["p50"]
     con, run_id, cfg = rebuilt(tmp_path, "healthy-vllm")
     try:
-        check_healthy_run(con, run_id, cfg["vllm"])  # timings differ run to run: the tail's ratio, not pinned
+        check_healthy_run(con, run_id, cfg["vllm"], quiet_p50_ms=quiet)  # timings differ run to run: not pinned
     finally:
         con.close()
