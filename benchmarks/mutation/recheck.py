@@ -5,7 +5,7 @@ import shlex, sqlite3, subprocess, sys, tomllib
 session, cfg = sys.argv[1], sys.argv[2]
 conf = tomllib.load(open(cfg, "rb"))["cosmic-ray"]
 cmd = shlex.split(conf["test-command"])
-module = conf["module-path"]
+modules = [conf["module-path"]] if isinstance(conf["module-path"], str) else list(conf["module-path"])
 c = sqlite3.connect(session)
 rows = c.execute("""SELECT s.start_pos_row, s.operator_name, r.diff FROM mutation_specs s JOIN work_results r
                     USING (job_id) WHERE r.test_outcome = 'SURVIVED' ORDER BY s.start_pos_row""").fetchall()
@@ -19,7 +19,7 @@ for row, op, diff in rows:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         ok = r.returncode == 0
     finally:
-        subprocess.run(["git", "checkout", "-q", "--", module], check=True)
+        subprocess.run(["git", "checkout", "-q", "--", *modules], check=True)
     survived += ok; killed += not ok
     lines = [l[1:].strip() for l in patch.splitlines() if l[:1] in "+-" and l[:3] not in ("---", "+++")]
     print(("SURVIVED" if ok else "killed  "), row, op, " => ".join(lines)[:160], flush=True)
