@@ -196,3 +196,20 @@ def test_the_fp8_hint_is_given_only_where_the_kv_is_wider_than_fp8(tmp_path, kv_
         assert ("fp8 KV would hold" in f.suggestion) == hint, f.suggestion
     finally:
         con.close()
+
+
+@pytest.mark.parametrize("kv_heads, fires", [(2, False), (1, True)])
+def test_kv_heads_are_replicated_only_past_tp_equal_to_kv_heads(tmp_path, kv_heads, fires):
+    from phasescope.analyzers.geometry import ModelGeometry
+
+    path = str(tmp_path / "r.duckdb")
+    _store(path, ranks=2)  # TP 2
+    con = duckdb.connect(path, read_only=True)
+    try:
+        model = ModelGeometry(layers=2, heads=4, kv_heads=kv_heads, head_dim=16)
+        found = tp.tp_kv_head_replication(con, "g", model=model)
+        assert bool(found) == fires
+        if fires:
+            assert found[0].evidence["replication"] == 2.0
+    finally:
+        con.close()

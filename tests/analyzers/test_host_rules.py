@@ -205,3 +205,12 @@ def test_launch_bound_at_exactly_min_host_gpu_ratio(tmp_path, host_ms, fires):
     assert bool(found) == fires
     if fires:
         assert found[0].evidence["launch_bound"] and found[0].evidence["host_gpu_ratio_p50"] == 2.0
+
+
+@pytest.mark.parametrize("timed, fires", [(5, True), (4, False)])
+def test_launch_bound_needs_exactly_min_host_samples_gpu_timed_steps(tmp_path, timed, fires):
+    steps = [ev.Step(i * NS // 2, i, 0, ev.PHASE_DECODE, 4, 0, 4, 100, 6.0, 1.5 if i < timed else math.nan)
+             for i in range(40)]
+    con = _store(tmp_path, steps, [_proc(i, cores=0.98) for i in range(21)])
+    found = host_bound(con, "run-h", min_host_samples=5)
+    assert bool(found) == fires
