@@ -213,3 +213,33 @@ def test_kv_heads_are_replicated_only_past_tp_equal_to_kv_heads(tmp_path, kv_hea
             assert found[0].evidence["replication"] == 2.0
     finally:
         con.close()
+
+
+def test_prefix_miss_causes_at_exactly_their_shares(tmp_path):
+    """Two prompts of 100 tokens admitted with the cache off and two that share nothing with any earlier one:
+    each cause is exactly half of the 400 missed tokens, at both gates (the cause share, and 0.5 for
+    no-shared-prefix); a cause share one bit over 0.5 leaves both out."""
+    import math
+
+    from phasescope.analyzers.prefix_miss import prefix_miss_causes
+
+    path = str(tmp_path / "l.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 903, 0, 1, "g", "m", "vllm"))
+        looks = [ev.PrefixLookup(T0 + i * MS, 0, f"r{i}", "disabled" if i < 2 else "first", 16, 100, 96, 0, 0, 0,
+                                 float("nan"), 0, 0) for i in range(4)]
+        store.append([(sid, looks + [ev.PrefixCounters(T0 + 5 * MS, 0, 200, 0, 0, 0)])])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        def ids(share: float) -> set[str]:
+            return {f.id for f in prefix_miss_causes(con, "g", prefix_miss_min_tokens=0, prefix_miss_cause_share=share)}
+
+        found = prefix_miss_causes(con, "g", prefix_miss_min_tokens=0, prefix_miss_cause_share=0.5)
+        assert {f.id: f.evidence["cause_share"] for f in found} == {"prefix-miss-cache-disabled": 0.5,
+                                                                     "prefix-miss-no-shared-prefix": 0.5}
+        assert "prefix-miss-cache-disabled" not in ids(math.nextafter(0.5, 1))
+    finally:
+        con.close()
