@@ -243,3 +243,30 @@ def test_prefix_miss_causes_at_exactly_their_shares(tmp_path):
         assert "prefix-miss-cache-disabled" not in ids(math.nextafter(0.5, 1))
     finally:
         con.close()
+
+
+@pytest.mark.parametrize("kv_dtype, advice", [("fp8", False), ("bf16", True)])
+def test_near_cap_advises_fp8_only_where_the_kv_is_wider_than_fp8(tmp_path, kv_dtype, advice):
+    """A preempted request and a cache at its peak: quantizing to fp8 is advised for a bf16 cache, never for one
+    that is already 1 byte an element (it would say `holds 1x the tokens`)."""
+    from phasescope.analyzers.kvcache import kv_near_cap
+
+    path = str(tmp_path / "n.duckdb")
+    _store(path, ranks=1, kv_dtype=kv_dtype)
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 900, 0, 1, "g", "m", "vllm"))
+        store.append([(sid, [ev.RequestEvent(T0, 0, ev.REQ_ARRIVAL, "p", 50, 0),
+                             ev.RequestEvent(T0 + MS, 0, ev.REQ_SCHEDULED, "p", 0, 0),
+                             ev.RequestEvent(T0 + 2 * MS, 0, ev.REQ_PREEMPTED, "p", 0, 0),
+                             ev.RequestEvent(T0 + 3 * MS, 0, ev.REQ_TOKEN, "p", 1, 0),
+                             ev.RequestEvent(T0 + 3 * MS, 0, ev.REQ_FINISHED, "p", 1, 0)])])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        (f,) = kv_near_cap(con, "g", near_cap=0.1)  # peak block usage 10 / 100
+        assert ("quantize the kv cache to fp8" in f.suggestion.lower()) == advice, f.suggestion
+        assert f.evidence["capacity_tokens_fp8"] == f.evidence["capacity_tokens"] * (2 if advice else 1)
+    finally:
+        con.close()
