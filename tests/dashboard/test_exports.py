@@ -86,7 +86,8 @@ def test_every_page_over_each_host_matches_the_store(stores, exports, monkeypatc
             run = at.sidebar.selectbox(key="run").value
             summary = direct.query("request_summary", run_id=run)
             ttft = next(m for m in at.metric if m.label.startswith("TTFT"))
-            assert ttft.value == f"{summary['ttft_p50_s'] * 1e3:.1f} ms"  # the store's figure, from the files
+            p50 = summary["ttft_p50_s"]  # seconds from 10 s on: a loaded machine's demo run can queue that long
+            assert ttft.value == (f"{p50:.1f} s" if p50 >= 10 else f"{p50 * 1e3:.1f} ms")  # the store's figure
             at.sidebar.radio(key="page").set_value("Phases").run()
             decode = at.dataframe[0].value.set_index("Phase").loc["decode"]
             stored = next(r for r in direct.query("phase_summary", run_id=run) if r["phase"] == "decode")
