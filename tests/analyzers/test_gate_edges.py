@@ -270,3 +270,104 @@ def test_near_cap_advises_fp8_only_where_the_kv_is_wider_than_fp8(tmp_path, kv_d
         assert f.evidence["capacity_tokens_fp8"] == f.evidence["capacity_tokens"] * (2 if advice else 1)
     finally:
         con.close()
+
+
+def test_prefill_mfu_reads_only_steps_with_time_and_tokens(tmp_path):
+    """A GPU-timed prefill of 0 ms (a clock too coarse for it) or of 0 new tokens has no MFU: the median is
+    the one real step's, whatever the others."""
+    from phasescope.analyzers.decode import decode_roofline
+    from phasescope.analyzers.geometry import ModelGeometry
+    from phasescope.analyzers.gpus import GPUS
+    from phasescope.analyzers.roofline import attention_flops, mfu
+
+    path = str(tmp_path / "d.duckdb")
+    _store(path, ranks=1)  # 20 GPU-timed decode steps of 10 ms
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 900, 0, 1, "g", "m", "vllm"))
+        pre = [(100.0, 1000), (0.0, 500), (50.0, 0), (50.0, 0)]  # (gpu ms, new prompt tokens)
+        store.append([(sid, [ev.Step(T0 + (700 + i) * MS, 100 + i, 0, ev.PHASE_PREFILL, 1, n, 0, 0, ms + 1, ms)
+                             for i, (ms, n) in enumerate(pre)])])
+    finally:
+        store.close()
+    model = ModelGeometry(layers=2, heads=4, kv_heads=2, head_dim=16, params=1e9)
+    gpu = GPUS["H100-PCIe"]
+    con = duckdb.connect(path, read_only=True)
+    try:
+        (f, *_) = decode_roofline(con, "g", model=model, gpu=gpu, min_mbu=1.0)
+        want = mfu(model.params, 1000, 0.1, gpu.flops(model.dtype), attention_flops(model, 1000, 0), 1)
+        assert f.evidence["prefill_mfu_p50"] == pytest.approx(want, rel=1e-12)
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("hit, ordering", [(20, False), (19, True)])
+def test_prompt_order_advice_below_a_five_percent_hit_rate_only(tmp_path, hit, ordering):
+    """Four 100-token prompts sharing 64 tokens, none served from the cache at admission (the `shared` reason);
+    the counters say `hit` of 400 queried tokens hit: 20 / 400 is 5%, not below it. No prefill steps: no cost
+    per token, and the effect names none."""
+    from phasescope.analyzers.prefix import prefix_hit_collapse
+
+    path = str(tmp_path / "o.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 904, 0, 1, "g", "m", "vllm"))
+        recs: list = [ev.PrefixCounters(T0 + i * MS, 0, 100 * i, hit * i // 4, 0, 0) for i in range(5)]
+        for i in range(4):
+            rid, t = f"r{i}", T0 + i * 10 * MS
+            recs += [ev.RequestEvent(t, 0, ev.REQ_ARRIVAL, rid, 100, 0), ev.RequestEvent(t + MS, 0, ev.REQ_SCHEDULED, rid, 0, 0),
+                     ev.RequestEvent(t + 2 * MS, 0, ev.REQ_TOKEN, rid, 1, 0), ev.RequestEvent(t + 2 * MS, 0, ev.REQ_FINISHED, rid, 1, 0)]
+        store.append([(sid, sorted(recs, key=lambda r: r.ts_ns))])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        (f,) = prefix_hit_collapse(con, "g", labels={"shared_prefix_tokens": "64"})
+        assert f.evidence["hit_rate"] == hit / 400
+        assert ("put the fixed part of every prompt" in f.suggestion.lower()) == ordering, f.suggestion
+        assert "ms per token" not in f.expected_effect and f.expected_effect.endswith(", lowering TTFT.")
+    finally:
+        con.close()
+
+
+def test_gpu_timing_silent_exactly_stale_s_is_stopped(tmp_path):
+    """GPU-timed steps for the first 10 s of 30 s of steps: silent for exactly `telemetry_stale_s` fires, one
+    bit under it does not (the quick check that skips the full query uses the same bound)."""
+    import math
+    import time
+
+    from phasescope.analyzers.telemetry import telemetry_degraded
+
+    path = str(tmp_path / "t.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(0, time.time_ns(), 905, 0, 1, "g", "m", "hf-cb"))
+        steps = [ev.Step(i * 100 * MS, i, 0, ev.PHASE_DECODE, 1, 0, 1, 50, 1.0, 0.5 if i < 100 else float("nan"))
+                 for i in range(300)]
+        store.append([(sid, steps)])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        def gpu(stale: float) -> dict | None:
+            found = {f.id: f for f in telemetry_degraded(con, "g", telemetry_stale_s=stale)}
+            f = found.get("telemetry-gpu-timing-stopped")
+            return f.evidence if f else None
+
+        silent = gpu(1.0)["silent_s"]
+        assert silent == pytest.approx(20.0)  # last timed step at 9.9 s, last step at 29.9 s
+        assert gpu(silent)["silent_s"] == silent
+        assert gpu(math.nextafter(silent, math.inf)) is None
+    finally:
+        con.close()
+
+
+def test_the_chunk_ladder_stops_below_the_largest_prefill_a_step_held(scenario):
+    """service-mix's largest prefill in one step is 256 tokens, a rung of the ladder: a budget of 256 would
+    change nothing, so the ladder predicts 64 and 128 only."""
+    from phasescope.analyzers.diagnose import diagnose
+
+    con, run_id = scenario("service-mix")
+    (f,) = [f for f in diagnose(con, run_id) if f.id == "itl-spikes-prefill"]
+    assert f.evidence["max_prefill_tokens_per_step"] == 256
+    assert sorted(f.evidence["predicted_itl_p99_ms_by_budget"]) == [64, 128]

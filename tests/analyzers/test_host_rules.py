@@ -214,3 +214,21 @@ def test_launch_bound_needs_exactly_min_host_samples_gpu_timed_steps(tmp_path, t
     con = _store(tmp_path, steps, [_proc(i, cores=0.98) for i in range(21)])
     found = host_bound(con, "run-h", min_host_samples=5)
     assert bool(found) == fires
+
+
+def test_host_bound_reads_a_run_with_exactly_min_host_samples_of_the_host_alone(tmp_path):
+    """3 process samples (too few) but 21 host samples, throttled 40% of the periods: the host's samples alone
+    are enough at min_host_samples = 21, not at 22."""
+    hosts = [_host(i, periods=100 * i, throttled=40 * i) for i in range(21)]
+    con = _store(tmp_path, _steps(40, 20.0, math.nan), [_proc(i, cores=0.3) for i in range(3)], hosts)
+    (f,) = host_bound(con, "run-h", min_host_samples=21)
+    assert f.evidence["cpu_throttled"] and f.evidence["host_samples"] == 21
+    assert host_bound(con, "run-h", min_host_samples=22) == []
+
+
+@pytest.mark.parametrize("per_period, severity", [(50, "critical"), (49, "warning")])
+def test_a_container_throttled_half_its_periods_is_critical(tmp_path, per_period, severity):
+    hosts = [_host(i, periods=100 * i, throttled=per_period * i) for i in range(21)]
+    con = _store(tmp_path, _steps(40, 20.0, math.nan), [_proc(i, cores=0.3) for i in range(21)], hosts)
+    (f,) = host_bound(con, "run-h")
+    assert f.evidence["throttled_ratio"] == per_period / 100 and f.severity == severity
