@@ -1,0 +1,139 @@
+"""The derived tables' incremental fold (agent/records/derived.py STAGES) on stated events, in seconds.
+
+The recorded-fixture fold tests (test_derived.py) take minutes; these state a small workload with every kind
+of request life a runtime reports (reused ids, queued, cached prefixes, engine output stamps, preemption and
+re-admission, client cancels, aborts, requests still running, events at one instant) and fold it in the
+ways a sidecar meets it: in order, in chunks, out of order, late events for a key already folded, and the
+oldest rows deleted by a retention roll. After every step the views must equal the reference views
+(tests/reference_sql.py), which derive everything from the raw events at once.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from phasescope.agent.records import derived
+from phasescope.agent.records.events import REQUEST_EVENTS, Hello, RequestEvent
+from phasescope.agent.sidecar.store import Store
+from test_derived import current, forget, reference
+
+MS = 1_000_000
+E = {name: i for i, name in enumerate(REQUEST_EVENTS)}
+
+
+def workload(seed: int, requests: int = 60, ids: int = 7) -> list[RequestEvent]:
+    """`requests` request lives over `ids` reused runtime ids (one life of an id ends before its next starts),
+    each a seeded mix of the cases above; times in ms on a 1 ms grid, so events often share an instant."""
+    rng = random.Random(seed)
+    free_at = [0] * ids
+    out: list[RequestEvent] = []
+    for k in range(requests):
+        slot = rng.randrange(ids)
+        rid = f"r{slot}"
+        t = max(free_at[slot], k * 3) + rng.randrange(0, 4)
+
+        def add(kind: str, tokens: int = 0, cached: int = 0) -> None:
+            out.append(RequestEvent(t * MS, 0, E[kind], rid, tokens, cached))
+
+        add("arrival", rng.randrange(1, 200))
+        if rng.random() < 0.5:
+            t += rng.randrange(0, 3)
+            add("queued")
+        life = rng.random()
+        if life < 0.08:  # cancelled or aborted in the queue
+            t += rng.randrange(1, 5)
+            if rng.random() < 0.5:
+                add("cancelled")
+            add("aborted")
+            free_at[slot] = t + 1
+            continue
+        t += rng.randrange(0, 6)
+        add("scheduled", 0, rng.choice((0, 0, 16, 32, 48)))
+        produced = 0
+        for g in range(rng.randrange(1, 7)):
+            t += rng.randrange(1, 12)  # one token event of a request per receive instant (the reference's key)
+            n = rng.choice((1, 1, 1, 2, 3))
+            produced += n
+            add("token", n, rng.choice((0, 0, 150, 900)))  # the engine's stamp this many us before receipt
+            if g == 1 and rng.random() < 0.25:  # preempted, re-admitted (cached part again), decodes on
+                t += rng.randrange(0, 3)
+                add("preempted")
+                t += rng.randrange(1, 8)
+                add("scheduled", 0, rng.choice((0, 16)))
+        if life < 0.78:
+            add("finished", produced)  # at the last token's instant
+        elif life < 0.88:
+            t += rng.randrange(0, 3)
+            add("cancelled")
+            add("aborted")
+        elif life < 0.94:
+            t += 1
+            add("aborted")  # the engine or server ended it
+        # else: still running at the end of the run
+        free_at[slot] = t + 1
+    return out
+
+
+def _store(tmp_path, name: str = "s.duckdb") -> tuple[Store, int]:
+    store = Store(str(tmp_path / name))
+    return store, store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_folded_in_order_in_chunks_equals_the_reference(tmp_path, seed):
+    events = workload(seed)
+    store, sid = _store(tmp_path)
+    con = store.cursor()
+    step = len(events) // 5 + 1
+    for i in range(0, len(events), step):
+        store.append([(sid, events[i:i + step])])
+        if i // step % 2:
+            derived.refresh(con)
+        assert current(con) == reference(con), f"after {i + step} of {len(events)} events"
+    derived.refresh(con)
+    want = reference(con)
+    assert current(con) == want and len(want[0]) == 60
+    forget(con)  # nothing folded: the views derive every row at read time
+    assert current(con) == want
+    store.close()
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_folded_out_of_order_equals_the_reference(tmp_path, seed):
+    """Events arrive shuffled (a late event for a key already folded in recomputes that key)."""
+    events = workload(seed)
+    shuffled = events[:]
+    random.Random(seed).shuffle(shuffled)
+    store, sid = _store(tmp_path)
+    con = store.cursor()
+    step = len(shuffled) // 7 + 1
+    for i in range(0, len(shuffled), step):
+        store.append([(sid, shuffled[i:i + step])])
+        derived.refresh(con)
+        assert current(con) == reference(con), f"after {i + step} of {len(shuffled)} events"
+    store.close()
+
+
+def test_a_late_event_of_an_old_request_and_a_retention_roll(tmp_path):
+    """Everything folded, then one late token of the first request and the oldest third of the events
+    deleted (what a retention roll does): each refresh leaves the views equal to the reference."""
+    events = workload(7)
+    first = events[0].request_id
+    late = next(e for e in events if e.request_id == first and e.event == E["token"])
+    events.remove(late)
+    store, sid = _store(tmp_path)
+    con = store.cursor()
+    store.append([(sid, events)])
+    derived.refresh(con)
+    store.append([(sid, [late])])
+    assert current(con) == reference(con)
+    derived.refresh(con)
+    assert current(con) == reference(con)
+    cut = sorted(e.ts_ns for e in events)[len(events) // 3]
+    con.execute("DELETE FROM request_events WHERE ts_ns < ?", [cut])
+    derived.refresh(con)
+    want = reference(con)
+    assert current(con) == want and 0 < len(want[0]) < 60
+    store.close()
