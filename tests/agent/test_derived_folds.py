@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import duckdb
 import pytest
 
 from phasescope.agent.records import derived
@@ -23,16 +24,17 @@ MS = 1_000_000
 E = {name: i for i, name in enumerate(REQUEST_EVENTS)}
 
 
-def workload(seed: int, requests: int = 60, ids: int = 7) -> list[RequestEvent]:
+def workload(seed: int, requests: int = 60, ids: int = 7, t0_ms: int = 0) -> list[RequestEvent]:
     """`requests` request lives over `ids` reused runtime ids (one life of an id ends before its next starts),
-    each a seeded mix of the cases above; times in ms on a 1 ms grid, so events often share an instant."""
+    each a seeded mix of the cases above; times in ms from `t0_ms` on a 1 ms grid, so events often share an
+    instant."""
     rng = random.Random(seed)
-    free_at = [0] * ids
+    free_at = [t0_ms] * ids
     out: list[RequestEvent] = []
     for k in range(requests):
         slot = rng.randrange(ids)
         rid = f"r{slot}"
-        t = max(free_at[slot], k * 3) + rng.randrange(0, 4)
+        t = max(free_at[slot], t0_ms + k * 3) + rng.randrange(0, 4)
 
         def add(kind: str, tokens: int = 0, cached: int = 0) -> None:
             out.append(RequestEvent(t * MS, 0, E[kind], rid, tokens, cached))
@@ -136,4 +138,13 @@ def test_a_late_event_of_an_old_request_and_a_retention_roll(tmp_path):
     derived.refresh(con)
     want = reference(con)
     assert current(con) == want and 0 < len(want[0]) < 60
+    # a second roll while new lives of the same ids arrive: the keys it recomputes take new events too
+    end_ms = max(e.ts_ns for e in events) // MS + 10
+    store.append([(sid, workload(8, requests=20, t0_ms=end_ms))])
+    con.execute("DELETE FROM request_events WHERE ts_ns < ?", [sorted(e.ts_ns for e in events)[2 * len(events) // 3]])
+    with pytest.raises(duckdb.Error, match="deleted from request_events"):  # loud until a refresh folds it in
+        current(con)
+    derived.refresh(con)
+    want = reference(con)
+    assert current(con) == want and len(want[0]) > 20
     store.close()
