@@ -371,3 +371,32 @@ def test_the_chunk_ladder_stops_below_the_largest_prefill_a_step_held(scenario):
     (f,) = [f for f in diagnose(con, run_id) if f.id == "itl-spikes-prefill"]
     assert f.evidence["max_prefill_tokens_per_step"] == 256
     assert sorted(f.evidence["predicted_itl_p99_ms_by_budget"]) == [64, 128]
+
+
+@pytest.mark.parametrize("shared, best, saved", [
+    ((64, 20, 20), 64, 64),  # 64- and 32-token pages save as much (64 of 104 sub-page tokens): the larger wins a tie
+    ((64, 64, 64, 32, 32), 64, 192),  # a 64-token page saves exactly 3/4 of the 256: enough, the search stops there
+])
+def test_the_smaller_page_is_the_largest_that_saves_most_or_three_quarters(tmp_path, shared, best, saved):
+    """vLLM, 128-token pages, a backend that takes multiples of 32 (candidates 64 and 32): first admissions of
+    300-token prompts, none hit, sharing `shared` tokens with an earlier prompt (all under one page)."""
+    from phasescope.analyzers.prefix_miss import prefix_miss_causes
+
+    path = str(tmp_path / "s.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 906, 0, 1, "g", "m", "vllm"))
+        store.append([(sid, [ev.PrefixLookup(T0 + i * MS, 0, f"r{i}", "first", 128, 300, 256, 0, s, 0,
+                                             float("nan"), 0, 0) for i, s in enumerate(shared)])])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        labels = {"runtime": "vllm", "vllm_attention_backend": "CPU_ATTN", "vllm_block_sizes": "m32"}
+        found = {f.id: f for f in prefix_miss_causes(con, "g", prefix_miss_min_tokens=0, prefix_miss_cause_share=0.01,
+                                                      min_sub_page_tokens=0, labels=labels)}
+        e = found["prefix-miss-sub-page"].evidence
+        assert (e["suggested_page_size_tokens"], e["smaller_page_saved_tokens"]) == (best, saved)
+        assert f"--block-size {best};" in found["prefix-miss-sub-page"].suggestion
+    finally:
+        con.close()
