@@ -25,7 +25,8 @@ E = {name: i for i, name in enumerate(REQUEST_EVENTS)}
 
 
 def workload(seed: int, requests: int = 60, ids: int = 7, t0_ms: int = 0) -> list[RequestEvent]:
-    """`requests` request lives over `ids` reused runtime ids (one life of an id ends before its next starts),
+    """`requests` request lives over `ids` reused runtime ids (one life of an id ends before, or at the instant,
+    its next starts),
     each a seeded mix of the cases above; times in ms from `t0_ms` on a 1 ms grid, so events often share an
     instant."""
     rng = random.Random(seed)
@@ -49,7 +50,7 @@ def workload(seed: int, requests: int = 60, ids: int = 7, t0_ms: int = 0) -> lis
             if rng.random() < 0.5:
                 add("cancelled")
             add("aborted")
-            free_at[slot] = t + 1
+            free_at[slot] = t
             continue
         t += rng.randrange(0, 6)
         add("scheduled", 0, rng.choice((0, 0, 16, 32, 48)))
@@ -74,13 +75,13 @@ def workload(seed: int, requests: int = 60, ids: int = 7, t0_ms: int = 0) -> lis
             t += 1
             add("aborted")  # the engine or server ended it
         # else: still running at the end of the run
-        free_at[slot] = t + 1
+        free_at[slot] = t  # the id's next life may arrive at this very instant
     return out
 
 
-def _store(tmp_path, name: str = "s.duckdb") -> tuple[Store, int]:
+def _store(tmp_path, name: str = "s.duckdb", run: str = "run") -> tuple[Store, int]:
     store = Store(str(tmp_path / name))
-    return store, store.register_source(Hello(1, 0, 1, 0, 1, "run", "m", "synthetic"))
+    return store, store.register_source(Hello(1, 0, 1, 0, 1, run, "m", "synthetic"))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -99,6 +100,24 @@ def test_folded_in_order_in_chunks_equals_the_reference(tmp_path, seed):
     assert current(con) == want and len(want[0]) == 60
     forget(con)  # nothing folded: the views derive every row at read time
     assert current(con) == want
+    store.close()
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_two_runs_on_the_same_ids_folded_after_every_few_events(tmp_path, seed):
+    """Two runs whose runtimes reuse the same ids, their events interleaved in chunks of 30 and folded in after
+    each: most requests straddle a refresh (their stored row is extended by the next chunk's events)."""
+    store, sid = _store(tmp_path)
+    other = store.register_source(Hello(1, 0, 2, 0, 1, "run-b", "m", "synthetic"))
+    a, b = workload(seed), workload(seed + 100)
+    con = store.cursor()
+    for n, i in enumerate(range(0, max(len(a), len(b)), 30)):
+        store.append([(sid, a[i:i + 30]), (other, b[i:i + 30])])
+        derived.refresh(con)
+        if n % 6 == 5:
+            assert current(con) == reference(con), f"after {i + 30} events of each run"
+    want = reference(con)
+    assert current(con) == want and len(want[0]) == 120
     store.close()
 
 
