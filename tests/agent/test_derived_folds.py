@@ -18,6 +18,7 @@ import pytest
 from phasescope.agent.records import derived
 from phasescope.agent.records.events import REQUEST_EVENTS, Hello, RequestEvent
 from phasescope.agent.sidecar.store import Store
+from reference_sql import VIEWS
 from test_derived import current, forget, reference
 
 MS = 1_000_000
@@ -79,6 +80,31 @@ def workload(seed: int, requests: int = 60, ids: int = 7, t0_ms: int = 0) -> lis
     return out
 
 
+def gaps_from_the_log(con) -> list[tuple]:
+    """Every ITL gap with its preemption flag, in Python from the reference request log (tests/reference_sql.py):
+    (run, request, engine ns, previous token's engine ns, tokens, preempted). A gap holds a preemption when a
+    `preempted` event lies after the previous token and at or before this one (engine stamps for tokens)."""
+    rows = con.execute(f"WITH request_log AS ({VIEWS['request_log']}) SELECT run_id, request_id, ts_ns, event, tokens, "
+                       "cached_tokens FROM request_log WHERE event IN ('token', 'preempted')").fetchall()
+    per: dict[tuple, list] = {}
+    for run, rid, ts, event, tokens, lead in rows:
+        if event == "preempted":
+            per.setdefault((run, rid), []).append((ts, 0, None))
+        elif tokens > 0:
+            per.setdefault((run, rid), []).append((ts - 1000 * lead, 1, tokens))
+    out = []
+    for (run, rid), evs in per.items():
+        prev, pre = None, False
+        for ts, is_token, tokens in sorted(evs):  # a preemption sorts before a token at its time
+            if not is_token:
+                pre = True
+                continue
+            if prev is not None:
+                out.append((run, rid, ts, prev, tokens, pre))
+            prev, pre = ts, False
+    return sorted(out)
+
+
 def _store(tmp_path, name: str = "s.duckdb", run: str = "run") -> tuple[Store, int]:
     store = Store(str(tmp_path / name))
     return store, store.register_source(Hello(1, 0, 1, 0, 1, run, "m", "synthetic"))
@@ -118,6 +144,8 @@ def test_two_runs_on_the_same_ids_folded_after_every_few_events(tmp_path, seed):
             assert current(con) == reference(con), f"after {i + 30} events of each run"
     want = reference(con)
     assert current(con) == want and len(want[0]) == 120
+    gaps = con.execute("SELECT run_id, request_id, ts_ns, prev_ns, tokens, preempted FROM itl").fetchall()
+    assert sorted(gaps) == gaps_from_the_log(con) and any(g[-1] for g in gaps)
     store.close()
 
 
@@ -134,6 +162,8 @@ def test_folded_out_of_order_equals_the_reference(tmp_path, seed):
         store.append([(sid, shuffled[i:i + step])])
         derived.refresh(con)
         assert current(con) == reference(con), f"after {i + step} of {len(shuffled)} events"
+    gaps = con.execute("SELECT run_id, request_id, ts_ns, prev_ns, tokens, preempted FROM itl").fetchall()
+    assert sorted(gaps) == gaps_from_the_log(con)
     store.close()
 
 
