@@ -400,3 +400,32 @@ def test_the_smaller_page_is_the_largest_that_saves_most_or_three_quarters(tmp_p
         assert f"--block-size {best};" in found["prefix-miss-sub-page"].suggestion
     finally:
         con.close()
+
+
+def test_in_flight_misses_at_exactly_their_share(tmp_path):
+    """Two 100-token prompts sharing 100 tokens with an earlier one whose pages were not cached yet (no hit, none
+    evicted): 96 of each prompt's misses are whole shared pages in flight. At a cause share equal to theirs the
+    finding fires; one bit over, it does not."""
+    import math
+
+    from phasescope.analyzers.prefix_miss import prefix_miss_causes
+
+    path = str(tmp_path / "f.duckdb")
+    store = Store(path)
+    try:
+        sid = store.register_source(ev.Hello(T0, 0, 907, 0, 1, "g", "m", "vllm"))
+        store.append([(sid, [ev.PrefixLookup(T0 + i * MS, 0, f"r{i}", "first", 16, 100, 96, 0, 100, 0,
+                                             float("nan"), 0, 0) for i in range(2)])])
+    finally:
+        store.close()
+    con = duckdb.connect(path, read_only=True)
+    try:
+        def in_flight(share: float):
+            found = {f.id: f for f in prefix_miss_causes(con, "g", prefix_miss_min_tokens=0, prefix_miss_cause_share=share)}
+            return found.get("prefix-miss-in-flight")
+
+        share = in_flight(0.01).evidence["cause_share"]
+        assert share == 192 / 200
+        assert in_flight(share) is not None and in_flight(math.nextafter(share, 1)) is None
+    finally:
+        con.close()
