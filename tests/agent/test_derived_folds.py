@@ -61,11 +61,18 @@ def workload(seed: int, requests: int = 60, ids: int = 7, t0_ms: int = 0) -> lis
             n = rng.choice((1, 1, 1, 2, 3))
             produced += n
             add("token", n, rng.choice((0, 0, 150, 900)))  # the engine's stamp this many us before receipt
-            if g == 1 and rng.random() < 0.25:  # preempted, re-admitted (cached part again), decodes on
+            if g in (1, 3) and rng.random() < 0.25:  # preempted, re-admitted (cached part again), decodes on
                 t += rng.randrange(0, 3)
                 add("preempted")
+                if rng.random() < 0.3:  # preempted again before its first step back
+                    t += rng.randrange(1, 4)
+                    add("scheduled", 0, 0)
+                    add("preempted")
                 t += rng.randrange(1, 8)
                 add("scheduled", 0, rng.choice((0, 16)))
+        if rng.random() < 0.1:  # an output with no new token (a runtime's last, empty one): no ITL gap
+            t += rng.randrange(0, 2)
+            add("token", 0, 0)
         if life < 0.78:
             add("finished", produced)  # at the last token's instant
         elif life < 0.88:
@@ -105,6 +112,31 @@ def gaps_from_the_log(con) -> list[tuple]:
     return sorted(out)
 
 
+def stored_rows_hold_their_events(con) -> None:
+    """Each stored request row's bookkeeping (what the next fold and a retention roll read) against its
+    definition over the reference request log: events, first and last event, where the next gap starts (the
+    last token with tokens, engine time), the last preemption; and every raw event held exactly once."""
+    log = con.execute(f"WITH request_log AS ({VIEWS['request_log']}) SELECT run_id, request_id, ts_ns, event, tokens, "
+                      "cached_tokens FROM request_log").fetchall()
+    want: dict[tuple, list] = {}
+    for run, rid, ts, event, tokens, lead in log:
+        w = want.setdefault((run, rid), [0, None, None, None, None])
+        w[0] += 1
+        w[1] = ts if w[1] is None else min(w[1], ts)
+        w[2] = ts if w[2] is None else max(w[2], ts)
+        if event == "token" and tokens > 0:
+            w[3] = ts - 1000 * lead if w[3] is None else max(w[3], ts - 1000 * lead)
+        if event == "preempted":
+            w[4] = ts if w[4] is None else max(w[4], ts)
+    rows = con.execute("SELECT r.run_id, r.request_id, r.events, r.first_wall_ns - s.wall, r.last_ts, r.last_gap_ns, "
+                       "r.last_preempted_ns FROM request_rows r JOIN (SELECT run_id, any_value(wall_minus_mono_ns) "
+                       "AS wall FROM sources GROUP BY run_id) s USING (run_id)").fetchall()
+    got = {(run, rid): list(rest) for run, rid, *rest in rows}
+    assert got == {k: w for k, w in want.items() if k in got}
+    held, raw = con.execute("SELECT (SELECT sum(events) FROM request_rows), (SELECT count(*) FROM request_events)").fetchone()
+    assert held == raw
+
+
 def _store(tmp_path, name: str = "s.duckdb", run: str = "run") -> tuple[Store, int]:
     store = Store(str(tmp_path / name))
     return store, store.register_source(Hello(1, 0, 1, 0, 1, run, "m", "synthetic"))
@@ -140,6 +172,7 @@ def test_two_runs_on_the_same_ids_folded_after_every_few_events(tmp_path, seed):
     for n, i in enumerate(range(0, max(len(a), len(b)), 30)):
         store.append([(sid, a[i:i + 30]), (other, b[i:i + 30])])
         derived.refresh(con)
+        stored_rows_hold_their_events(con)
         if n % 6 == 5:
             assert current(con) == reference(con), f"after {i + 30} events of each run"
     want = reference(con)
