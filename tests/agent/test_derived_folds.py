@@ -22,6 +22,7 @@ from reference_sql import VIEWS
 from test_derived import current, forget, reference
 
 MS = 1_000_000
+WALL = 1_764_720_000_000_000_000  # a probe's wall-minus-monotonic offset, ns (wall times of 2025-12)
 E = {name: i for i, name in enumerate(REQUEST_EVENTS)}
 
 
@@ -139,7 +140,7 @@ def stored_rows_hold_their_events(con) -> None:
 
 def _store(tmp_path, name: str = "s.duckdb", run: str = "run") -> tuple[Store, int]:
     store = Store(str(tmp_path / name))
-    return store, store.register_source(Hello(1, 0, 1, 0, 1, run, "m", "synthetic"))
+    return store, store.register_source(Hello(1, WALL, 1, 0, 1, run, "m", "synthetic"))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -166,7 +167,7 @@ def test_two_runs_on_the_same_ids_folded_after_every_few_events(tmp_path, seed):
     """Two runs whose runtimes reuse the same ids, their events interleaved in chunks of 30 and folded in after
     each: most requests straddle a refresh (their stored row is extended by the next chunk's events)."""
     store, sid = _store(tmp_path)
-    other = store.register_source(Hello(1, 0, 2, 0, 1, "run-b", "m", "synthetic"))
+    other = store.register_source(Hello(1, WALL + 7_000_000, 2, 0, 1, "run-b", "m", "synthetic"))
     a, b = workload(seed), workload(seed + 100)
     con = store.cursor()
     for n, i in enumerate(range(0, max(len(a), len(b)), 30)):
