@@ -97,16 +97,14 @@ def test_one_tp_group_of_the_whole_world_names_no_replica(tmp_path):
         con.close()
 
 
-def test_a_prefix_collapse_with_no_eviction_does_not_blame_eviction(tmp_path):
-    """Four 100-token prompts sharing a 64-token prefix, none served from the cache, no block evicted: the
-    finding fires (3 x 64 / 400 = 0.48 achievable, 0 reached) and its advice says nothing of eviction."""
-    from phasescope.analyzers.prefix import prefix_hit_collapse
-
+def _four_prompts(tmp_path, hit: int) -> str:
+    """Four 100-token prompts, none served from the cache at admission; the prefix counters say `hit` of their
+    400 queried tokens hit. Returns the store's path (run "g")."""
     path = str(tmp_path / "p.duckdb")
     store = Store(path)
     try:
         sid = store.register_source(ev.Hello(T0, 0, 901, 0, 1, "g", "m", "vllm"))
-        recs: list = [ev.PrefixCounters(T0 + i * MS, 0, 100 * i, 0, 0, 0) for i in range(5)]
+        recs: list = [ev.PrefixCounters(T0 + i * MS, 0, 100 * i, hit * i // 4, 0, 0) for i in range(5)]
         for i in range(4):
             rid, t = f"r{i}", T0 + i * 10 * MS
             recs += [ev.RequestEvent(t, 0, ev.REQ_ARRIVAL, rid, 100, 0), ev.RequestEvent(t + MS, 0, ev.REQ_SCHEDULED, rid, 0, 0),
@@ -114,6 +112,15 @@ def test_a_prefix_collapse_with_no_eviction_does_not_blame_eviction(tmp_path):
         store.append([(sid, sorted(recs, key=lambda r: r.ts_ns))])
     finally:
         store.close()
+    return path
+
+
+def test_a_prefix_collapse_with_no_eviction_does_not_blame_eviction(tmp_path):
+    """Four 100-token prompts sharing a 64-token prefix, none served from the cache, no block evicted: the
+    finding fires (3 x 64 / 400 = 0.48 achievable, 0 reached) and its advice says nothing of eviction."""
+    from phasescope.analyzers.prefix import prefix_hit_collapse
+
+    path = _four_prompts(tmp_path, hit=0)
     con = duckdb.connect(path, read_only=True)
     try:
         (f,) = prefix_hit_collapse(con, "g", labels={"shared_prefix_tokens": "64"})
@@ -308,18 +315,7 @@ def test_prompt_order_advice_below_a_five_percent_hit_rate_only(tmp_path, hit, o
     per token, and the effect names none."""
     from phasescope.analyzers.prefix import prefix_hit_collapse
 
-    path = str(tmp_path / "o.duckdb")
-    store = Store(path)
-    try:
-        sid = store.register_source(ev.Hello(T0, 0, 904, 0, 1, "g", "m", "vllm"))
-        recs: list = [ev.PrefixCounters(T0 + i * MS, 0, 100 * i, hit * i // 4, 0, 0) for i in range(5)]
-        for i in range(4):
-            rid, t = f"r{i}", T0 + i * 10 * MS
-            recs += [ev.RequestEvent(t, 0, ev.REQ_ARRIVAL, rid, 100, 0), ev.RequestEvent(t + MS, 0, ev.REQ_SCHEDULED, rid, 0, 0),
-                     ev.RequestEvent(t + 2 * MS, 0, ev.REQ_TOKEN, rid, 1, 0), ev.RequestEvent(t + 2 * MS, 0, ev.REQ_FINISHED, rid, 1, 0)]
-        store.append([(sid, sorted(recs, key=lambda r: r.ts_ns))])
-    finally:
-        store.close()
+    path = _four_prompts(tmp_path, hit=hit)
     con = duckdb.connect(path, read_only=True)
     try:
         (f,) = prefix_hit_collapse(con, "g", labels={"shared_prefix_tokens": "64"})
