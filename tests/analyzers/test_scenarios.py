@@ -110,7 +110,8 @@ def test_real_rebuild_fires(name, tmp_path, scenario):
         run_id, config = build_db(name, path)
         con = duckdb.connect(path, read_only=True)
         try:
-            found = {f.id for f in diagnose(con, run_id)}
+            findings = {f.id: f for f in diagnose(con, run_id)}
+            found = set(findings)
             requests = con.execute("SELECT count(*) FROM requests WHERE run_id = ?", [run_id]).fetchone()[0]
             stall = one(con, STALL_SQL, run_id, long=int(T["long_prefill_tokens"]))
             run_itl, run_pace = _itl(con, run_id), one(con, _PACE_SQL, run_id)
@@ -153,6 +154,15 @@ def test_real_rebuild_fires(name, tmp_path, scenario):
                 # the rule judges churn per wall second (min_turnover_per_s, 0.1 of the cache a second), and an
                 # engine slowed this much allocates the same pages over far more seconds: no churn to judge
                 expect.discard("kv-external-fragmentation")
+        if "prefix-hit-collapse" in found and "prefix-hit-collapse" not in allowed:
+            # measured in this very run (4 spinners beside the suite, busy run of 2026-12-03): a slowed engine
+            # admits the later requests only after the small pool has evicted the shared prefix, so the hit rate
+            # of the run's second half truly collapses. True of this run when its own figures say so: the second
+            # half below collapse_ratio x the first, with cached pages evicted in it
+            e = findings["prefix-hit-collapse"].evidence
+            assert e["evicted_blocks_second_half"] > 0, e
+            assert e["hit_rate_second_half"] < T["collapse_ratio"] * e["hit_rate_first_half"], e
+            found.discard("prefix-hit-collapse")
         if "itl-spikes-host" in found:
             # measured in this very run: host stalls (gaps far over their step's compute: the machine's load)
             # are the larger part of the ITL tail, so the ITL finding names them instead of the prefills
