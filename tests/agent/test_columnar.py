@@ -374,3 +374,111 @@ def test_columns_store_each_kind_of_field_as_itself(tmp_path, monkeypatch, arrow
             (ev.PHASES[ev.PHASE_MIXED], 16, 2.0)]
     finally:
         con.close()
+
+
+# --- the parts the decoder is built of, each against its stated contract ------------------------------------
+
+
+def test_fields_maps_each_struct_code_to_its_numpy_type():
+    assert columnar._fields("<q32sdBHIQf4s") == ["<i8", "S32", "<f8", "u1", "<u2", "<u4", "<u8", "<f4", "S4"]
+    assert columnar._fields("q") == ["<i8"]  # no byte-order mark
+
+
+@pytest.mark.parametrize("fmt,column,key,want", [
+    ("<u4", "INTEGER", ("X", "n"), (0, 2**31 - 1)),  # the column is narrower than the wire
+    ("<u4", "BIGINT", ("X", "n"), (0, 2**32 - 1)),  # the wire is narrower than the column
+    ("<u2", "SMALLINT", ("X", "n"), (0, 2**15 - 1)),
+    ("<u8", "BIGINT", ("X", "n"), (0, 2**63 - 1)),
+    ("<i8", "SMALLINT", ("X", "n"), (-(2**15), 2**15 - 1)),  # a signed field: both ends of the column
+    ("<i8", "INTEGER", ("X", "n"), (-(2**31), 2**31 - 1)),
+    ("<i8", "BIGINT", ("X", "n"), (-(2**63), 2**63 - 1)),
+    ("<i8", None, ("X", "n"), (-(2**63), 2**63 - 1)),  # a control record's own field: the wire alone
+    ("<i8", None, ("X", "ts_ns"), (0, 2**63 - 1)),  # a clock
+    ("<i8", "SMALLINT", ("X", "ts_ns"), (0, 2**15 - 1)),
+    ("<u4", "INTEGER", ("Step", "prefill_tokens"), (0, ev.MAX_TOKENS)),  # a domain bound
+    ("<u2", "SMALLINT", ("Hello", "world_size"), (1, ev.MAX_RANKS)),
+])
+def test_int_range_is_the_wire_within_the_column_within_the_domain(fmt, column, key, want):
+    assert columnar._int_range(fmt, column, key) == want
+
+
+def test_an_integer_field_in_a_float_column_is_refused():
+    with pytest.raises(ValueError):
+        columnar._int_range("<u4", "DOUBLE", ("X", "n"))
+
+
+def test_non_ascii_rows_are_exactly_those_with_a_byte_from_0x80():
+    col = np.array([b"a\x7f", b"\x80", "é".encode(), b"", b"abc", b"\xff\xff\xff"], dtype="S3")
+    assert columnar._non_ascii_rows(col).tolist() == [1, 2, 5]
+    assert columnar._non_ascii_rows(col[:0]).tolist() == []
+    rec = np.zeros(3, dtype=[("a", "u1"), ("t", "S2"), ("b", "u1")])  # a field of a structured array
+    rec["t"] = [b"ok", b"\xc3\xa9", b"z"]
+    rec["a"] = rec["b"] = 0xFF  # bytes of the neighbouring fields are not the text's
+    assert columnar._non_ascii_rows(rec["t"]).tolist() == [1]
+
+
+def test_one_type_takes_only_a_payload_of_exactly_count_records_of_one_type():
+    steps = [ev.Step(10 + i, i, 0, ev.PHASE_DECODE, 1, 0, 1, 8, 1.0, math.nan) for i in range(3)]
+    one, n = ev.encode_records(steps)
+    size = columnar.TYPES[2].size
+    assert len(one) == 3 * size
+    one_type = columnar._one_type
+    assert one_type(one, 3, 0) == 2
+    assert one_type(bytes(8) + one, 3, 8) == 2  # after a header
+    assert one_type(one[size:], 2, 0) == 2 and one_type(one[: 2 * size], 2, 0) == 2
+    for count in (0, 1, 2, 4, 9):  # fewer or more records than the payload holds
+        assert one_type(one, count, 0) is None, count
+    assert one_type(bytes(8) + one, 3, 0) is None  # the header is no record
+    assert one_type(bytes(8) + one, 3, 7) is None
+    assert one_type(b"", 1, 0) is None and one_type(b"", 0, 0) is None
+    assert one_type(one, 1, len(one)) is None and one_type(one, 1, len(one) + 300) is None  # past the end
+    assert one_type(bytes([250]) + one[1:], 3, 0) is None  # no such type
+    mixed = bytearray(one)
+    mixed[2 * size] = 3  # the last record's type byte says RequestEvent
+    assert one_type(bytes(mixed), 3, 0) is None
+
+
+def test_offsets_are_each_records_byte_offset_by_type_in_order():
+    recs = _sample_records()
+    payload, n = ev.encode_records(recs)
+    want, pos = collections.defaultdict(list), 0
+    for r in recs:
+        code = ev.TYPE_CODES[type(r)]
+        want[code].append(pos)
+        pos += columnar.TYPES[code].size
+    assert pos == len(payload)
+    assert dict(columnar._offsets(payload, n, 0)) == dict(want)
+    shifted = {c: [o + 5 for o in offs] for c, offs in want.items()}
+    assert dict(columnar._offsets(bytes(5) + payload, n, 5)) == shifted
+    assert dict(columnar._offsets(payload, 0, len(payload))) == {}
+
+
+def test_a_start_past_the_payload_is_a_frame_error():
+    steps, n = ev.encode_records([ev.Step(1, 1, 0, ev.PHASE_DECODE, 1, 0, 1, 8, 1.0, math.nan)])
+    for start in (len(steps), len(steps) + 1, len(steps) + 300):
+        with pytest.raises(ev.FrameError, match="payload ends after 0 of 1 records"):
+            columnar.decode(steps, 1, start=start)
+
+
+def test_a_long_interleaved_frame_decodes_back_exactly():
+    """390 records of 11 types, interleaved (offsets and counts that are not small ints), a bad one among them:
+    every good record back, in order, the bad one counted once."""
+    recs = [r for _ in range(30) for r in _sample_records()]
+    payload, n = ev.encode_records(recs)
+    bad = bytes((2,)) + ev.LAYOUTS[2][1].pack(1, 1, 0, len(ev.PHASES), 1, 0, 1, 0, 1.0, math.nan)  # no such phase
+    cut = sum(columnar.TYPES[ev.TYPE_CODES[type(r)]].size for r in recs[:200])
+    d = columnar.decode(payload[:cut] + bad + payload[cut:], n + 1)
+    assert d.records == n + 1 and d.rejected == collections.Counter({"bad_enum": 1}) and d.kept() == n
+    got = _by_type(columnar.records_of(d.arrays))
+    want = _by_type([r for r in recs if type(r) is not ev.RunLabel])
+    assert set(got) == set(want)
+    for cls, rows in want.items():
+        assert len(got[cls]) == len(rows) and all(ev.same_record(a, b) for a, b in zip(got[cls], rows)), cls
+    assert d.control == [r for r in recs if type(r) is ev.RunLabel]
+
+
+def test_every_table_starts_with_source_id():
+    """columns() fills source_id and takes every later column from the record's field of that name."""
+    for table in set(TABLE_OF_RECORD.values()):
+        names = [name for name, _, _ in TABLES[table]]
+        assert names[0] == "source_id" and "source_id" not in names[1:], table
