@@ -2,8 +2,9 @@
 append of the same rows measured in the same run, and the agent's peak RSS.
 
 Each run starts `phasescope agent` (a subprocess, as deployed) on a fresh file; N producer processes
-stream pre-encoded Step frames (8192 records, the probe's frame size) through the probe's real `Sender`
-(wire v2: windowed, acknowledged). The rate is stored rows / (first send -> last acknowledgement), and
+stream pre-encoded frames (8192 records, the probe's frame size) through the probe's real `Sender`
+(wire v2: windowed, acknowledged): Step records alone, or with `--mix probe` a decoding probe's interleaved
+records (a Step, its 8 token events, a KV snapshot every 16 steps; the baseline stays Step rows). The rate is stored rows / (first send -> last acknowledgement), and
 `delivered == stored` is checked. The baseline appends the same number of rows, already as an Arrow
 table with the store's column types, in one `INSERT ... SELECT` into a fresh file with the same schema.
 With `--metrics` the agent runs its Prometheus exporter (a sink); at the end its /metrics is scraped: steps
@@ -14,7 +15,8 @@ in this process that decodes the real protobuf requests; after the agent is stop
 flushes on shutdown) the `phasescope.step.duration` count of the last export (cumulative) is the steps
 the OTLP sink saw, against stored and the sink drops.
 
-    python benchmarks/ingest.py [--records 2000000] [--producers 1 4 16] [--repeat 3] [--metrics] [--otlp]
+    python benchmarks/ingest.py [--records 2000000] [--producers 1 4 16] [--repeat 3] [--mix steps|probe]
+                                [--metrics] [--otlp]
 """
 
 from __future__ import annotations
@@ -36,24 +38,39 @@ from typing import Sequence
 import psutil
 
 
-def _frames(n_records: int, frame_records: int, rank: int) -> list[bytes]:
+def _records(n_records: int, rank: int, mix: str) -> list:
+    """`steps`: Step records alone (frames of one type). `probe`: what a probe sends while decoding 8
+    sequences: each Step followed by its 8 token events, a KV snapshot every 16 steps (interleaved types)."""
     from phasescope.agent.records import events as ev
 
-    out, i = [], 0
-    while i < n_records:
-        k = min(frame_records, n_records - i)
-        out.append(ev.encode_frame([ev.Step(1_000 + j, j, rank, ev.PHASE_DECODE, 8, 0, 8, 4096 + j, 1.5, float("nan"))
-                                    for j in range(i, i + k)]))
-        i += k
-    return out
+    nan = float("nan")
+    if mix == "steps":
+        return [ev.Step(1_000 + j, j, rank, ev.PHASE_DECODE, 8, 0, 8, 4096 + j, 1.5, nan) for j in range(n_records)]
+    out, j = [], 0
+    while len(out) < n_records:
+        ts = 1_000 + 10 * j
+        out.append(ev.Step(ts, j, rank, ev.PHASE_DECODE, 8, 0, 8, 4096 + 8 * j, 1.5, nan))
+        out += [ev.RequestEvent(ts + 1, rank, ev.REQ_TOKEN, f"req-{rank}-{k}", 1, 0) for k in range(8)]
+        if j % 16 == 0:
+            out.append(ev.KVSnapshot(ts + 2, rank, 16, 4096, 2048, 2048, 0, 0, 0, 8, 4096 + 8 * j, 2048, j, j,
+                                     2 << 30, "float16"))
+        j += 1
+    return out[:n_records]
 
 
-def _producer(sock: str, n_records: int, rank: int, ready, go, results) -> None:
+def _frames(n_records: int, frame_records: int, rank: int, mix: str = "steps") -> list[bytes]:
+    from phasescope.agent.records import events as ev
+
+    recs = _records(n_records, rank, mix)
+    return [ev.encode_frame(recs[i:i + frame_records]) for i in range(0, len(recs), frame_records)]
+
+
+def _producer(sock: str, n_records: int, rank: int, ready, go, results, mix: str = "steps") -> None:
     from phasescope.agent.records import events as ev
     from phasescope.agent.records.address import parse_address
     from phasescope.agent.probe.sender import Sender
 
-    frames = _frames(n_records, 8192, rank)
+    frames = _frames(n_records, 8192, rank, mix)
     hello = lambda: ev.encode_frame([ev.Hello(time.monotonic_ns(), 0, os.getpid(), rank, 1, "bench", "m", "bench")])
     s = Sender(parse_address(f"unix:{sock}"), hello, drain_s=60)  # the probe's default window (32 MiB)
     while not s.ready():
@@ -184,7 +201,8 @@ def _sink_figures(url: str, expect: int, settle_s: float = 60.0) -> dict:
             "sink_catch_up_s": moved - t0}
 
 
-def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, agent_args: Sequence[str] = ()) -> dict:
+def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, agent_args: Sequence[str] = (),
+             mix: str = "steps") -> dict:
     from phasescope.agent.sidecar.store import Store
 
     tmp = tempfile.mkdtemp(prefix="ps-ingest-", dir="/tmp")
@@ -209,7 +227,7 @@ def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, 
         ctx = mp.get_context("spawn")
         ready, go, results = ctx.Queue(), ctx.Event(), ctx.Queue()
         per = n_records // producers
-        ps = [ctx.Process(target=_producer, args=(sock, per, r, ready, go, results)) for r in range(producers)]
+        ps = [ctx.Process(target=_producer, args=(sock, per, r, ready, go, results, mix)) for r in range(producers)]
         for p in ps:
             p.start()
         for _ in ps:  # every producer connected and its frames built
@@ -219,7 +237,8 @@ def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, 
         out = [results.get(timeout=600) for _ in ps]
         for p in ps:
             p.join(30)
-        sink = _sink_figures(url, n_records // producers * producers) if url else {}
+        expect = len([r for r in _records(per, 0, mix) if type(r).__name__ == "Step"]) * producers
+        sink = _sink_figures(url, expect) if url else {}
         stop.set()
         watcher.join(5)
         cpu = proc.cpu_times()
@@ -233,7 +252,8 @@ def run_once(n_records: int, producers: int, metrics: bool, otlp: bool = False, 
         t0, t1 = min(o[0] for o in out), max(o[1] for o in out)
         sent, delivered, lost, producers_cpu = (sum(o[i] for o in out) for i in (2, 3, 4, 5))
         con = Store.open_readonly(db)
-        stored = con.execute("SELECT count(*) FROM steps").fetchone()[0]
+        stored = con.execute("SELECT (SELECT count(*) FROM steps) + (SELECT count(*) FROM request_events) "
+                             "+ (SELECT count(*) FROM kv_snapshots)").fetchone()[0]
         con.close()
         rate = stored / (t1 - t0)
         base = bulk_append_rate(stored, os.path.join(tmp, "bulk.duckdb"))
@@ -280,12 +300,15 @@ def main() -> None:
                     help="run the agent with /metrics and --otlp, exporting to a local OTLP/HTTP receiver")
     ap.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
                     help="pass ARG to `phasescope agent` (repeatable; e.g. --agent-arg=--memory-budget-mib=32)")
+    ap.add_argument("--mix", choices=("steps", "probe"), default="steps",
+                    help="steps: frames of Step records alone; probe: a decoding probe's interleaved frames "
+                         "(a Step, its 8 token events, a KV snapshot every 16 steps)")
     ap.add_argument("--out", default=None, help="write the JSON results here")
     args = ap.parse_args()
     rows = []
     print(f"{'producers':>9} {'records/s':>11} {'duckdb bulk/s':>13} {'ratio':>6} {'peak RSS MiB':>12}  runs")
     for n in args.producers:
-        runs = [run_once(args.records, n, args.metrics, args.otlp, args.agent_arg) for _ in range(args.repeat)]
+        runs = [run_once(args.records, n, args.metrics, args.otlp, args.agent_arg, args.mix) for _ in range(args.repeat)]
         assert all(r["delivered_equals_stored"] for r in runs), runs
         med = {k: statistics.median(r[k] for r in runs)
                for k in ("records_per_s", "duckdb_bulk_records_per_s", "ratio", "peak_rss_mib")}
@@ -304,7 +327,7 @@ def main() -> None:
                       f"{r['agent_stop_s']:.1f} s)", flush=True)
     if args.out:
         meta = {"cpus": os.cpu_count(), "python": platform.python_version(), "records": args.records,
-                "agent_args": args.agent_arg,
+                "agent_args": args.agent_arg, "mix": args.mix,
                 "metrics_sink": args.metrics or args.otlp, "otlp_sink": args.otlp,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with open(args.out, "w") as f:

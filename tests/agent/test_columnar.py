@@ -436,6 +436,13 @@ def test_one_type_takes_only_a_payload_of_exactly_count_records_of_one_type():
     mixed = bytearray(one)
     mixed[2 * size] = 3  # the last record's type byte says RequestEvent
     assert one_type(bytes(mixed), 3, 0) is None
+    many, m = ev.encode_records(steps * 4)  # > 256 bytes: lengths that are not small cached ints
+    assert m == 12 and len(many) > 256 and one_type(many, 12, 0) == 2 and one_type(many, 11, 0) is None
+    # two types of one size, the higher code first: not "every type byte at most the first's"
+    assert columnar.TYPES[6].size == columnar.TYPES[12].size
+    two, _ = ev.encode_records([ev.PageEvent(2, 0, 3, "evicted", 12.5, math.nan, 1, 0),
+                                ev.GpuSample(1, 0, 50.0, 1 << 30, 1 << 34, 300.0, 60.0, 1500.0, 0)])
+    assert one_type(two, 2, 0) is None and one_type(two[:len(two) // 2], 1, 0) == 12
 
 
 def test_offsets_are_each_records_byte_offset_by_type_in_order():
