@@ -40,7 +40,8 @@ import psutil
 
 def _records(n_records: int, rank: int, mix: str) -> list:
     """`steps`: Step records alone (frames of one type). `probe`: what a probe sends while decoding 8
-    sequences: each Step followed by its 8 token events, a KV snapshot every 16 steps (interleaved types)."""
+    sequences of 256 tokens: each Step followed by its 8 token events, a KV snapshot every 16 steps
+    (interleaved types)."""
     from phasescope.agent.records import events as ev
 
     nan = float("nan")
@@ -50,7 +51,8 @@ def _records(n_records: int, rank: int, mix: str) -> list:
     while len(out) < n_records:
         ts = 1_000 + 10 * j
         out.append(ev.Step(ts, j, rank, ev.PHASE_DECODE, 8, 0, 8, 4096 + 8 * j, 1.5, nan))
-        out += [ev.RequestEvent(ts + 1, rank, ev.REQ_TOKEN, f"req-{rank}-{k}", 1, 0) for k in range(8)]
+        # 8 sequences of 256 output tokens each, each replaced by a new request when it ends
+        out += [ev.RequestEvent(ts + 1, rank, ev.REQ_TOKEN, f"req-{rank}-{k}-{j // 256}", 1, 0) for k in range(8)]
         if j % 16 == 0:
             out.append(ev.KVSnapshot(ts + 2, rank, 16, 4096, 2048, 2048, 0, 0, 0, 8, 4096 + 8 * j, 2048, j, j,
                                      2 << 30, "float16"))
