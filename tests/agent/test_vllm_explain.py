@@ -160,8 +160,8 @@ def test_explain_vllm_bench_serve(recorded):
         # host-bound reads one-per-second host samples (at least 5, and the share of them waiting for CPU;
         # analyzers/host.py): a date window, seconds wider than the client's span (2.3 s before it in one run),
         # holds other samples than the span, and on a busy host may pass a gate the span does not (seen once, in a
-        # clean-clone CI run: host-bound, cpu_wait_ratio 0.57, against none). Only host-bound may differ: the
-        # constraints before it in precedence are read from the same requests and steps, which agree (above)
+        # clean-clone CI run: host-bound, cpu_wait_ratio 0.57, against none). Only host-bound may differ (the
+        # points, read from the same requests, agree: above)
         names = {b["name"] for b in (b_ed, b_ex) if b is not None}
         assert "host-bound" in names and names <= {"host-bound", "queueing"}, (b_ed, b_ex)
 
