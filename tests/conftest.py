@@ -10,6 +10,39 @@ import pytest
 
 from ci_guard import (pytest_make_collect_report, pytest_runtest_makereport,  # noqa: F401 (hooks: CI=true skips fail)
                       pytest_sessionfinish, pytest_terminal_summary)
+from hang import cpu_share, timeout_scale
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test's timeout (pytest-timeout: `timeout` in pyproject, or its own mark) only ends a hang; a machine
+    that gives this worker a fraction of a core (measured here, once, by spinning 1 s) stretches every test by
+    about its inverse, so the timeouts are stretched by as much (issue 31: no verdict depends on load)."""
+    scale = timeout_scale(cpu_share())
+    if hasattr(config, "workeroutput"):  # an xdist worker: its controller prints it (pytest_testnodedown)
+        config.workeroutput["timeout_scale"] = scale
+    else:
+        _say(config, f"phasescope: test timeouts x{scale:.1f} (this machine's CPU share)")
+    if scale <= 1.0:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = float(mark.args[0] if mark and mark.args else (mark.kwargs.get("timeout", default) if mark else default))
+        if limit > 0:
+            item.add_marker(pytest.mark.timeout(limit * scale), append=False)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # xdist's controller, as each worker ends
+    scale = getattr(node, "workeroutput", {}).get("timeout_scale")
+    if scale is not None:
+        _say(node.config, f"phasescope: {node.gateway.id}'s test timeouts x{scale:.1f} (its CPU share at the start)")
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

@@ -176,8 +176,9 @@ class Sidecar:
         queued = self.writer.queued if self.writer is not None else 0
         return self.stats.open_connections == 0 and not queued and self.stats.unwritten_bytes == 0
 
-    def wait_rows(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-        """Poll `predicate` until true (tests and the demo use this)."""
+    def wait_rows(self, predicate: Callable[[], bool], timeout_s: float = 120.0) -> bool:
+        """Poll `predicate` until true or `timeout_s` (seconds) passed (tests and the demo use this): it returns as
+        soon as the predicate holds, so the bound only ends a hang."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if predicate():

@@ -20,6 +20,7 @@ from phasescope.agent.records.events import PHASE_DECODE, PHASE_MIXED, PHASE_PRE
 from phasescope.agent.probe.cuda_timing import CaptureGuard  # noqa: E402
 from phasescope.agent.probe.phases import StepShape  # noqa: E402
 from phasescope.agent.probe.sampling import BudgetSampler  # noqa: E402
+from hang import HANG_S
 
 
 # --- fakes with the surface the probe uses -------------------------------------------
@@ -154,7 +155,7 @@ def test_no_cuda_call_and_no_step_while_a_graph_is_captured():
         assert len(log) == calls_before  # no event record, no query while capturing
         g.capture_end()
         model(x)
-        assert probe.flush(5)
+        assert probe.flush(HANG_S)
     finally:
         probe.close()
         guard.release()
@@ -179,7 +180,7 @@ def test_a_capture_torch_did_not_announce_still_gets_no_cuda_call():
         assert log == []
         raw["on"] = False
         model(torch.zeros(1, 4))
-        assert probe.flush(5)
+        assert probe.flush(HANG_S)
     finally:
         probe.close()
     assert len(steps_of(got)) == 1 and probe.captured == 1
@@ -196,7 +197,7 @@ def test_poller_does_not_query_while_a_capture_is_open():
     try:
         g = FakeGraph()
         model(torch.zeros(1, 4))  # a timed step still running on the "GPU": the poller keeps asking
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + HANG_S
         while log.count("query") < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
         assert log.count("query") >= 3  # the poller is busy when the capture begins
@@ -206,7 +207,7 @@ def test_poller_does_not_query_while_a_capture_is_open():
         time.sleep(0.05)
         assert log.count("query") == queries  # not one query while the capture is open
         g.capture_end()
-        assert probe.flush(5)
+        assert probe.flush(HANG_S)
         assert log.count("query") > queries
     finally:
         probe.close()
@@ -240,7 +241,7 @@ def test_step_api_records_the_runtime_batch_with_a_fake_clock():
         probe.end_step()
         probe.begin_step(PHASE_PREFILL, 1, 7, 0, 0)
         probe.end_step()
-        assert probe.flush(5)
+        assert probe.flush(HANG_S)
     finally:
         probe.close()
     steps = steps_of(got)
@@ -268,7 +269,7 @@ def test_time_replays_wraps_one_graph_instance_and_close_puts_it_back():
         batch["n"] = n
         g.replay()
     other.replay()  # another instance is not timed
-    assert probe.flush(5)
+    assert probe.flush(HANG_S)
     probe.close()
     assert g.replays == 3 and "replay" not in g.__dict__
     assert [(s.num_seqs, s.decode_tokens) for s in steps_of(got)] == [(8, 8), (4, 4), (2, 2)]
@@ -313,7 +314,7 @@ def test_sampling_is_uniform_within_a_phase_whatever_the_step_duration():
             if slow:
                 time.sleep(0)
             probe.end_step()
-        assert probe.flush(10)
+        assert probe.flush(HANG_S)
     finally:
         probe.close()
     steps = steps_of(got)
@@ -336,7 +337,7 @@ def test_budget_lowers_the_rate_of_fast_steps_on_a_live_probe():
         while time.monotonic() < t_end:  # back-to-back steps of a few us: far below budget
             probe.begin_step(decode_tokens=1, num_seqs=1)
             probe.end_step()
-        assert probe.flush(10)
+        assert probe.flush(HANG_S)
     finally:
         probe.close()
     assert probe.sampler.rates[PHASE_DECODE] == probe.sampler.min_rate

@@ -10,6 +10,7 @@ from phasescope.agent import attach
 from phasescope.agent.probe.cost import CostMeter, gil_wait_ns
 from phasescope.agent.probe.sampling import BudgetSampler
 from phasescope.agent.records.events import PHASE_DECODE, ProbeHealth, decode_frame, encode_frame
+from hang import HANG_S
 
 
 def test_gil_wait_estimate():
@@ -64,7 +65,7 @@ def test_health_carries_the_cost_and_survives_the_wire():
             with probe.step(decode_tokens=1, num_seqs=1):
                 pass
             probe.request_event("r", "token", tokens=1)
-        assert probe.flush(5)
+        assert probe.flush(HANG_S)
         h = probe.health()
     finally:
         probe.close()

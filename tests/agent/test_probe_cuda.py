@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from phasescope.agent import attach  # noqa: E402
 from phasescope.agent.records.events import PHASES, Step  # noqa: E402
+from hang import HANG_S  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_captures_of_a_probed_module_with_a_busy_poller_all_succeed():
             torch.cuda.synchronize()
             assert torch.equal(out, ref)
         torch.randn(16, device="cuda").sum().item()  # the RNG state survived
-        assert probe.flush(10)
+        assert probe.flush(HANG_S)
     finally:
         probe.close()
     assert probe.errors == 0 and probe.captured == 10

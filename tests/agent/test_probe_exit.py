@@ -128,7 +128,7 @@ def test_a_vllm_engine_killed_after_sigterm_has_every_recorded_step_stored(agent
            "--max-num-seqs", "4"]
     with served(cmd, url, env=dict(env, PHASESCOPE_AGENT=f"unix:{sock}", PHASESCOPE_FLUSH_INTERVAL_S="60",
                                    PHASESCOPE_RUN_ID="vllm-exit"),
-                log_path=os.path.join(short_tmp, "server.log"), start_timeout_s=600, name="vLLM") as srv:
+                log_path=os.path.join(short_tmp, "server.log"), start_timeout_s=1200, name="vLLM") as srv:
         server, url = srv.proc, srv.url
         try:
             for i in range(4):

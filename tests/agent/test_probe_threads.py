@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from phasescope.agent import attach
+from hang import HANG_S
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ def test_background_adds_little_to_the_median_step_and_the_reported_share_agrees
     try:
         for p in (live, hooks):
             _block(p)  # warm: connection, sampler, first wakes
-        assert live.flush(10)
+        assert live.flush(HANG_S)
         cpu0, hooks0 = live.health().probe_cpu_s_total, live.sampler.hooks_ns()
         med: dict[str, list[float]] = {c: [] for c in conds}
         raw: dict[str, list[list[float]]] = {c: [] for c in conds}
@@ -101,7 +102,7 @@ def test_background_adds_little_to_the_median_step_and_the_reported_share_agrees
                 t = _block(probes[c])
                 med[c].append(statistics.median(t))
                 raw[c].append(t)
-        assert live.flush(10)
+        assert live.flush(HANG_S)
         time.sleep(3 * live.flush_interval_s)  # the wakes that shipped the last block are counted
         health = live.health()
         live_hooks_ns = live.sampler.hooks_ns() - hooks0

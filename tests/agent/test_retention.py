@@ -14,6 +14,7 @@ import pytest
 from phasescope.agent.records.events import PHASE_DECODE, PHASE_PREFILL, REQ_ARRIVAL, REQ_FINISHED, Hello, RequestEvent, Step
 from phasescope.agent.sidecar.retention import Retention, RetentionPolicy, used_bytes
 from phasescope.agent.sidecar.store import Store
+from hang import HANG_S
 
 NS = 1_000_000_000
 DAY = 86_400 * NS
@@ -160,9 +161,9 @@ def test_rows_acknowledged_during_a_roll_are_kept(short_tmp):
             if n % 300 == 0:
                 time.sleep(0.05)
             n += 1
-    assert probe.flush(10)
+    assert probe.flush(HANG_S)
     probe.close()
-    assert sc.wait_rows(sc.drained, 10)
+    assert sc.wait_rows(sc.drained, HANG_S)
     time.sleep(0.3)
     ret.stop()
     assert ret.errors_total == 0 and ret.rolls_total > 3

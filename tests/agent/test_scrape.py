@@ -11,6 +11,7 @@ import pytest
 
 from phasescope.agent.records.events import PrefixCounters, RunLabel, ServerMetric
 from phasescope.agent.sidecar.scrape import CANNOT, ScrapeCollector
+from hang import HANG_S
 
 SAMPLE = (pathlib.Path(__file__).parent / "vllm" / "metrics_sample.txt").read_text()
 
@@ -63,7 +64,7 @@ def test_sidecar_scrapes_a_real_endpoint_into_its_own_source(short_tmp):
     side = Sidecar(db, listen=[f"unix:{short_tmp}/a.sock"], collectors=[col], sample_interval_s=0.05,
                    batch_interval_s=0.05).start()
     try:
-        assert side.wait_rows(lambda: col.scrapes >= 3, timeout_s=10)
+        assert side.wait_rows(lambda: col.scrapes >= 3, timeout_s=HANG_S)
     finally:
         side.stop()
         srv.shutdown()

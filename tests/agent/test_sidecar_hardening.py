@@ -27,6 +27,7 @@ from phasescope.agent.records.address import check_private_folder, make_private_
 from phasescope.agent.probe.sender import Sender, connect
 from phasescope.agent.sidecar import Sidecar
 from phasescope.agent.sidecar.store import Store
+from hang import HANG_S
 
 NAN = float("nan")
 
@@ -109,7 +110,7 @@ def test_twenty_sigkills_while_two_probes_stream_nothing_lost_nothing_twice(shor
     resent_at_kill = []
     try:
         for _ in range(20):
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + HANG_S
             start = [s.sender.delivered for s in streams]
             while any(s.sender.delivered < d + 1000 for s, d in zip(streams, start)) \
                     and time.monotonic() < deadline:
@@ -119,7 +120,7 @@ def test_twenty_sigkills_while_two_probes_stream_nothing_lost_nothing_twice(shor
             agent.send_signal(signal.SIGKILL)
             agent.wait(10)
             agent, _ = _start_agent(db, sock, "--no-metrics", "--no-api")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while any(s.sender.connects < 21 for s in streams) and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
@@ -457,7 +458,7 @@ def test_connection_cap(short_tmp):
             s.connect(sc.bound[0].path)
             s.sendall(_hello_frame()())
             socks.append(s)
-        assert sc.wait_rows(lambda: sc.stats.open_connections == 3 and not sc.ingest._unverified, 5)
+        assert sc.wait_rows(lambda: sc.stats.open_connections == 3 and not sc.ingest._unverified, HANG_S)
         extra = socket.socket(socket.AF_UNIX)
         extra.connect(sc.bound[0].path)
         extra.settimeout(5)
@@ -560,11 +561,11 @@ def test_disk_full_then_space_freed_writes_resume_and_nothing_is_lost_uncounted(
 
     s = Streamer(f"unix:{sock}", frame_records=500, pause_s=0.005).start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         while s.sender.delivered < 20_000 and time.monotonic() < deadline:
             time.sleep(0.05)
         say("fill", "FILLED")
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         while health()["store_ok"] and time.monotonic() < deadline:
             time.sleep(0.05)
         h = health()
@@ -577,7 +578,7 @@ def test_disk_full_then_space_freed_writes_resume_and_nothing_is_lost_uncounted(
         time.sleep(1)
         assert s.sender.delivered == during  # nothing acknowledged while nothing is written
         say("free", "FREED")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while s.sender.delivered < during + 20_000 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.sender.delivered >= during + 20_000  # writes resumed in the running agent

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from phasescope.agent import attach  # noqa: E402
 from phasescope.agent.sidecar.store import Store  # noqa: E402
+from hang import HANG_S
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +71,7 @@ def test_sigkill_mid_generation(tiny_llama, short_tmp):
 
         # restart on the same file: DuckDB replays its WAL; new records arrive again
         agent = _start_agent(db, sock)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while not (probe.connected and probe._sender.connects == 2) and time.monotonic() < deadline:
             time.sleep(0.05)  # the flush thread reconnects by itself (backoff <= 2 s)
         assert probe._sender.connects == 2

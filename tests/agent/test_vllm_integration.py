@@ -30,6 +30,7 @@ from phasescope.agent.sidecar import Sidecar  # noqa: E402
 from phasescope.agent.sidecar.scrape import ScrapeCollector  # noqa: E402
 from phasescope.cli.server_process import served  # noqa: E402
 from phasescope.cli.verify_vllm import install_plugin  # noqa: E402
+from hang import HANG_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -147,10 +148,10 @@ def vllm_served(vllm_env, extra: list[str], scrape: bool = False, run_id: str | 
            *SERVER_ARGS, *extra]
     env = dict(env, PHASESCOPE_AGENT=sock, **({"PHASESCOPE_RUN_ID": run_id} if run_id else {}))
     try:
-        with served(cmd, url, env=env, log_path=f"{tmp}/server.log", start_timeout_s=400, name="vLLM") as server:
+        with served(cmd, url, env=env, log_path=f"{tmp}/server.log", start_timeout_s=1200, name="vLLM") as server:
             if scraper:
                 scraper.url = server.url + "/metrics"
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + HANG_S
                 while scraper.scrapes == 0 and time.monotonic() < deadline:  # its first poll: before any request
                     time.sleep(0.05)
             yield server.url, tmp, db

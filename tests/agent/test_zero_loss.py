@@ -20,6 +20,7 @@ from phasescope.agent.records.address import parse_address
 from phasescope.agent.probe.sender import Sender
 from phasescope.agent.sidecar import Sidecar, columnar
 from phasescope.agent.sidecar.store import Store
+from hang import HANG_S, SchedulingLag
 
 NAN = float("nan")
 
@@ -354,32 +355,6 @@ def test_stop_during_a_long_read_interrupts_it_and_checkpoints(short_tmp):
     assert not os.path.exists(os.path.join(short_tmp, "s.duckdb.wal"))  # the final checkpoint ran
 
 
-class _SchedulingLag:
-    """Samples how late a 10 ms sleep wakes up (s), on a thread of its own: the machine's scheduling noise."""
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "_SchedulingLag":
-        self._t.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            t0 = time.monotonic()
-            time.sleep(0.01)
-            self.lags.append(max(time.monotonic() - t0 - 0.01, 0.0))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(5)
-
-    def p99_s(self) -> float:
-        return float(np.percentile(self.lags, 99)) if self.lags else 0.0
-
-
 def _flood(path: str, stop: threading.Event, counts: collections.Counter) -> list[threading.Thread]:
     """Hostile local peers: 2,000 idle connections, slowloris, half-sent maximum frames (unverified and
     after a valid handshake), malformed frames in a reconnect loop."""
@@ -467,7 +442,7 @@ def test_a_legit_probe_loses_nothing_during_a_hostile_flood(short_tmp):
                 time.sleep(0.01)
             sent += 500
         *threads, held = _flood(sock, stop, counts)
-        lag = _SchedulingLag().start()  # how late this machine wakes a sleeping thread, during the flood
+        lag = SchedulingLag().start()  # how late this machine wakes a sleeping thread, during the flood
         t_end = time.monotonic() + 12
         while time.monotonic() < t_end:
             while not sender.send(ev.encode_frame(_steps(sent, 500))):
@@ -563,12 +538,14 @@ def test_a_checkpoint_during_a_reads_write_transaction_is_deferred_not_a_broken_
             con.execute("CREATE TABLE held_open (x INTEGER)")  # a write transaction, as a fold's
             assert sc.store.checkpoint() is False  # deferred, raised nothing
             assert sc.store.broken is None
-            time.sleep(0.5)  # the writer's own checkpoints come and are deferred too
+            deadline = time.monotonic() + HANG_S  # the writer's own checkpoints (every 0.05 s) come, deferred too
+            while sc.stats.checkpoints_deferred_total == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert sc.stats.checkpoints_deferred_total > 0
             assert con.execute("SELECT count(*) FROM held_open").fetchone()[0] == 0  # still open
             con.execute("COMMIT")
         assert sc.store.checkpoint() is True
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         while _stored(sc, "SELECT count(*) FROM steps") < 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _stored(sc, "SELECT count(*) FROM steps") == 200

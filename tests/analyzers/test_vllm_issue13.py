@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from builders import vllm_workload as vw
+from hang import SchedulingLag
 from phasescope.agent.read.queries import itl_attribution
 from builders.scenarios import DATA_DIR
 from phasescope.analyzers.diagnose import diagnose
@@ -342,12 +343,15 @@ def test_real_vllm_silent_run_reproduces_the_degradation(tmp_path):
 
 # --- a healthy vLLM run: data flows, nothing fires (healthy-vllm) --------------------------------------------
 
-def check_healthy_run(con, run_id: str, vllm: dict, quiet_p50_ms: float | None = None) -> dict:
+def check_healthy_run(con, run_id: str, vllm: dict, quiet_p50_ms: float | None = None,
+                      wake_lag_p99_ms: float = 0.0) -> dict:
     """The healthy-vllm run: prefix lookups, page events, KV snapshots, prefix counters and token events all
     there and as the workload implies, and none of the issue-13 analyses (nor any rule of `diagnose`) fires.
 
     `quiet_p50_ms`: the median ITL of the same workload on a quiet machine (the committed fixture's). A rebuild
-    whose median is 3x that ran on a machine that slowed every step; see below what it can then promise."""
+    whose median is 3x that ran on a machine that slowed every step; so did one during which a sleeping thread
+    woke `wake_lag_p99_ms` >= a quarter of that median late (p99, measured beside the run): such a host alone
+    stretches a step by a quarter. See below what such a run can then promise."""
     from phasescope.analyzers.itl import itl_spikes
     from phasescope.analyzers.prefix_miss import miss_causes, prefix_miss_causes
     from phasescope.analyzers.residency import kv_evicted_before_reuse
@@ -428,7 +432,7 @@ def check_healthy_run(con, run_id: str, vllm: dict, quiet_p50_ms: float | None =
     p50, p99 = qcont(g["itl_ms"], 0.5), qcont(g["itl_ms"], 0.99)
     for rule in (prefix_miss_causes, kv_evicted_before_reuse, telemetry_degraded):
         assert rule(con, run_id) == [], rule.__name__
-    if quiet_p50_ms is not None and p50 >= 3 * quiet_p50_ms:
+    if quiet_p50_ms is not None and (p50 >= 3 * quiet_p50_ms or wake_lag_p99_ms >= quiet_p50_ms / 4):
         # measured in this very run (4 CPU spinners beside the suite: p50 134 ms against the fixture's 29.3, p99
         # 465 ms): the machine stretched the engine's steps themselves, unevenly, so the ITL tail is the host's.
         # What the workload promises still holds and is checked above (every gap one step, none with a prefill,
@@ -436,11 +440,11 @@ def check_healthy_run(con, run_id: str, vllm: dict, quiet_p50_ms: float | None =
         # the host (or name no cause), never the workload's prefills, preemptions or queueing.
         allowed = {"itl-spikes-host", "itl-spikes-other", "itl-spikes-unattributed", "host-bound"}
         spikes = {f.id for f in itl_spikes(con, run_id)}
-        assert spikes <= allowed, (spikes, p50, p99)
+        assert spikes <= allowed, (spikes, p50, p99, wake_lag_p99_ms)
         found = diagnose(con, run_id)
         assert {f.id for f in found} <= allowed, [(f.id, f.severity) for f in found]
     else:
-        assert p99 / p50 < T["itl_spike_ratio"]
+        assert p99 / p50 < T["itl_spike_ratio"], (p50, p99, wake_lag_p99_ms)
         assert itl_spikes(con, run_id) == []
         found = diagnose(con, run_id)
         assert found == [], [(f.id, f.severity) for f in found]
@@ -458,8 +462,14 @@ def test_healthy_vllm_fixture_carries_the_data_and_fires_nothing(scenario):
 def test_real_vllm_healthy_run_fires_nothing(tmp_path, scenario):
     skip_without_vllm()
     quiet = check_healthy_run(*scenario("healthy-vllm"), config("healthy-vllm")["vllm"])["p50"]
-    con, run_id, cfg = rebuilt(tmp_path, "healthy-vllm")
+    lag = SchedulingLag().start()  # the machine's scheduling noise while the run is built
     try:
-        check_healthy_run(con, run_id, cfg["vllm"], quiet_p50_ms=quiet)  # timings differ run to run: not pinned
+        con, run_id, cfg = rebuilt(tmp_path, "healthy-vllm")
+    finally:
+        lag.stop()
+    try:  # timings differ run to run: not pinned
+        r = check_healthy_run(con, run_id, cfg["vllm"], quiet_p50_ms=quiet, wake_lag_p99_ms=lag.p99_s() * 1e3)
+        print(f"healthy rebuild: ITL p50 {r['p50']:.1f} ms (quiet {quiet:.1f}), p99 {r['p99']:.1f} ms; "
+              f"wake-up lag p99 {lag.p99_s() * 1e3:.1f} ms")
     finally:
         con.close()

@@ -19,6 +19,7 @@ import time
 import urllib.request
 
 import pytest
+from hang import HANG_S
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SHOTS = os.environ.get("PHASESCOPE_SCREENSHOTS", os.path.join(os.path.dirname(__file__), "..", "..", "artifacts"))
@@ -158,7 +159,7 @@ def test_every_page_offline_and_the_file_stays_free(tmp_path):
         # a second writer (another `phasescope demo`) can take the file while the dashboard is up: the app holds
         # it only while a page reads (a page still rendering on a loaded machine holds it for seconds, busy run
         # of 2026-12-03), never between reads, so a writer gets it within a short wait
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while True:
             try:
                 con = duckdb.connect(db)
@@ -175,7 +176,7 @@ def test_every_page_offline_and_the_file_stays_free(tmp_path):
         assert children, "the dashboard runs Streamlit as its child"
         app.send_signal(signal.SIGTERM)
         app.wait(30)
-        gone, alive = psutil.wait_procs(children, timeout=20)
+        gone, alive = psutil.wait_procs(children, timeout=HANG_S)
         assert not alive, f"Streamlit child left running: {alive}"
     finally:
         if app.poll() is None:
@@ -273,7 +274,7 @@ def test_killing_the_dashboard_hard_still_stops_its_child(tmp_path):
         assert children
         app.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal stops the child
         app.wait(10)
-        gone, alive = psutil.wait_procs(children, timeout=20)
+        gone, alive = psutil.wait_procs(children, timeout=HANG_S)
         assert not alive, f"Streamlit child left running: {alive}"
     finally:
         if app.poll() is None:

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hang import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "localhost/phasescope-agent:test"
@@ -158,12 +159,12 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
             with torch.no_grad():
                 for _ in range(25):
                     model(torch.zeros(2, 8))
-            assert probe.flush(10)
+            assert probe.flush(HANG_S)
             probe.close()
         finally:
             os.setresuid(0, 0, 0)
             os.setresgid(0, 0, 0)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         steps = 0
         while time.monotonic() < deadline:
             _, body = _get(f"http://127.0.0.1:{aport}/api/v1/query/phase_summary?run_id=img-test")

@@ -21,6 +21,7 @@ import pytest
 
 from phasescope.agent.records.events import (PHASE_DECODE, PHASE_PREFILL, REQUEST_EVENTS, GpuSample, Hello, KVSnapshot,
                                      PrefixCounters, ProbeHealth, RequestEvent, Step)
+from hang import HANG_S
 
 MODEL = "tiny-llama"
 T0 = 1_000_000_000_000
@@ -203,7 +204,7 @@ def stream_paced(sock: str, hello_record, frames: list, frame_records: int, rate
 
     s = Sender(parse_address(f"unix:{sock}"), lambda: ev.encode_frame([hello_record]), window_bytes=16 << 20,
                drain_s=60)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     while not s.ready():
         assert time.monotonic() < deadline
         time.sleep(0.01)

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import MODEL, send_workload
 from phasescope.exporters.rules import dashboard_text, rules_text
+from hang import HANG_S, HTTP_S
 
 CLI = [sys.executable, "-m", "phasescope.cli"]
 
@@ -50,10 +51,10 @@ def test_agent_serves_metrics_and_exports_otlp(short_tmp, otlp_receiver):
         send_workload(sock)
         want = f'gen_ai_server_time_to_first_token_seconds_count{{model="{MODEL}"}} 4.0'
         text = ""
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + HANG_S
         while want not in text and time.monotonic() < deadline:
             time.sleep(0.2)
-            with urllib.request.urlopen(metrics, timeout=5) as resp:
+            with urllib.request.urlopen(metrics, timeout=HTTP_S) as resp:
                 text = resp.read().decode()
         assert want in text
         assert 'phasescope_otlp_exports_total{signal="metrics"}' in text
@@ -100,10 +101,10 @@ def test_agent_samples_a_pid_and_the_host(short_tmp):
         metrics = _metrics_url(proc.stdout.readline())
         want = f'phasescope_process_resident_memory_bytes{{pid="{server.pid}",run_id=""}}'
         text = ""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while want not in text and time.monotonic() < deadline:
             time.sleep(0.3)
-            with urllib.request.urlopen(metrics, timeout=5) as resp:
+            with urllib.request.urlopen(metrics, timeout=HTTP_S) as resp:
                 text = resp.read().decode()
         assert want in text
         assert f'phasescope_process_cpu_seconds_total{{mode="user",pid="{server.pid}",run_id=""}}' in text

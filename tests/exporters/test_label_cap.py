@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from phasescope.agent.records.events import PHASE_DECODE, Hello, Step
 from phasescope.exporters.prometheus import MetricsServer, PrometheusExporter
 from phasescope.exporters.sources import OTHER, LabelCap
+from hang import HANG_S, HTTP_S
 
 
 def _hello(model: str, pid: int = 1) -> Hello:
@@ -123,7 +124,7 @@ def test_sidecar_to_metrics_a_probe_sending_3000_ranks(tmp_path):
             s = Sender(parse_address(f"unix:{sock}"), lambda: ev.encode_frame([_hello("m")]))
             ranks = _mixed(3_000, {"3": 3_000, "5": 2_000}, seed=3)
             steps = [_step(i, int(r[5:]) + 100 if r.startswith("light") else int(r)) for i, r in enumerate(ranks)]
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + HANG_S
             for i in range(0, len(steps), 1_000):
                 while not s.send(ev.encode_frame(steps[i:i + 1_000])):
                     assert time.monotonic() < deadline
@@ -132,8 +133,8 @@ def test_sidecar_to_metrics_a_probe_sending_3000_ranks(tmp_path):
             assert s.delivered == len(steps)
             busy = {"model": "m", "rank": "3", "phase": "decode"}  # read without creating the series
             assert sc.wait_rows(lambda: (reg.get_sample_value("phasescope_step_host_seconds_count", busy) or 0)
-                                >= 2_900, 10)
-        text = urllib.request.urlopen(server.url, timeout=5).read().decode()
+                                >= 2_900, HANG_S)
+        text = urllib.request.urlopen(server.url, timeout=HTTP_S).read().decode()
     finally:
         server.close()
     series = _series(text, "phasescope_step_host_seconds")

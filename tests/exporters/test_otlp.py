@@ -13,6 +13,7 @@ from conftest import MODEL, WALL0, crafted_batch, send_workload
 from phasescope.exporters import buckets
 from phasescope.exporters.otlp import OtlpExporter
 from phasescope.exporters.prometheus import MetricsServer, PrometheusExporter
+from hang import HANG_S, HTTP_S
 
 MS = 1_000_000
 
@@ -41,7 +42,7 @@ def test_metrics_names_units_bounds_and_values(otel_env):
     rx = otel_env
     exp = OtlpExporter(export_interval_s=60)  # only the explicit flush exports
     exp.on_records(crafted_batch())
-    assert exp.flush(10)
+    assert exp.flush(HANG_S)
     exp.close()
     assert rx.content_types == {"application/x-protobuf"}
     res = attrs(rx.metrics[-1].resource_metrics[0].resource.attributes)
@@ -88,7 +89,7 @@ def test_one_span_per_request_with_prefill_and_decode_children(otel_env):
     rx = otel_env
     exp = OtlpExporter(export_interval_s=60, schedule_delay_s=0.05)
     exp.on_records(crafted_batch())
-    assert exp.flush(10)
+    assert exp.flush(HANG_S)
     exp.close()
     spans = rx.spans()
     roots = {attrs(s.attributes)["gen_ai.response.id"]: s for s in spans if not s.parent_span_id}
@@ -151,14 +152,14 @@ def test_unreachable_collector_never_blocks_ingestion_and_failures_are_counted(m
         assert time.monotonic() - t0 < 0.2
         send_workload(sc.bound[0].path)
         n = sum(1 for sid, recs in crafted_batch() if sid for r in recs if type(r).__name__ != "Hello")
-        assert sc.wait_rows(lambda: sc.stats.rows_written_total == n, timeout_s=10)
+        assert sc.wait_rows(lambda: sc.stats.rows_written_total == n, timeout_s=HANG_S)
         assert wait_for(lambda: reg.get_sample_value("gen_ai_server_time_to_first_token_seconds_count",
                                                      {"model": MODEL}) == 4)
         assert wait_for(lambda: all((reg.get_sample_value("phasescope_otlp_export_failures_total",
                                                           {"signal": s}) or 0) >= 2 for s in ("metrics", "traces")))
         import urllib.request
 
-        with urllib.request.urlopen(server.url, timeout=5) as resp:
+        with urllib.request.urlopen(server.url, timeout=HTTP_S) as resp:
             text = resp.read().decode()
         assert 'phasescope_otlp_export_failures_total{signal="traces"}' in text
         assert 'gen_ai_server_time_to_first_token_seconds_count{model="tiny-llama"} 4.0' in text
@@ -185,7 +186,7 @@ def test_running_and_waiting_requests_are_exported_as_they_change(otel_env):
     exp = OtlpExporter(export_interval_s=60)
 
     def in_flight() -> dict:
-        assert exp.flush(10)
+        assert exp.flush(HANG_S)
         m = rx.last_metrics()
         out = {}
         for name in ("phasescope.requests.running", "phasescope.requests.waiting"):

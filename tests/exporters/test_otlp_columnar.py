@@ -16,6 +16,7 @@ from phasescope.agent.records.events import PHASES, Hello, Step
 from phasescope.agent.sidecar import Chunk, columnar
 from phasescope.exporters import buckets
 from phasescope.exporters.otlp import INSTRUMENTS, OtlpExporter
+from hang import HANG_S
 
 STEP_CODE = next(code for code, t in columnar.TYPES.items() if t.cls is Step)
 HELLO = Hello(ts_ns=1, wall_minus_mono_ns=0, pid=1, rank=0, world_size=1, run_id="r", model="m",
@@ -81,7 +82,7 @@ def test_a_large_columnar_step_batch_arrives_with_exact_buckets(otel_env):
     exp = OtlpExporter(export_interval_s=60)  # only the explicit flush exports
     # a batch as the sidecar hands it: the Hello, then one Chunk per frame of 8192 steps
     exp.on_records([(7, [HELLO] + [Chunk(Step, a[i:i + 8192]) for i in range(0, len(a), 8192)])])
-    assert exp.flush(10)
+    assert exp.flush(HANG_S)
     exp.close()
     m = rx.last_metrics()[NAME]
     unit, description, bounds = INSTRUMENTS[NAME]
@@ -129,7 +130,7 @@ def test_the_same_points_as_the_sdk_histogram(temporality, otel_env, monkeypatch
         as_records = k == 1  # the second round as NamedTuples: the same aggregation
         recs = columnar.records_of({STEP_CODE: [a]}) if as_records else [Chunk(Step, a)]
         exp.on_records([(3, recs)])
-        assert exp.flush(10)
+        assert exp.flush(HANG_S)
         for rank, phase, host_ms in zip(a["rank"].tolist(), a["phase"].tolist(), a["host_ms"].tolist()):
             if math.isfinite(host_ms):
                 hist.record(host_ms * 1e-3, {**BASE, "phasescope.rank": rank,
@@ -161,7 +162,7 @@ def test_steps_alone_are_exported(otel_env):
     rx = otel_env
     exp = OtlpExporter(export_interval_s=60)
     exp.on_records([(1, [HELLO, Chunk(Step, _steps(2000, seed=5, ranks=[0])[:-20])])])
-    assert exp.flush(10)
+    assert exp.flush(HANG_S)
     exp.close()
     assert len(rx.metrics) == 2  # the flush and the last collection at close
     (rm,) = rx.metrics[0].resource_metrics

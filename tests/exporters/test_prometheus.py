@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import MODEL, crafted_batch, ev, hello
 from phasescope.exporters import buckets
 from phasescope.exporters.prometheus import MetricsServer, PrometheusExporter, SidecarStatsCollector, parse_host_port
+from hang import HTTP_S
 
 
 class Clock:
@@ -153,7 +154,7 @@ def test_metrics_endpoint_on_loopback_serves_the_registry(exp):
     server = MetricsServer(exp.registry, "127.0.0.1:0").start()
     try:
         assert server.port > 0
-        with urllib.request.urlopen(server.url, timeout=5) as resp:
+        with urllib.request.urlopen(server.url, timeout=HTTP_S) as resp:
             text = resp.read().decode()
         fams = {f.name: f for f in text_string_to_metric_families(text)}
         assert fams["gen_ai_server_time_to_first_token_seconds"].type == "histogram"

@@ -25,6 +25,7 @@ from conftest import MODEL, T0, hello, request_events
 from phasescope.agent.records.events import PrefixCounters, encode_frame
 from phasescope.agent.sidecar import Sidecar
 from phasescope.exporters.prometheus import MetricsServer, PrometheusExporter, SidecarStatsCollector
+from hang import HANG_S
 
 PROMETHEUS = shutil.which("prometheus")
 RULES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "exporters", "alerts.yml")
@@ -90,7 +91,7 @@ scrape_configs:
                              "--web.listen-address=127.0.0.1:0"], stdout=log, stderr=subprocess.STDOUT)
     base = None  # Prometheus binds port 0 itself and logs the address it got: msg="Listening on" address=...
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while True:
             assert proc.poll() is None, open(log.name).read()[-2000:]
             if base is None:

@@ -1,0 +1,57 @@
+"""How long a test waits for something that must happen (issue 31: no verdict depends on load).
+
+A wait returns as soon as its condition holds, so a long bound costs nothing when the code works, while a
+short one turns a loaded machine into a failure: under 4 CPU spinners on 2 cores a thread can get an eighth
+of a core for minutes (load average up to 15.6 in the busy runs of 2026-12-03). Waits bounded by `HANG_S`
+only fail on a hang; a test that judges speed compares within one run instead, or widens its bound by the
+machine's scheduling noise measured beside it (`SchedulingLag`).
+"""
+
+import threading
+import time
+
+import numpy as np
+
+HANG_S = 300.0  # seconds
+HTTP_S = 60.0  # seconds: one request to a local server of ours (its answer may need a store read)
+
+
+class SchedulingLag:
+    """Samples how late a 10 ms sleep wakes up (s), on a thread of its own: the machine's scheduling noise."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "SchedulingLag":
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            time.sleep(0.01)
+            self.lags.append(max(time.monotonic() - t0 - 0.01, 0.0))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(5)
+
+    def p99_s(self) -> float:
+        return float(np.percentile(self.lags, 99)) if self.lags else 0.0
+
+
+def cpu_share(wall_s: float = 1.0) -> float:
+    """The share of one core (0-1] this thread gets while it spins for `wall_s` seconds: about 1 on a quiet
+    machine, 2/6 beside 4 spinners and another busy worker on 2 cores."""
+    t0, c0 = time.monotonic(), time.thread_time()
+    while time.monotonic() - t0 < wall_s:
+        pass
+    return min(1.0, (time.thread_time() - c0) / (time.monotonic() - t0))
+
+
+def timeout_scale(share: float) -> float:
+    """How much longer a test's timeout (pytest-timeout, a bound only a hang should reach) is given on a machine
+    that gives this process `share` of a core: 1 when quiet, 1/share when not, at most 8x."""
+    return min(8.0, max(1.0, 1.0 / max(share, 1e-3)))
