@@ -42,6 +42,7 @@ def pytest_testnodedown(node, error) -> None:  # xdist's controller, as each wor
 def _say(config: pytest.Config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
+        reporter.ensure_newline()
         reporter.write_line(line)
 
 
