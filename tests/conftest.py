@@ -11,12 +11,15 @@ import pytest
 from ci_guard import (pytest_make_collect_report, pytest_runtest_makereport,  # noqa: F401 (hooks: CI=true skips fail)
                       pytest_sessionfinish, pytest_terminal_summary)
 from hang import cpu_share, timeout_scale
+from suite_order import SLOWEST_FILES_FIRST
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test's timeout (pytest-timeout: `timeout` in pyproject, or its own mark) only ends a hang; a machine
+    """The slowest files first (SLOWEST_FILES_FIRST; the rest keep their order), then each test's timeout (pytest-timeout: `timeout` in pyproject, or its own mark) only ends a hang; a machine
     that gives this worker a fraction of a core (measured here, once, by spinning 1 s) stretches every test by
     about its inverse, so the timeouts are stretched by as much (issue 31: no verdict depends on load)."""
+    rank = {f: i for i, f in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: in-file order kept
     scale = timeout_scale(cpu_share())
     if hasattr(config, "workeroutput"):  # an xdist worker: its controller prints it (pytest_testnodedown)
         config.workeroutput["timeout_scale"] = scale

@@ -35,3 +35,14 @@ def test_scheduling_lag_samples_while_it_runs():
     threading.Event().wait(0.2)
     lag.stop()
     assert len(lag.lags) >= 5 and all(x >= 0 for x in lag.lags) and lag.p99_s() < 0.2
+
+
+def test_the_slowest_files_named_first_exist():
+    """A renamed file would silently drop back to the end of the run."""
+    import os
+
+    from suite_order import SLOWEST_FILES_FIRST
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    missing = [f for f in SLOWEST_FILES_FIRST if not os.path.isfile(os.path.join(root, f))]
+    assert missing == [] and len(set(SLOWEST_FILES_FIRST)) == len(SLOWEST_FILES_FIRST)
