@@ -236,7 +236,10 @@ def test_kv_bound(vllm_env, guidellm, model_dir, tmp_path):
         pre, reqs = con.execute("""SELECT count(*), count(DISTINCT request_id) FROM request_log
             WHERE run_id = ? AND event = 'preempted'""", [run]).fetchone()
         assert b["figures"]["preemptions"] == pre > 0 and b["figures"]["preempted_requests"] == reqs
-        assert b["figures"]["missed_preempted"] / b["figures"]["missed"] >= 0.5
+        # most SLO misses at the evidence point were preempted requests; with none missed (the SLO is calibrated on
+        # the lowest rate's p99, which a loaded host can stretch ~10x: TTFT SLO 32.8 s beside 4 spinners and 4
+        # pytest workers) the rule has no miss to explain and names the binding from the KV figures checked above
+        assert b["figures"]["missed"] == 0 or b["figures"]["missed_preempted"] / b["figures"]["missed"] >= 0.5
     finally:
         con.close()
     _same_answer(db, slo, res)
