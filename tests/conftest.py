@@ -15,9 +15,10 @@ from suite_order import SLOWEST_FILES_FIRST
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slowest files first (SLOWEST_FILES_FIRST; the rest keep their order), then each test's timeout (pytest-timeout: `timeout` in pyproject, or its own mark) only ends a hang; a machine
-    that gives this worker a fraction of a core (measured here, once, by spinning 1 s) stretches every test by
-    about its inverse, so the timeouts are stretched by as much (issue 31: no verdict depends on load)."""
+    """The slowest files first (SLOWEST_FILES_FIRST; the rest keep their order). Then the timeouts: each test's
+    (pytest-timeout: `timeout` in pyproject, or its own mark) only ends a hang; a machine that gives this worker
+    a fraction of a core (measured here, once, by spinning 1 s) stretches every test by about its inverse, so
+    the timeouts are stretched by as much (issue 31: no verdict depends on load)."""
     rank = {f: i for i, f in enumerate(SLOWEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: in-file order kept
     scale = timeout_scale(cpu_share())

@@ -2,7 +2,7 @@
 
 A wait returns as soon as its condition holds, so a long bound costs nothing when the code works, while a
 short one turns a loaded machine into a failure: under 4 CPU spinners on 2 cores a thread can get an eighth
-of a core for minutes (load average up to 15.6 in the busy runs of 2026-12-03). Waits bounded by `HANG_S`
+of a core for minutes (load average up to 19.9 in the busy runs of 2026-12-03). Waits bounded by `HANG_S`
 only fail on a hang; a test that judges speed compares within one run instead, or widens its bound by the
 machine's scheduling noise measured beside it (`SchedulingLag`).
 """
