@@ -42,6 +42,32 @@ class SchedulingLag:
         return float(np.percentile(self.lags, 99)) if self.lags else 0.0
 
 
+class RunQueueWait:
+    """How much longer than its CPU time a process's main thread took over an interval: (CPU + run-queue wait) /
+    CPU, from Linux's /proc/<pid>/schedstat (ns on the CPU, ns runnable but waiting). 1 when the thread got a
+    core whenever it could run; k: a CPU-bound task of it takes k times its CPU time in wall time. 1 where the
+    file is missing (a kernel without schedstats)."""
+
+    def __init__(self, pid: int) -> None:
+        self.path = f"/proc/{pid}/task/{pid}/schedstat"
+        self._start = self._read()
+
+    def _read(self) -> tuple[int, int] | None:
+        try:
+            with open(self.path) as f:
+                cpu, wait = f.read().split()[:2]
+            return int(cpu), int(wait)
+        except (OSError, ValueError):
+            return None
+
+    def stretch(self) -> float:
+        """(CPU + wait) / CPU since this object was made."""
+        now = self._read()
+        if now is None or self._start is None or now[0] <= self._start[0]:
+            return 1.0
+        return 1.0 + (now[1] - self._start[1]) / (now[0] - self._start[0])
+
+
 def cpu_share(wall_s: float = 1.0) -> float:
     """The share of one core (0-1] this thread gets while it spins for `wall_s` seconds: about 1 on a quiet
     machine, 2/6 beside 4 spinners and another busy worker on 2 cores."""

@@ -1,8 +1,12 @@
 """The waits and timeouts of the suite only end hangs (issue 31): their stretch under load is measured."""
 
+import os
+import subprocess
+import sys
 import threading
+import time
 
-from hang import SchedulingLag, cpu_share, timeout_scale
+from hang import RunQueueWait, SchedulingLag, cpu_share, timeout_scale
 
 
 def test_timeout_scale_is_one_when_quiet_and_the_inverse_share_when_not():
@@ -35,6 +39,30 @@ def test_scheduling_lag_samples_while_it_runs():
     threading.Event().wait(0.2)
     lag.stop()
     assert len(lag.lags) >= 5 and all(x >= 0 for x in lag.lags) and lag.p99_s() < 0.2
+
+
+def test_run_queue_wait_sees_a_process_sharing_its_core_with_two_spinners():
+    """Three spinning processes pinned to one core: each runs about a third of the time, so one of them took at
+    least twice its CPU time in wall time (more when the machine adds load of its own, never less)."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    spin = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\n"
+            "t = time.monotonic()\nwhile time.monotonic() - t < 30: pass")
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
+    try:
+        time.sleep(0.5)  # each has pinned itself
+        k = RunQueueWait(procs[0].pid)
+        time.sleep(1.5)
+        stretched = k.stretch()
+        assert procs[0].poll() is None  # still spinning: the figure is over the window
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert stretched >= 2.0, stretched
+
+
+def test_run_queue_wait_is_one_without_the_file():
+    assert RunQueueWait(2**22 + 12345).stretch() == 1.0  # above Linux's largest pid: no such process
 
 
 def test_the_slowest_files_named_first_exist():
