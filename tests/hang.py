@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from phasescope.agent.sidecar.host import schedstat  # the sidecar's own reader
+
 HANG_S = 300.0  # seconds
 HTTP_S = 60.0  # seconds: one request to a local server of ours (its answer may need a store read)
 
@@ -50,19 +52,11 @@ class RunQueueWait:
 
     def __init__(self, pid: int) -> None:
         self.path = f"/proc/{pid}/task/{pid}/schedstat"
-        self._start = self._read()
-
-    def _read(self) -> tuple[int, int] | None:
-        try:
-            with open(self.path) as f:
-                cpu, wait = f.read().split()[:2]
-            return int(cpu), int(wait)
-        except (OSError, ValueError):
-            return None
+        self._start = schedstat(self.path)
 
     def stretch(self) -> float:
         """(CPU + wait) / CPU since this object was made."""
-        now = self._read()
+        now = schedstat(self.path)
         if now is None or self._start is None or now[0] <= self._start[0]:
             return 1.0
         return 1.0 + (now[1] - self._start[1]) / (now[0] - self._start[0])

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from hang import RunQueueWait, SchedulingLag, cpu_share, timeout_scale
+from hang import HANG_S, RunQueueWait, SchedulingLag, cpu_share, timeout_scale
 
 
 def test_timeout_scale_is_one_when_quiet_and_the_inverse_share_when_not():
@@ -46,10 +46,12 @@ def test_run_queue_wait_sees_a_process_sharing_its_core_with_two_spinners():
     least twice its CPU time in wall time (more when the machine adds load of its own, never less)."""
     cpu = sorted(os.sched_getaffinity(0))[0]
     spin = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\n"
-            "t = time.monotonic()\nwhile time.monotonic() - t < 30: pass")
+            f"t = time.monotonic()\nwhile time.monotonic() - t < {HANG_S}: pass")
     procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
     try:
-        time.sleep(0.5)  # each has pinned itself
+        deadline = time.monotonic() + HANG_S
+        while any(os.sched_getaffinity(p.pid) != {cpu} for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until each has pinned itself (a loaded machine can take seconds to start python)
         k = RunQueueWait(procs[0].pid)
         time.sleep(1.5)
         stretched = k.stretch()
@@ -67,8 +69,6 @@ def test_run_queue_wait_is_one_without_the_file():
 
 def test_the_slowest_files_named_first_exist():
     """A renamed file would silently drop back to the end of the run."""
-    import os
-
     from suite_order import SLOWEST_FILES_FIRST
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -221,11 +221,8 @@ class HostCollector:
 
     def _wait_ns(self, pid: int, tid: int) -> int | None:
         """Run-queue wait of thread `tid` since it started, ns (schedstat field 2)."""
-        text = _read(os.path.join(self.proc_root, str(pid), "task", str(tid), "schedstat"))
-        try:
-            return int(text.split()[1]) if text else None
-        except (IndexError, ValueError):
-            return None
+        stat = schedstat(os.path.join(self.proc_root, str(pid), "task", str(tid), "schedstat"))
+        return stat[1] if stat else None
 
     def _cpu_pressure(self) -> float:
         for path in (os.path.join(self.cgroup_root, "cpu.pressure"),
@@ -289,6 +286,17 @@ def _kv_ints(text: str | None) -> dict[str, int]:
             except ValueError:
                 pass
     return out
+
+
+def schedstat(path: str) -> tuple[int, int] | None:
+    """A thread's /proc/<pid>/task/<tid>/schedstat: (ns on a CPU, ns runnable without one) since it started;
+    None when unreadable (gone, or a kernel without schedstats)."""
+    text = _read(path)
+    try:
+        cpu, wait = text.split()[:2] if text else ("", "")
+        return int(cpu), int(wait)
+    except ValueError:
+        return None
 
 
 def _read(path: str) -> str | None:
