@@ -23,7 +23,7 @@ import time
 
 from ..records.address import Address, make_private_folder
 from ..records.events import HEADER, FrameError, read_header
-from .connio import Reader, Writer
+from .connio import Incomplete, Reader, Writer
 from .limits import SidecarLimits
 from .sessions import Conn, Sessions
 from .stats import Budget, SidecarStats
@@ -239,15 +239,15 @@ class Ingest:
         try:
             first = await asyncio.wait_for(reader.readexactly(1), self.limits.idle_timeout_s if verified
                                            else self.limits.handshake_timeout_s)
-        except asyncio.IncompleteReadError:
+        except Incomplete:
             return False  # clean end of stream
         except asyncio.TimeoutError:
             raise _Timeout() from None
         deadline = loop.time() + (self.limits.frame_timeout_s if verified else self.limits.handshake_timeout_s)
         try:
             header = first + await self._read(reader, HEADER.size - 1, deadline)
-        except asyncio.IncompleteReadError as exc:
-            raise FrameError(f"connection closed inside a header ({1 + len(exc.partial)} bytes)")
+        except Incomplete as exc:
+            raise FrameError(f"connection closed inside a header ({1 + exc.received} bytes)")
         version, count, length = read_header(header)
         if not verified and length > FIRST_FRAME_BYTES:
             raise FrameError(f"a first frame of {length} bytes (at most {FIRST_FRAME_BYTES}: Session, "
@@ -263,8 +263,8 @@ class Ingest:
         try:
             payload = await self._read(reader, length, deadline)
             await self._budget.take(length)
-        except asyncio.IncompleteReadError as exc:
-            raise FrameError(f"connection closed inside a payload ({len(exc.partial)} of {length} bytes)")
+        except Incomplete as exc:
+            raise FrameError(f"connection closed inside a payload ({exc.received} of {length} bytes)")
         finally:
             self._partial.give(part)
         try:
