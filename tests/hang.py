@@ -62,6 +62,28 @@ class RunQueueWait:
         return 1.0 + (now[1] - self._start[1]) / (now[0] - self._start[0])
 
 
+class Blocked:
+    """Seconds the calling thread spent blocked inside a `with` block: its wall time less its time on a CPU and
+    its time runnable without one (Linux schedstat of this thread). A call that never waits on I/O, a lock or a
+    sleep stays near 0 however loaded the machine is; where the file is missing, the wall time (no better)."""
+
+    def __init__(self) -> None:
+        self.path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self.s = 0.0
+
+    def __enter__(self) -> "Blocked":
+        self._t0, self._start = time.monotonic(), schedstat(self.path)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.monotonic() - self._t0
+        now = schedstat(self.path)
+        if now is None or self._start is None:
+            self.s = wall
+        else:
+            self.s = max(0.0, wall - (now[0] - self._start[0] + now[1] - self._start[1]) / 1e9)
+
+
 def cpu_share(wall_s: float = 1.0) -> float:
     """The share of one core (0-1] this thread gets while it spins for `wall_s` seconds: about 1 on a quiet
     machine, 2/6 beside 4 spinners and another busy worker on 2 cores."""

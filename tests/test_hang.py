@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from hang import HANG_S, RunQueueWait, SchedulingLag, cpu_share, timeout_scale
+from hang import HANG_S, Blocked, RunQueueWait, SchedulingLag, cpu_share, timeout_scale
 
 
 def test_timeout_scale_is_one_when_quiet_and_the_inverse_share_when_not():
@@ -61,6 +61,35 @@ def test_run_queue_wait_sees_a_process_sharing_its_core_with_two_spinners():
             p.kill()
             p.wait()
     assert stretched >= 2.0, stretched
+
+
+def test_blocked_counts_a_sleep_and_not_a_spin_that_waits_for_its_core():
+    """A 0.3 s sleep is 0.3 s blocked; 0.3 s of spinning beside two spinners pinned to the same core is (nearly)
+    none, though its wall time is about three times its CPU time."""
+    with Blocked() as slept:
+        time.sleep(0.3)
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    spin = (f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\n"
+            f"t = time.monotonic()\nwhile time.monotonic() - t < {HANG_S}: pass")
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    mask = os.sched_getaffinity(0)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while any(os.sched_getaffinity(p.pid) != {cpu} for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.sched_setaffinity(threading.get_native_id(), {cpu})
+        t0, c0 = time.monotonic(), time.thread_time()
+        with Blocked() as spun:
+            while time.thread_time() - c0 < 0.3:
+                pass
+        wall = time.monotonic() - t0
+    finally:
+        os.sched_setaffinity(threading.get_native_id(), mask)
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert 0.29 <= slept.s < 0.3 + HANG_S and spun.s < 0.05, (slept.s, spun.s, wall)
+    assert wall >= 0.6  # the spin did share its core (else the test shows nothing)
 
 
 def test_run_queue_wait_is_one_without_the_file():
