@@ -13,6 +13,7 @@ repo=${1:-$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)}
 out=${2:-$(mktemp -d /tmp/suite-under-load.XXXX)}
 mkdir -p "$out"
 clone=$(mktemp -d /tmp/suite-clone.XXXX)
+chmod 755 "$clone"  # mktemp makes it 0700; the container test's probe runs as uid 10001 and imports from it
 git clone -q "$repo" "$clone"
 pids=""
 for _ in 1 2 3 4; do python3 -c "while True: pass" & pids="$pids $!"; done

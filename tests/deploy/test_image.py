@@ -75,9 +75,26 @@ def test_image_config(image):
     assert "PHASESCOPE_CONFIG=/etc/phasescope/agent.toml" in cfg["Env"]
 
 
+def _unreadable_by_others(root: Path) -> list[str]:
+    """Folders on the way to and inside `root` that another uid cannot enter or read (mode bits only)."""
+    bad = [str(p) for p in [root, *root.parents] if not p.stat().st_mode & 0o001]
+    for d, _, files in os.walk(root / "agent"):
+        bad += [d] * (not os.stat(d).st_mode & 0o005 == 0o005)
+        bad += [os.path.join(d, f) for f in files
+                if f.endswith(".py") and not os.stat(os.path.join(d, f)).st_mode & 0o004]
+    return bad
+
+
 def test_agent_in_container_takes_probe_records_through_the_shared_socket(image, tmp_path):
     torch = pytest.importorskip("torch")
     from phasescope.agent.probe import attach
+
+    # the probe below runs as uid 10001 and imports parts of the package lazily (which ones depends on what this
+    # worker ran before): the checkout must be readable by other uids, as a clone into a 0700 `mktemp -d` is not
+    import phasescope.agent
+
+    unreadable = _unreadable_by_others(Path(phasescope.agent.__file__).resolve().parents[1])  # where it imports from
+    assert not unreadable, f"uid 10001 cannot read the checkout: {unreadable[:5]} (chmod o+rX)"
 
     short = Path(f"/tmp/ps-img-{os.getpid()}")
     shutil.rmtree(short, ignore_errors=True)
@@ -103,7 +120,7 @@ def test_agent_in_container_takes_probe_records_through_the_shared_socket(image,
     try:
         t0 = time.monotonic()
         status, body = 0, b""
-        while time.monotonic() - t0 < HANG_S:  # a loaded machine starts a container slowly; only a hang ends it
+        while time.monotonic() - t0 < HANG_S:  # a loaded machine starts a container slowly: only a hang ends this
             assert proc.poll() is None, (tmp_path / "agent.log").read_text()
             if not aport:
                 m = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics; read API on http://127\.0\.0\.1:(\d+)",
