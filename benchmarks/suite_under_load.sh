@@ -7,7 +7,7 @@
 # WORKERS (default 4) pytest workers instead of CI's 2: each test gets a smaller share of a core than in CI's
 # layout (2/8 of the 2 cores instead of 2/6), while the suite as a whole takes more of the CPU from the
 # spinners (2 workers: 1 h 44 min a run; 4 workers before the slowest files started first: 1 h 39 min; after:
-# 1 h 22 min, 2026-12-03 run 7).
+# 1 h 22 min, 2026-12-03 run 7; 6 workers: 1 h 15 min, run 8).
 set -uo pipefail
 repo=${1:-$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)}
 out=${2:-$(mktemp -d /tmp/suite-under-load.XXXX)}
