@@ -65,7 +65,9 @@ class RunQueueWait:
 class Blocked:
     """Seconds the calling thread spent blocked inside a `with` block: its wall time less its time on a CPU and
     its time runnable without one (Linux schedstat of this thread). A call that never waits on I/O, a lock or a
-    sleep stays near 0 however loaded the machine is; where the file is missing, the wall time (no better)."""
+    sleep stays near 0 however loaded the machine is, but a wait for a lock (the GIL too) whose holder waits for
+    a CPU counts as blocked: judge it against the wait it must not make. Where the file is missing, the wall
+    time (no better)."""
 
     def __init__(self) -> None:
         self.path = f"/proc/self/task/{threading.get_native_id()}/schedstat"

@@ -25,6 +25,9 @@ class Incomplete(asyncio.IncompleteReadError):
         super().__init__(b"", expected)
         self.received = received
 
+    def __str__(self) -> str:
+        return f"{self.received} bytes read on a total of {self.expected} expected bytes"
+
 
 class Writer:
     """The sending side of a connection (what the sidecar uses of a StreamWriter)."""
