@@ -22,6 +22,7 @@ import pytest
 
 from phasescope.cli.errors import CliError
 from phasescope.cli.server_process import ServerStartError, listening_ports, served, stop
+from hang import HANG_S
 
 # argv: one status per port, each served on a port of its own (port 0: the kernel picks); prints the ports bound
 HEALTH = r"""
@@ -114,8 +115,16 @@ def test_a_server_that_exits_is_an_error_with_its_log_tail(tmp_path):
     assert len(msg) < 4000  # the log's last lines, not all of it
 
 
-def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
-    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path, monkeypatch):
+    procs: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def recorded(*args, **kwargs):
+        procs.append(popen(*args, **kwargs))
+        return procs[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", recorded)
+    argv = [sys.executable, "-c", f"import time; time.sleep({2 * HANG_S})"]
     refused = socket.socket()  # bound, never listening: the URL is refused, and no other process can take it
     refused.bind(("127.0.0.1", 0))
     t0 = time.monotonic()
@@ -126,7 +135,12 @@ def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
                 pytest.fail("the block ran without a server")
     finally:
         refused.close()
-    assert time.monotonic() - t0 < 30  # stopped by SIGTERM, not left to its 60 s
+    # stopped, not left to its own end (2 x HANG_S): the process has exited, and the wait ended long before
+    left = [p for p in procs if p.poll() is None]
+    for p in left:
+        p.kill()
+    assert len(procs) == 1 and not left, "the server process was left running"
+    assert time.monotonic() - t0 < HANG_S
 
 
 def test_on_port_0_a_server_whose_health_never_answers_times_out_naming_its_ports(tmp_path):
