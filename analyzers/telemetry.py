@@ -137,6 +137,9 @@ def _can_fire(con, run_id: str, stale_s: float) -> dict[str, bool]:
 
 
 ADAPTER_SQL = "SELECT value FROM run_info WHERE run_id = $run AND key = 'adapter_missing'"
+# the vLLM adapter's budget lowered its detail (adapters/vllm/budget.py): what is off, since when, why
+LOWERED_SQL = ("SELECT max(CASE WHEN key = 'detail_lowered' THEN value END), "
+               "max(CASE WHEN key = 'vllm_adapter_budget' THEN value END) FROM run_info WHERE run_id = $run")
 
 SUGGEST_ADAPTER = ("Check the probe's log for the adapter's warning and the runtime's version against the versions "
                    "the adapter supports; until then, read the affected figures from the server's own metrics "
@@ -228,4 +231,15 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
             title="The runtime adapter understands this runtime only in part",
             evidence={"adapter_missing": missing, "query": ADAPTER_SQL}, suggestion=SUGGEST_ADAPTER,
             expected_effect=f"missing: {missing}; the figures those hooks produce are absent, not zero."))
+    lowered, budget = con.execute(LOWERED_SQL, {"run": run_id}).fetchone() or (None, None)
+    if lowered:
+        out.append(_warning(
+            run_id, {}, id="telemetry-detail-lowered",
+            title="The probe lowered its detail to stay inside its budget",
+            evidence={"detail_lowered": lowered, "budget_share": budget, "query": LOWERED_SQL},
+            suggestion=("Read the lowered figures (page lifecycles, KV walks: shared pages and the free run, "
+                        "per-lookup prefix miss causes, by level) as absent from then on; every counter vLLM's own "
+                        "/metrics has is still exact. To keep them, raise PHASESCOPE_VLLM_BUDGET (the share of "
+                        "step time the adapter may take)."),
+            expected_effect=f"detail lowered: {lowered}."))
     return out

@@ -10,6 +10,7 @@ from types import SimpleNamespace as NS
 import duckdb
 
 from phasescope.agent.probe.adapters import vllm as adapter
+from phasescope.agent.probe.adapters.vllm import common as vllm_common
 from phasescope.agent.records.events import REQ_ARRIVAL, REQ_QUEUED, REQUEST_EVENTS, Hello, RequestEvent
 from phasescope.agent.sidecar.store import Store
 
@@ -49,7 +50,7 @@ def test_requests_queue_from_the_engine_queue_and_keep_the_frontend_part_apart(t
 def test_vllm_adapter_stamps_the_queue_with_vllms_own_queued_event(monkeypatch, tmp_path):
     monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
     monkeypatch.setenv("PHASESCOPE_PREFIX_TABLE_PAGES", "0")
-    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
     kvm = NS(block_pool=None, enable_caching=True,
              coordinator=NS(single_type_managers=[NS(block_size=16, req_to_blocks={})]))
     sched = NS(vllm_config=NS(), kv_cache_manager=kvm, requests={}, kv_cache_config=None,

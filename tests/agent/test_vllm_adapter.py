@@ -8,6 +8,7 @@ import pytest
 
 from phasescope.agent.records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
 from phasescope.agent.probe.adapters import vllm as adapter
+from phasescope.agent.probe.adapters.vllm import common as vllm_common
 from phasescope.agent.probe.adapters import vllm_plugin
 
 
@@ -141,22 +142,48 @@ def test_engine_side_labels_leave_dp_to_the_api_server_unless_moe():
 class _Block:
     def __init__(self, i: int) -> None:
         self.block_id, self.ref_cnt, self.block_hash, self.is_null = i, 0, None, i == 0
+        self.next_free_block = None
+
+
+class _Queue:
+    """vLLM's FreeKVCacheBlockQueue as the adapter reads it: a count, append_n / prepend_n, a linked head."""
+
+    def __init__(self, blocks: list) -> None:
+        self.blocks = list(blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.blocks)
+
+    def append_n(self, blocks: list) -> None:
+        self.blocks.extend(blocks)
+
+    def prepend_n(self, blocks: list) -> None:
+        self.blocks[:0] = blocks
+
+    @property
+    def fake_free_list_head(self):
+        from types import SimpleNamespace
+
+        tail = SimpleNamespace(block_id=-1, block_hash=None, next_free_block=None)
+        nxt = tail
+        for b in reversed(self.blocks):
+            b.next_free_block, nxt = nxt, b
+        return SimpleNamespace(next_free_block=nxt)
 
 
 class _Pool:
-    """vLLM's BlockPool semantics: free queue, hash map, eviction when a cached free block is reused."""
+    """vLLM's BlockPool semantics: unhashed free pages ahead of hashed (cached) ones, eviction when a cached free
+    page is handed out again, a prefix hit taking cached pages back (0.32's block_pool.py)."""
 
     def __init__(self, n: int) -> None:
         from types import SimpleNamespace
 
         self.blocks = [_Block(i) for i in range(n)]
-        self.free = self.blocks[1:]
         self.num_gpu_blocks = n
-        self.free_block_queue = SimpleNamespace(num_free_blocks=n - 1)
+        self.enable_caching = True
+        self.free_block_queue = _Queue(self.blocks[1:])
         self.cached_block_hash_to_block = SimpleNamespace(_cache={})
-
-    def _sync(self) -> None:
-        self.free_block_queue.num_free_blocks = len(self.free)
 
     def _maybe_evict_cached_block(self, b: _Block) -> bool:
         if b.block_hash is None:
@@ -166,26 +193,27 @@ class _Pool:
         return True
 
     def get_new_blocks(self, k: int) -> list:
-        out = [self.free.pop(0) for _ in range(k)]
+        q = self.free_block_queue
+        out, q.blocks = q.blocks[:k], q.blocks[k:]
         for b in out:
-            self._maybe_evict_cached_block(b)  # through the instance: the adapter's wrapper sees it
+            self._maybe_evict_cached_block(b)
             b.ref_cnt += 1
-        self._sync()
         return out
 
     def touch(self, blocks: list) -> None:
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free.remove(b)
+                self.free_block_queue.blocks.remove(b)
             b.ref_cnt += 1
-        self._sync()
 
     def free_blocks(self, blocks) -> None:
+        first, last = [], []
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free.append(b)
-        self._sync()
+                (first if b.block_hash is None else last).append(b)
+        self.free_block_queue.prepend_n(first)
+        self.free_block_queue.append_n(last)
 
     def cache(self, b: _Block, h: bytes) -> None:
         b.block_hash = h
@@ -198,8 +226,8 @@ def _engine(monkeypatch, tmp_path, pool: _Pool):
 
     monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")  # nothing listens: records are dropped
     monkeypatch.setenv("PHASESCOPE_PREFIX_TABLE_PAGES", "0")
-    monkeypatch.setattr(adapter, "_CHANNELS", {})
-    kvm = NS(block_pool=pool, enable_caching=True, get_computed_blocks=lambda req: ([], req.hits),
+    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
+    kvm = NS(block_pool=pool, enable_caching=True, get_computed_blocks=lambda req: ([], req.hits), free=lambda r: None,
              coordinator=NS(single_type_managers=[NS(block_size=16, req_to_blocks={})]))
     sched = NS(vllm_config=NS(), kv_cache_manager=kvm, requests={},
                kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=NS(page_size_bytes=1024, dtype="bf16"),
@@ -220,10 +248,15 @@ def test_cached_pages_kept_by_the_wrappers_equal_a_recount(monkeypatch, tmp_path
         assert hooks.cached == hooks._cached_pages() == 3
         pool.touch(a[:2])  # a prefix hit takes two back
         assert hooks.cached == hooks._cached_pages() == 1
-        b = pool.get_new_blocks(8)  # reuses every free page: the cached one is evicted
+        b = pool.get_new_blocks(8)  # the 8 unhashed free pages come first: nothing evicted
+        assert hooks.evicted == 0 and hooks.cached == hooks._cached_pages() == 1
+        c = pool.get_new_blocks(1)  # the last free page is the cached one: evicted
         assert hooks.evicted == 1 and hooks.cached == hooks._cached_pages() == 0
-        pool.free_blocks(a[:2] + b)
+        kv = hooks.kv
+        assert (kv.allocated, kv.freed) == (4 + 2 + 9, 4 - 1 + 1)  # pages taken and given back (a touch takes too)
+        pool.free_blocks(a[:2] + b + c)
         assert hooks.cached == hooks._cached_pages() == 2
+        assert kv.freed == 4 + 11 == kv.allocated and kv.refs == 0  # every page back: allocated - freed = used = 0
     finally:
         adapter.close_channels(0.1)
 
@@ -252,7 +285,7 @@ def test_vllm_kernel_warmup_is_not_an_engine_step(monkeypatch, tmp_path):
     from types import SimpleNamespace as NS
 
     monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
-    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
     worker = NS(vllm_config=NS(), rank=0, device=None, execute_model=lambda so: None, sample_tokens=lambda g: "out",
                 model_runner=NS(get_model=lambda: NS(parameters=lambda: iter(()))))
     hooks = adapter.WorkerHooks(worker)
@@ -305,11 +338,11 @@ def test_frontend_drops_outputs_of_already_aborted_requests(monkeypatch, tmp_pat
     from phasescope.agent.records.events import REQ_TOKEN
 
     monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
-    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
     processor = NS(request_states={"live": object()}, process_outputs=lambda outputs, *a, **k: None)
     hooks = adapter.FrontendHooks(processor)
     emitted: list = []
-    hooks.probe.emit = lambda rec: emitted.append(rec)
+    hooks.probe._push = emitted.append  # the ring append the frontend uses
     try:
         processor.process_outputs([NS(request_id="live", new_token_ids=[5, 6], finish_reason=None),
                                    NS(request_id="gone", new_token_ids=[7], finish_reason=None)])
@@ -333,7 +366,7 @@ def test_readmission_split_equals_recomputed_tokens(monkeypatch, tmp_path):
     hooks, sched, kvm = _engine(monkeypatch, tmp_path, _Pool(8))
     hooks.table = PrefixTable(16, lambda parent, tokens: 0, 64)
     emitted: list = []
-    hooks.probe.emit = lambda rec: emitted.append(rec)
+    hooks._push = emitted.append  # the ring append the engine hooks use
 
     def req(n: int, preemptions: int, hits: int, computed: int = 0):
         return NS(request_id="r", num_tokens=n, hits=hits, num_preemptions=preemptions, num_computed_tokens=computed,
@@ -363,7 +396,7 @@ def test_output_iterations_skip_chunk_only_steps(monkeypatch, tmp_path):
 
     hooks, sched, _ = _engine(monkeypatch, tmp_path, _Pool(4))
     emitted: list = []
-    hooks.probe.emit = lambda rec: emitted.append(rec)
+    hooks._push = emitted.append  # the ring append the engine hooks use
     outs = {"chunk": {}, "empty": {0: NS(outputs=[])},
             "token": {0: NS(outputs=[NS(request_id="a", new_token_ids=[7], finish_reason=None)])}}
     try:
@@ -387,11 +420,11 @@ def test_frontend_token_events_carry_the_engine_output_stamp(monkeypatch, tmp_pa
     from phasescope.agent.records.events import REQ_TOKEN
 
     monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
-    monkeypatch.setattr(adapter, "_CHANNELS", {})
+    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
     processor = NS(request_states={"a": object()}, process_outputs=lambda outputs, *a, **k: None)
     hooks = adapter.FrontendHooks(processor)
     emitted: list = []
-    hooks.probe.emit = lambda rec: emitted.append(rec)
+    hooks.probe._push = emitted.append  # the ring append the frontend uses
     try:
         stamp = time.monotonic() - 0.0123456789
         processor.process_outputs([NS(request_id="a", new_token_ids=[5], finish_reason=None)], stamp)

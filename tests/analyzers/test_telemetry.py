@@ -135,6 +135,21 @@ def test_clock_skew_and_adapter_partial(tmp_path):
     assert f["telemetry-adapter-partial"].evidence["adapter_missing"] == "cache.pool"
 
 
+def test_a_lowered_detail_is_named_with_what_is_off_and_why(tmp_path):
+    """The vLLM adapter's budget lowering (adapters/vllm/budget.py) is a finding, never silent; no label, none."""
+    path = str(tmp_path / "l.duckdb")
+    why = "KV walks off from engine step 384: adapter 0.81% of step time > budget 0.50%"
+    build(path, [step(i, i * S // 10) for i in range(10)]
+          + [RunLabel(0, "vllm_adapter_budget", "0.005"), RunLabel(0, "detail_lowered", why)])
+    f = findings(path)
+    assert set(f) == {"telemetry-detail-lowered"}
+    assert f["telemetry-detail-lowered"].evidence["detail_lowered"] == why
+    assert f["telemetry-detail-lowered"].evidence["budget_share"] == "0.005"
+    path2 = str(tmp_path / "n.duckdb")
+    build(path2, [step(i, i * S // 10) for i in range(10)] + [RunLabel(0, "vllm_adapter_budget", "0.005")])
+    assert "telemetry-detail-lowered" not in findings(path2)
+
+
 class Clock:
     def __init__(self) -> None:
         self.t = 1000.0

@@ -9,8 +9,9 @@ the runtime (`guard`, `observe`): adapter failures are counted as probe errors.
 
 The three adapters use these: `RuntimeAdapter` (patch / around / guarded / emit) is the
 base of the HF continuous-batching adapter and of `GenerateRequests`; the vLLM hooks,
-which live in processes vLLM starts and are never detached, wrap with `observe` and
-build their snapshots with `kv_record`.
+which live in processes vLLM starts and are never detached, have their own self-timed
+wrapper (adapters/vllm/common.py: the adapter's budget meters it) and build their
+snapshots from page counts kept incrementally (adapters/vllm/kvaccount.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,301 @@
+"""EngineCore process: the `Scheduler`'s request lifecycle, its prefix-cache lookups and the engine step's KV
+snapshot, with the adapter's budget (budget.py).
+
+Hot path, per engine step: `schedule()` and `update_from_output()` wrappers do O(1) Python besides one loop over
+the requests *admitted* in the step (their `scheduled` event and KV base): two clock reads, a `ServerMetric` when
+the step produced output, one `KVSnapshot` per TP rank from the kept counts (kvaccount.py), a `PrefixCounters`
+when the prefix counters moved. Per request, once: `arrival` + `queued` (add_request), `scheduled`, a
+`PrefixLookup` (its cost grows with the prompt's pages: the budget's third lowering turns it off), `preempted`,
+and the end (`finished`/`aborted`/`cancelled`). Token times come from the frontend (frontend.py), where vLLM
+measures them; the engine records them itself only when no frontend hook armed (PHASESCOPE_VLLM_TOKENS_AT unset).
+Records go straight into the probe's ring (`Probe._push`): the adapter's own time is metered per step (Meter), not
+per record.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from ....records.events import (
+    PrefixCounters, PrefixLookup, RequestEvent, ServerMetric, REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_FINISHED,
+    REQ_PREEMPTED, REQ_QUEUED, REQ_SCHEDULED, REQ_TOKEN, VLLM_OUTPUT_ITERATIONS, short_id,
+)
+from ...pagetrack import PrefixTable
+from . import kvaccount
+from .budget import DETAIL_METRIC, LEVELS, Budget, share_from_env
+from .common import Meter, channel, core_event_ns, fail, forked, is_abort, log, mono_of_wall, wrap
+from .labels import _model_name, _ranks, engine_side_labels
+
+ENV_TOKENS_AT = "PHASESCOPE_VLLM_TOKENS_AT"  # "frontend": the frontend records token/finish events
+ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine steps (default 1)
+ENV_PREFIX_TABLE = "PHASESCOPE_PREFIX_TABLE_PAGES"  # cap of the table of earlier prompts' block hashes (0: off)
+ENV_COST_EVERY = "PHASESCOPE_VLLM_COST_EVERY"  # measure the adapter's own time on one engine step in N (16)
+ENV_DETAIL = "PHASESCOPE_VLLM_DETAIL_LEVEL"  # start at this lowering level (budget.LEVELS; default 0: full detail)
+
+
+class EngineHooks:
+    """Instance wrappers on one `Scheduler` (EngineCore process)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        cfg = scheduler.vllm_config
+        self.tp, pp, self.dp_rank = _ranks(cfg)
+        self.rank0 = self.dp_rank * self.tp * pp
+        labels = engine_side_labels(cfg)
+        labels["kv_imbalance_tp"] = "0 by construction (TP ranks share block ids)"
+        labels["engine_process_start"] = "fork" if forked() else "spawn"
+        self.probe = channel("engine", self.rank0, self.tp * pp * max(1, int(labels.get("dp", "1"))),
+                             _model_name(cfg), labels)
+        self._push = self.probe._push  # one ring append per record; the adapter meters its own time per step
+        self.sched = scheduler
+        self.meter = Meter(max(1, int(os.environ.get(ENV_COST_EVERY, "16") or 16)))
+        self.budget = Budget(self.meter, self._lower, share_from_env())
+        self.kv_every = max(1, int(os.environ.get(ENV_KV_EVERY, "1") or 1))
+        self.steps = 0
+        self.now = time.monotonic_ns()  # the current step's start (schedule())
+        # issue 27 item 6: iterations that produced output, as vLLM counts them (`vllm:iteration_tokens_total`
+        # observes one per EngineCoreOutputs batch holding outputs): a chunk-only prefill step produces none
+        self.output_iterations = 0
+        self.seen: set[str] = set()  # requests scheduled at least once
+        self.out_tokens: dict[str, int] = {}
+        self.tokens_at_frontend = os.environ.get(ENV_TOKENS_AT) == "frontend"
+        # prefix ledger: lookups by fresh requests (what /metrics counts) and by resumed ones, apart
+        self.queried = self.hits = self.resumed_queried = self.resumed_hits = 0
+        self.recomputed = 0
+        self.lost: dict[str, int] = {}  # request id -> KV tokens its last preemption dropped
+        # issue 13: per-lookup miss facts against a bounded table of earlier prompts' block hashes (vLLM's own,
+        # `request.block_hashes`, computed at arrival: nothing is hashed here)
+        self.table: PrefixTable | None = None
+        self.caching = True
+        self._last_prefix: tuple | None = None
+        self.kv: kvaccount.KvAccount | None = None
+        ref, m = (lambda: self.probe), self.meter
+        wrap(scheduler, "add_request", self._after_add, ref, meter=m)
+        wrap(scheduler, "schedule", self._after_schedule, ref, meter=m)
+        wrap(scheduler, "update_from_output", self._after_update, ref, meter=m)
+        wrap(scheduler, "_preempt_request", None, ref, before=self._before_preempt, meter=m)
+        wrap(scheduler, "finish_requests", self._after_finish_requests, ref, meter=m)
+        kvm = getattr(scheduler, "kv_cache_manager", None)
+        if kvm is None:
+            fail("kv_cache_manager", AttributeError("kv_cache_manager"))
+            return
+        if hasattr(kvm, "record_prefix_cache_stats"):  # vLLM 0.32: one call per lookup
+            wrap(kvm, "record_prefix_cache_stats", self._after_prefix, ref, meter=m, part="prefix")
+        else:  # vLLM 0.24: get_computed_blocks does the lookup, records vLLM's stats, returns the hit tokens
+            wrap(kvm, "get_computed_blocks", self._after_computed_blocks, ref, meter=m, part="prefix")
+        self.caching = bool(getattr(kvm, "enable_caching", True))
+        self.kv = kvaccount.make(scheduler, ref, m, self.rank0, os.environ.get(kvaccount.ENV_PAGE_SAMPLE, ""))
+        if self.kv is None:
+            return
+        self.probe.label(kv_page_bytes_per_rank=self.kv.page_bytes, kv_total_pages=self.kv.total,
+                         kv_dtype=self.kv.kv_dtype, vllm_adapter_budget=self.budget.share)
+        cap = int(os.environ.get(ENV_PREFIX_TABLE, "16384") or 0)
+        if cap > 0 and self.kv.page_size > 0:
+            self.table = self.kv.table = PrefixTable(self.kv.page_size, lambda parent, tokens: 0, cap)
+        start = min(max(int(os.environ.get(ENV_DETAIL, "0") or 0), 0), len(LEVELS) - 1)
+        for level in range(1, start + 1):  # the operator's choice: recorded like a lowering
+            self.budget.level = level
+            self._lower(level, f"{ENV_DETAIL}={start}")
+
+    # what tests and builders read
+    @property
+    def cached(self) -> int:
+        return self.kv.cached if self.kv is not None else 0
+
+    @property
+    def evicted(self) -> int:
+        return self.kv.evicted if self.kv is not None else 0
+
+    def _cached_pages(self) -> int:
+        return self.kv.cached_pages() if self.kv is not None else 0
+
+    # lifecycle
+    def _event(self, ts: int, event: int, rid: str, tokens: int = 0, cached: int = 0) -> None:
+        self._push(RequestEvent(ts, self.rank0, event, short_id(rid), tokens, cached))
+
+    def _after_add(self, _res: Any, request: Any, *a: Any, **k: Any) -> None:
+        rid = request.request_id
+        if rid in self.out_tokens:  # a streaming-input update of a known request
+            return
+        self.out_tokens[rid] = 0
+        arrival = getattr(request, "arrival_time", None)
+        ts = mono_of_wall(arrival) if arrival else time.monotonic_ns()
+        self._event(ts, REQ_ARRIVAL, rid, int(request.num_prompt_tokens))
+        # vLLM's queue starts here, at the engine's QUEUED event (its own timestamp when it records events)
+        self._event(core_event_ns(request, "QUEUED") or time.monotonic_ns(), REQ_QUEUED, rid)
+
+    def _after_schedule(self, so: Any, *a: Any, **k: Any) -> None:
+        self.now = now = time.monotonic_ns()
+        self.budget.step(now)
+        kv = self.kv
+        reqs = self.sched.requests
+        for nr in so.scheduled_new_reqs:
+            rid = nr.req_id
+            if kv is not None:
+                kv.admitted(int(nr.num_computed_tokens))
+            if rid not in self.seen:
+                self.seen.add(rid)
+                req = reqs.get(rid)
+                cached = getattr(req, "num_cached_tokens", -1) if req is not None else -1
+                if cached is None or cached < 0:
+                    cached = int(nr.num_computed_tokens)
+                # vLLM's SCHEDULED timestamp where it records one: its queue and prefill times end/start there
+                self._event(core_event_ns(req, "SCHEDULED") or now, REQ_SCHEDULED, rid, 0, int(cached))
+                if not self.caching and self.table is not None and req is not None \
+                        and not getattr(req, "num_preemptions", 0):
+                    self._push(PrefixLookup(now, self.rank0, short_id(rid), "disabled", self.table.page_size,
+                                            int(req.num_prompt_tokens), 0, 0, 0, 0, math.nan, 0, 0))
+        if kv is not None:
+            cr = so.scheduled_cached_reqs
+            resumed = getattr(cr, "resumed_req_ids", None)  # vLLM 0.32: a set; 0.24: resumed_from_preemption flags
+            if resumed:
+                for rid in resumed:
+                    kv.admitted(int(cr.num_computed_tokens[cr.req_ids.index(rid)]))
+            elif resumed is None and True in (getattr(cr, "resumed_from_preemption", None) or ()):
+                for i, flag in enumerate(cr.resumed_from_preemption):
+                    if flag:
+                        kv.admitted(int(cr.num_computed_tokens[i]))
+            kv.scheduled(int(so.total_num_scheduled_tokens))
+
+    def _after_update(self, outputs: Any, so: Any, *a: Any, **k: Any) -> None:
+        now = time.monotonic_ns()
+        produced = 0
+        for eco in (outputs or {}).values():
+            if getattr(eco, "outputs", None):
+                produced += 1
+        if produced:
+            self.output_iterations += produced
+            self._push(ServerMetric(now, self.dp_rank, VLLM_OUTPUT_ITERATIONS, "", float(self.output_iterations)))
+        if not self.tokens_at_frontend:  # no frontend hook: token and finish times here (O(batch))
+            for eco in (outputs or {}).values():
+                for o in getattr(eco, "outputs", ()) or ():
+                    rid = o.request_id
+                    n = len(o.new_token_ids or ())
+                    if n:
+                        self.out_tokens[rid] = self.out_tokens.get(rid, 0) + n
+                        self._event(now, REQ_TOKEN, rid, n)
+                    if o.finish_reason is not None:
+                        self._finished(now, rid, aborted=is_abort(o.finish_reason))
+        if getattr(so, "total_num_scheduled_tokens", 0) > 0:
+            self.steps += 1
+            if self.kv is not None and self.steps % self.kv_every == 0:
+                self.snapshot(now)
+        self._emit_prefix(now)
+
+    def _finished(self, ts: int, rid: str, aborted: bool, cancelled: bool = False) -> None:
+        if rid not in self.out_tokens:
+            return
+        n = self.out_tokens.pop(rid)
+        self.seen.discard(rid)
+        self._event(ts, REQ_CANCELLED if cancelled else REQ_ABORTED if aborted else REQ_FINISHED, rid, n)
+
+    def _before_preempt(self, request: Any, *a: Any, **k: Any) -> None:
+        # num_computed_tokens is reset inside: what it holds now is the KV this preemption loses
+        lost = int(request.num_computed_tokens)
+        self.lost[request.request_id] = lost
+        self._event(time.monotonic_ns(), REQ_PREEMPTED, request.request_id, lost)
+
+    def _after_finish_requests(self, aborted: Any, *a: Any, **k: Any) -> None:
+        """`finish_requests(ids, status)`: named requests ended FINISHED_ABORTED are the client's cancels
+        (`EngineCore.abort_requests`, a hang-up or an abort call); all requests at once (ids None: shutdown,
+        pause) or any other status (FINISHED_ERROR) are the server's: failures."""
+        now = time.monotonic_ns()
+        ids = a[0] if a else k.get("request_ids")
+        status = a[1] if len(a) > 1 else k.get("finished_status")
+        cancelled = ids is not None and "ABORTED" in str(status).upper()
+        for req in aborted or ():
+            self._finished(now, req.request_id, aborted=True, cancelled=cancelled)
+
+    # prefix cache
+    def _after_prefix(self, _res: Any, request: Any, num_hits: int, *a: Any, **k: Any) -> None:
+        enabled = getattr(self.sched.kv_cache_manager, "prefix_cache_lookup_enabled", None)
+        if callable(enabled) and not enabled(request):
+            return
+        q, h = int(request.num_tokens), int(num_hits)
+        resumed = getattr(request, "num_preemptions", 0) > 0
+        # recomputed (README Definitions): positions whose KV the preemption dropped (vLLM's num_computed_tokens
+        # then: after a decode, 1 short of num_tokens, as the latest sampled token was never computed) and the
+        # cache did not give back, counted at the first lookup after the preemption (vLLM 0.24 looks a waiting
+        # request up again every step until its pages fit; each of those lookups is still one for vLLM's
+        # counters and for ours). The lookup record carries the same figure (`readmission` of the miss split).
+        lost = self.lost.pop(request.request_id, None) if resumed else None
+        dropped = min(q, lost) if lost is not None else 0
+        if self.table is not None:
+            self._lookup(request, q, h, dropped)
+        if resumed:
+            self.resumed_queried += q
+            self.resumed_hits += h
+            self.recomputed += max(0, dropped - h)
+        else:
+            self.queried += q
+            self.hits += h
+
+    def _after_computed_blocks(self, result: Any, request: Any, *a: Any, **k: Any) -> None:
+        # vLLM 0.24 counts a lookup here unless caching is off or the request skips reading the cache
+        if not self.sched.kv_cache_manager.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return
+        self._after_prefix(None, request, int(result[1]))
+
+    def _lookup(self, request: Any, n: int, hit: int, dropped: int = 0) -> None:
+        """One PrefixLookup: vLLM's block hashes of the request against the table of earlier prompts'. A
+        re-admission's `cacheable_tokens` are the `dropped` positions its preemption lost (0 on a repeated lookup
+        of the same re-admission), so that its recomputation is `max(0, min(prompt, cacheable) - hit)`."""
+        now, table = self.now, self.table
+        P = table.page_size
+        readmit = getattr(request, "num_preemptions", 0) > 0
+        chain = [bytes(h) for h in request.block_hashes[: n // P]]
+        tokens = request.all_token_ids[: (len(chain) + 1) * P]
+        shared = table.shared(tokens, chain)
+        if not readmit:
+            table.register(tokens[:n], chain)
+        cacheable = (n - 1) // P * P if n else 0  # vLLM always computes the last token
+        stop = max(min(max(shared, hit) // P * P, cacheable), hit) // P
+        evicted, gap = table.evicted_run(chain, hit // P, stop, now)
+        self._push(PrefixLookup(now, self.rank0, short_id(request.request_id), "readmit" if readmit else "first",
+                                P, n, dropped if readmit else cacheable, hit, shared, evicted, gap,
+                                len(table.pages), table.dropped))
+
+    def _emit_prefix(self, now: int) -> None:
+        state = (self.queried, self.hits, self.recomputed, self.evicted)
+        if state == self._last_prefix:
+            return
+        self._last_prefix = state
+        # one prefix cache per engine (the scheduler's), so one series: the engine's first rank
+        self._push(PrefixCounters(now, self.rank0, *state))
+        self.probe.label(prefix_resumed_queried_tokens=self.resumed_queried,
+                         prefix_resumed_hit_tokens=self.resumed_hits)
+
+    # KV snapshot
+    def snapshot(self, now: int) -> None:
+        """One KVSnapshot per TP rank from the kept counts (O(1)); a cross-check walk when the budget has room."""
+        kv = self.kv
+        if self.budget.walk_due():
+            t0 = time.perf_counter_ns()
+            kv.walk()
+            dt = time.perf_counter_ns() - t0
+            self.budget.walked(dt)
+            if self.meter.on:
+                self.meter.ns["kv_walk"] += dt
+            if kv.walks in (1, 10, 100) or kv.walks % 1000 == 0:  # what the walks cost, now and then
+                self.probe.label(kv_walk_us=round(dt / 1e3, 1), kv_walks=kv.walks, kv_recount_off=kv.recount_off)
+        rec = kv.snapshot(now, self.rank0)
+        self._push(rec)
+        for r in range(1, self.tp):
+            self._push(rec._replace(rank=self.rank0 + r))
+
+    # budget
+    def _lower(self, level: int, why: str) -> None:
+        """Apply lowering `level` (budget.LEVELS) and record it: never silent."""
+        kv = self.kv
+        if level >= 1 and kv is not None:
+            kv.life = None
+        if level >= 3:
+            self.table = None
+            if kv is not None:
+                kv.table = None
+        text = f"{LEVELS[level]} from engine step {self.steps}: {why}"
+        log.warning("phasescope: vLLM adapter detail lowered: %s", text)
+        self._push(ServerMetric(time.monotonic_ns(), self.dp_rank, DETAIL_METRIC, f"level={level}", float(level)))
+        self.probe.label(detail_lowered=text[:96], detail_level=level)

@@ -1,0 +1,237 @@
+"""KV accounting of one vLLM engine (EngineCore process): paged-KV figures kept incrementally from the block pool's
+own counts, and a full walk of the block tables now and then as a cross-check.
+
+Per step (`snapshot`, O(1)): used pages = total - the pool's free count; cached pages, pages allocated and freed,
+and live tokens are kept by wrappers whose work is O(1) per call:
+- `free_blocks` (a request finished or was preempted): the pool's free count before and after gives the pages
+  freed; `free_block_queue.append_n` (hashed pages that stay cached) gives the cached ones;
+- `touch` (a prefix hit takes pages, some back from the cache): the free count's drop is the cached pages reused;
+- `get_new_blocks`: the hash map's size before and after gives the cached pages it evicted (their hashes and ids,
+  for the prefix table and the sampled page lifecycles, are read off the free queue's head only when an eviction
+  is certain: vLLM keeps unhashed free pages ahead of hashed ones);
+- `kv_cache_manager.free(request)`: the request's computed tokens leave the live sum.
+Live tokens = Σ computed tokens of the requests holding pages - P x (references - used pages): a page shared by k
+requests is counted once. `allocated_total - freed_total = used` holds on every snapshot.
+
+The walk (`walk`, O(used pages)) recomputes everything from the block tables; where the kept figures differ, the
+walk's win and the difference is counted (`kv_recount_off` label). Shared pages and the largest free run come only
+from the walk (the latest one, the free run never above the free pages now).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ....records.events import KVSnapshot
+from ....records.kvmath import PageStats, largest_gap
+from ...pagetrack import PageLife, PrefixTable
+from .common import Meter, fail, wrap
+
+ENV_PAGE_SAMPLE = "PHASESCOPE_PAGE_SAMPLE_EVERY"  # follow one KV page id in N (0: no PageEvents; default ~1024 pages)
+
+
+class KvAccount:
+    """Incremental page accounting of one block pool (see the module docstring)."""
+
+    def __init__(self, scheduler: Any, kvm: Any, probe_ref: Callable[[], Any], meter: Meter, rank0: int,
+                 page_sample_every: str) -> None:
+        self.sched = scheduler
+        self.kvm = kvm
+        self.pool = kvm.block_pool
+        self.manager = kvm.coordinator.single_type_managers[0]
+        self.page_size = int(self.manager.block_size)
+        group = scheduler.kv_cache_config.kv_cache_groups[0]
+        self.page_bytes = int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+        self.kv_dtype = str(getattr(group.kv_cache_spec, "dtype", "")).replace("torch.", "")[:12]
+        self.total = self.pool.num_gpu_blocks - 1  # block 0 is the null block
+        self.free_queue = self.pool.free_block_queue
+        hm = self.pool.cached_block_hash_to_block
+        self._hashes = hm.__len__ if hasattr(type(hm), "__len__") else hm._cache.__len__  # cached hashes now
+        self.caching = bool(getattr(self.pool, "enable_caching", True))
+        self.table: PrefixTable | None = None  # set by the engine: evictions mark the hashes they drop
+        every = int(page_sample_every) if page_sample_every.strip() else max(1, -(-self.total // 1024))
+        self.life = PageLife(probe_ref().emit, rank0, every) if every > 0 else None
+        self.allocated = self.freed = self.evicted = 0
+        self.cached = self.cached_pages()  # hashed pages no request references (evictable)
+        self.refs = 0  # page references held by requests (Σ ref_cnt of the non-null pages)
+        self.computed = 0  # Σ computed tokens of the requests holding pages
+        self.shared = self.shared_refs = 0  # from the latest walk
+        self.free_run = self.total
+        self.walks = 0
+        self.recount_off = 0
+        self._f0 = 0
+        self._h0 = 0
+        self._peek: list = []
+        ref, m = probe_ref, meter
+        wrap(self.pool, "get_new_blocks", self._after_new, ref, before=self._before_new, meter=m, part="kv_pool")
+        wrap(self.pool, "touch", self._after_touch, ref, before=self._before_touch, meter=m, part="kv_pool")
+        wrap(self.pool, "free_blocks", self._after_free, ref, before=self._before_free, meter=m, part="kv_pool")
+        wrap(self.free_queue, "append_n", None, ref, before=self._before_append, meter=m, part="kv_pool")
+        wrap(kvm, "free", None, ref, before=self._before_request_free, meter=m, part="kv_pool")
+
+    # --- counts kept by the wrappers (O(1) per call, except where page lifecycles are followed) -------------
+    def _free_count(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def _before_new(self, n: int, *a: Any, **k: Any) -> None:
+        self._h0 = self._hashes()
+        if (self.table is not None or self.life is not None) and n > self._free_count() - self.cached:
+            block = self.free_queue.fake_free_list_head.next_free_block  # the pages vLLM pops next
+            for _ in range(n):
+                if block is None or block.next_free_block is None:  # vLLM's fake tail: the queue's end
+                    break
+                if block.block_hash is not None:
+                    self._peek.append((block.block_id, block.block_hash))
+                block = block.next_free_block
+        return None
+
+    def _after_new(self, blocks: Any, n: int, *a: Any, **k: Any) -> None:
+        self.allocated += n
+        self.refs += n
+        gone = self._h0 - self._hashes()  # cached pages popped from the free queue are evicted
+        if gone > 0:
+            self.evicted += gone
+            self.cached -= gone
+        if self._peek or self.life is not None:
+            now = time.monotonic_ns()
+            if self._peek:
+                if self.table is not None:
+                    self.table.mark_evicted([bytes(h[:-4]) for _, h in self._peek], now)
+                if self.life is not None:
+                    self.life.evicted([i for i, _ in self._peek], now)
+                self._peek = []
+            if self.life is not None:
+                self.life.allocated([b.block_id for b in blocks], now)
+
+    def _before_touch(self, blocks: Any, *a: Any, **k: Any) -> None:
+        self._f0 = self._free_count()
+        if self.life is not None:
+            idle = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
+            if idle:
+                self.life.reused(idle, time.monotonic_ns())
+        return None
+
+    def _after_touch(self, _res: Any, blocks: Any, *a: Any, **k: Any) -> None:
+        taken = self._f0 - self._free_count()  # cached pages a prefix hit took back from the free queue
+        self.allocated += taken
+        self.cached -= taken
+        self.refs += len(blocks)
+
+    def _before_free(self, ordered: Any, *a: Any, **k: Any) -> Any:
+        self._f0 = self._free_count()
+        if self.life is not None:  # vLLM passes an iterator: copy it so both see every page
+            blocks = list(ordered)
+            self._freeing = blocks
+            self.refs -= sum(1 for b in blocks if not b.is_null)
+            return (blocks, *a)
+        self.refs -= ordered.__length_hint__() if hasattr(ordered, "__length_hint__") else len(ordered)
+        return None
+
+    def _after_free(self, _res: Any, *a: Any, **k: Any) -> None:
+        self.freed += self._free_count() - self._f0
+        if self.life is not None:
+            blocks, self._freeing = self._freeing, []
+            now = time.monotonic_ns()
+            idle = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
+            self.life.cached([b.block_id for b in idle if b.block_hash is not None], now)
+            self.life.freed([b.block_id for b in idle if b.block_hash is None], now)
+
+    def _before_append(self, blocks: Any, *a: Any, **k: Any) -> None:
+        if self.caching:  # free_blocks appends the hashed pages it frees (they stay cached); the rest go first
+            self.cached += len(blocks)
+        return None
+
+    def _before_request_free(self, request: Any, *a: Any, **k: Any) -> None:
+        self.computed -= int(request.num_computed_tokens)
+        return None
+
+    def admitted(self, computed_tokens: int) -> None:
+        """A request (new or resumed) was scheduled holding `computed_tokens` tokens of KV before this step."""
+        self.computed += computed_tokens
+
+    def scheduled(self, tokens: int) -> None:
+        """A step computes `tokens` more positions (vLLM advances num_computed_tokens at schedule())."""
+        self.computed += tokens
+
+    # --- records --------------------------------------------------------------------------------------------
+    def snapshot(self, now: int, rank: int) -> KVSnapshot:
+        """This step's KV snapshot of one rank, from the kept counts (O(1))."""
+        free = self._free_count()
+        used = self.total - free
+        P = self.page_size
+        live = self.computed - P * (self.refs - used)
+        live = 0 if live < 0 else min(live, used * P)
+        return KVSnapshot(now, rank, P, self.total, used, free, self.cached, self.shared, self.shared_refs,
+                          len(self.manager.req_to_blocks), live, min(self.free_run, free), self.freed + used,
+                          self.freed, used * self.page_bytes, self.kv_dtype)
+
+    def walk(self) -> PageStats:
+        """Every figure from the block tables (O(used pages)); the kept counts are corrected to it."""
+        stats = pool_stats(self.pool, self.manager.req_to_blocks, self.sched.requests, self.page_size,
+                           self.cached_pages())
+        self.walks += 1
+        refs = stats.used_pages + stats.shared_refs - stats.shared_pages
+        computed = stats.live_tokens + self.page_size * (refs - stats.used_pages)
+        off = (stats.cached_pages != self.cached) + (refs != self.refs) + (computed != self.computed)
+        if off:
+            self.recount_off += 1
+        self.cached, self.refs, self.computed = stats.cached_pages, refs, computed
+        self.shared, self.shared_refs, self.free_run = stats.shared_pages, stats.shared_refs, stats.largest_free_run
+        return stats
+
+    def cached_pages(self) -> int:
+        return cached_pages(self.pool)
+
+
+def pool_stats(pool: Any, tables: dict[str, list], reqs: dict[str, Any], P: int, cached: int) -> PageStats:
+    """Page statistics of vLLM's block pool: `tables` (request id -> its blocks, the null block skipped),
+    `reqs` (request id -> request: its computed tokens are the live ones), `P` tokens per page, `cached`
+    hashed pages no request references. O(used pages)."""
+    total = pool.num_gpu_blocks - 1  # block 0 is the null block
+    free = int(pool.free_block_queue.num_free_blocks)
+    used_ids: set[int] = set()
+    shared: dict[int, int] = {}
+    live = seqs = 0
+    for rid, blocks in tables.items():
+        if not blocks:
+            continue
+        seqs += 1
+        n_real = 0
+        for b in blocks:
+            if b.is_null:
+                continue
+            n_real += 1
+            used_ids.add(b.block_id)
+            if b.ref_cnt > 1:
+                shared[b.block_id] = b.ref_cnt
+        req = reqs.get(rid)
+        ncomp = int(req.num_computed_tokens) if req is not None else n_real * P
+        live += min(ncomp, n_real * P)
+    live -= sum((refs - 1) * P for refs in shared.values())
+    run = largest_gap(used_ids, 0, pool.num_gpu_blocks) if free else 0  # block 0 (null) is never free
+    return PageStats(P, total, total - free, free, cached, len(shared), sum(shared.values()), seqs, max(live, 0), run)
+
+
+def cached_pages(pool: Any) -> int:
+    """Hashed pages no request references (evictable prefix-cache pages), counted from the hash map."""
+    cache = getattr(pool.cached_block_hash_to_block, "_cache", None)
+    if cache is None:
+        return 0
+    n = 0
+    for v in cache.values():
+        if isinstance(v, dict):
+            n += sum(1 for b in v.values() if b.ref_cnt == 0)
+        elif v.ref_cnt == 0:
+            n += 1
+    return n
+
+
+def make(scheduler: Any, probe_ref: Callable[[], Any], meter: Meter, rank0: int, page_sample_every: str
+         ) -> KvAccount | None:
+    """The engine's KV accounting, or None (counted) where this vLLM's block pool is not what it knows."""
+    try:
+        return KvAccount(scheduler, scheduler.kv_cache_manager, probe_ref, meter, rank0, page_sample_every)
+    except Exception as exc:  # noqa: BLE001 - another vLLM: no KV figures, vLLM runs on
+        fail("block_pool", exc)
+        return None
