@@ -442,3 +442,44 @@ def test_frontend_token_events_carry_the_engine_output_stamp(monkeypatch, tmp_pa
         assert abs(tok[3].ts_ns - want) < 2_000_000 and 49_000 <= tok[3].cached_tokens <= 52_000  # 50 ms lead
     finally:
         adapter.close_channels(0.1)
+
+
+def test_step_shaper_equals_the_per_request_split_without_walking_the_batch():
+    """The O(admitted + prefilling) step shape equals split_tokens summed over every scheduled request (the
+    definition), over chunked prefills, decodes, a prefix hit, a preemption and its re-prefill (vLLM 0.32's
+    resumed_req_ids), and a finish."""
+    from types import SimpleNamespace as NS
+
+    def so(new, cached, resumed=(), finished=(), preempted=()):
+        """new: [(rid, prompt_len, start, n)]; cached: [(rid, start, n, output_tokens)]."""
+        nst = {r: n for r, _, _, n in new} | {r: n for r, _, n, _ in cached}
+        return NS(num_scheduled_tokens=nst, total_num_scheduled_tokens=sum(nst.values()),
+                  finished_req_ids=set(finished), preempted_req_ids=set(preempted),
+                  scheduled_new_reqs=[NS(req_id=r, prompt_token_ids=[0] * p, num_computed_tokens=s)
+                                      for r, p, s, _ in new],
+                  scheduled_cached_reqs=NS(req_ids=[r for r, *_ in cached], resumed_req_ids=set(resumed),
+                                           num_computed_tokens=[s for _, s, _, _ in cached],
+                                           num_output_tokens=[o for *_, o in cached]))
+
+    prompts = {"a": 300, "b": 40, "c": 64}
+
+    def reference(new, cached):
+        per = [(*adapter.split_tokens(s, n, p, p), s) for _, p, s, n in new]
+        per += [(*adapter.split_tokens(s, n, prompts[r], prompts[r] + o), s) for r, s, n, o in cached]
+        return adapter.step_shape(per)
+
+    steps = [
+        ([("a", 300, 0, 128), ("b", 40, 0, 40)], []),  # a's first chunk, b whole
+        ([], [("a", 128, 128, 0), ("b", 40, 1, 1)]),  # a's second chunk, b decodes
+        ([("c", 64, 32, 32)], [("a", 256, 44, 0), ("b", 41, 1, 2)]),  # c after a 32-token prefix hit, a's last chunk
+        ([], [("a", 300, 1, 1), ("b", 42, 1, 3), ("c", 64, 1, 1)]),
+        ([], [("a", 301, 1, 2), ("c", 65, 1, 2)]),  # b preempted (below), not scheduled
+        ([], [("a", 302, 1, 3), ("b", 32, 11, 3), ("c", 66, 1, 3)]),  # b resumed: 32 back from the cache, 10 re-prefilled
+        ([], [("a", 303, 1, 4), ("b", 43, 1, 4)]),  # c finished
+    ]
+    shaper = adapter.StepShaper()
+    for i, (new, cached) in enumerate(steps):
+        out = so(new, cached, resumed={"b"} if i == 5 else (), preempted={"b"} if i == 4 else (),
+                 finished={"c"} if i == 6 else ())
+        assert shaper.shape(out) == reference(new, cached), i
+    assert shaper.prefilling == {}  # nothing left half-prefilled
