@@ -20,6 +20,7 @@ from the walk (the latest one, the free run never above the free pages now).
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any, Callable
 
@@ -77,7 +78,8 @@ class KvAccount:
     def _before_new(self, n: int, *a: Any, **k: Any) -> None:
         self._h0 = self._hashes()
         if (self.table is not None or self.life is not None) and n > self._free_count() - self.cached:
-            block = self.free_queue.fake_free_list_head.next_free_block  # the pages vLLM pops next
+            head = getattr(self.free_queue, "fake_free_list_head", None)  # another vLLM: no peek, counts still kept
+            block = head.next_free_block if head is not None else None  # the pages vLLM pops next
             for _ in range(n):
                 if block is None or block.next_free_block is None:  # vLLM's fake tail: the queue's end
                     break
@@ -125,7 +127,12 @@ class KvAccount:
             self._freeing = blocks
             self.refs -= sum(1 for b in blocks if not b.is_null)
             return (blocks, *a)
-        self.refs -= ordered.__length_hint__() if hasattr(ordered, "__length_hint__") else len(ordered)
+        n = operator.length_hint(ordered, -1)  # vLLM passes reversed(list): its length costs nothing
+        if n < 0:  # an iterator that cannot say: copy it, as above
+            blocks = list(ordered)
+            self.refs -= sum(1 for b in blocks if not b.is_null)
+            return (blocks, *a)
+        self.refs -= n
         return None
 
     def _after_free(self, _res: Any, *a: Any, **k: Any) -> None:

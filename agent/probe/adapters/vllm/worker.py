@@ -77,13 +77,9 @@ class StepShaper:
             prompt_len[rid] = plen
             start, n = int(nr.num_computed_tokens), int(nst.get(rid, 0))
             ctx += start
-            p = max(0, min(start + n, plen) - start)
+            p = self._advance(rid, start, n, plen)
             pre += p
             n_pre += p > 0
-            if start + n < plen:
-                prefilling[rid] = (start + n, plen)
-            else:
-                prefilling.pop(rid, None)
         cr = so.scheduled_cached_reqs
         computed = cr.num_computed_tokens
         ctx += sum(computed)  # C-level: the cached requests' starts
@@ -99,14 +95,19 @@ class StepShaper:
             n = nst.get(rid)
             if n is None or rid in new_ids:  # not scheduled in this step, or counted above
                 continue
-            p = max(0, min(start + n, boundary) - start)
+            p = self._advance(rid, start, n, boundary)
             pre += p
             n_pre += p > 0
-            if start + n < boundary:
-                prefilling[rid] = (start + n, boundary)
-            else:
-                del prefilling[rid]
         return _shape(n_pre, len(nst) - n_pre, pre, int(so.total_num_scheduled_tokens) - pre, ctx)
+
+    def _advance(self, rid: str, start: int, n: int, boundary: int) -> int:
+        """Prefill tokens of positions [start, start+n) before `boundary`; keeps the request in `prefilling`
+        while positions before the boundary remain."""
+        if start + n < boundary:
+            self.prefilling[rid] = (start + n, boundary)
+        else:
+            self.prefilling.pop(rid, None)
+        return max(0, min(start + n, boundary) - start)
 
 
 class WorkerHooks:
