@@ -11,12 +11,14 @@ Three conditions of the same engine, each its own `Scheduler` + `OutputProcessor
   sending to a real sidecar process (`phasescope agent`).
 
 The workload per batch B: B requests always in flight (finished ones replaced), prompts of 48-560 tokens of which
-a third share a 256-token prefix (prefix hits), 16-96 output tokens, chunked prefill (a 2048-token budget), a KV
-pool of ~70% of the peak demand (preemptions), and one request in 40 aborted mid-way.
+a third share a 256-token prefix (prefix hits), 32-512 output tokens, chunked prefill (a 2048-token budget), a KV
+pool of 45% of the peak demand (a full prefix cache: evictions; preemptions), and one request in 40 aborted mid-way.
 
-Blocks of `--steps` steps per condition, the order rotated each round; per block the median step time of each side:
+Blocks of `--steps` steps, the conditions interleaved step by step (step k of each, the same work, back to back, the
+order rotated every step); per block the median step time of each side:
 EngineCore side = schedule() + the worker's execute_model() + sample_tokens() + update_from_output(); frontend side =
-process_outputs(). The adapter's cost per step is armed - plain per round (vLLM's is stats - plain), and the table
+process_outputs(). The adapter's cost per step is the median of the paired per-step differences armed - plain in a
+block (vLLM's is stats - plain; a step whose shape differed between conditions is counted as unpaired), and the table
 gives the median over rounds and a 95% bootstrap CI of that median, with the armed - plain split by vLLM entry
 point (which of phasescope's hooks run inside each is said in the adapter's docstrings).
 
@@ -94,11 +96,11 @@ def summarize(raw: dict) -> list[dict]:
             plain = [r["plain"]["total"] for r in rounds]
             armed = [r["armed"]["total"] for r in rounds]
             stats = [r["stats"]["total"] for r in rounds]
-            d = [a - p for a, p in zip(armed, plain)]
-            ds = [s - p for s, p in zip(stats, plain)]
+            # per round: the median of the per-step paired differences (step k of armed against step k of plain)
+            d = [r["armed"]["paired"] for r in rounds]
+            ds = [r["stats"]["paired"] for r in rounds]
             calls = rounds[0]["plain"]["calls"]
-            by_hook = {c: round(statistics.median(r["armed"]["calls"][c] - r["plain"]["calls"][c] for r in rounds), 2)
-                       for c in calls}
+            by_hook = {c: round(statistics.median(r["armed"]["paired_calls"][c] for r in rounds), 2) for c in calls}
             lo, hi = bootstrap_ci(d)
             slo, shi = bootstrap_ci(ds)
             rows.append({"batch": int(b), "side": side, "rounds": len(rounds),
@@ -280,6 +282,7 @@ def child(args: argparse.Namespace) -> None:
             t0 = perf()
             so = s.schedule()
             t1 = perf()
+            self.shape = (so.total_num_scheduled_tokens, len(so.num_scheduled_tokens))
             w.execute_model(so)
             t2 = perf()
             w.sample_tokens(None)
@@ -323,41 +326,57 @@ def child(args: argparse.Namespace) -> None:
             self.top_up()
             return t1 - t0 + t3 - t1 + t5 - t4, calls, front
 
-    def block(eng: Engine, steps: int) -> tuple[dict, dict]:
+    def block(engines: dict, steps: int, order: tuple) -> dict:
         # the cyclic collector runs between blocks, never inside one: its pauses (tens of ms over vLLM's heap)
         # would land in whichever condition's step they hit
         gc.collect()
         gc.disable()
         try:
-            return _block(eng, steps)
+            return _block(engines, steps, order)
         finally:
             gc.enable()
 
-    def _block(eng: Engine, steps: int) -> tuple[dict, dict]:
-        tot, front, calls = [], [], {c: [] for c in ENGINE_CALLS}
-        for _ in range(steps):
-            e, c, f = eng.step()
-            tot.append(e)
-            front.append(f)
-            for k, v in c.items():
-                calls[k].append(v)
+    def _block(engines: dict, steps: int, order: tuple) -> dict:
+        """`steps` engine steps of every condition, interleaved: step k of each condition (the same work: identical
+        request streams, deterministic scheduling) runs back to back, in an order rotated every step, so the
+        machine's drift over a block hits every condition alike. Per side: each condition's median step and the
+        median of the per-step differences to plain (paired)."""
+        rec = {c: {"engine": [], "frontend": [], "calls": {k: [] for k in ENGINE_CALLS}} for c in engines}
+        for i in range(steps):
+            k = i % len(order)
+            shapes = set()
+            for c in order[k:] + order[:k]:
+                e, calls, f = engines[c].step()
+                shapes.add(engines[c].shape)
+                rec[c]["engine"].append(e)
+                rec[c]["frontend"].append(f)
+                for name, v in calls.items():
+                    rec[c]["calls"][name].append(v)
+            if len(shapes) > 1:  # the pairing assumes the same work: say so where it did not hold
+                engines["plain"].counts["unpaired_steps"] = engines["plain"].counts.get("unpaired_steps", 0) + 1
         med = lambda xs: statistics.median(xs) / 1e3  # noqa: E731
-        return ({"total": med(tot), "calls": {k: med(v) for k, v in calls.items()}},
-                {"total": med(front), "calls": {"process_outputs": med(front)}})
+        paired = lambda c, side: med([a - b for a, b in zip(rec[c][side], rec["plain"][side])])  # noqa: E731
+        out = {}
+        for side in ("engine", "frontend"):
+            out[side] = {}
+            for c, r in rec.items():
+                calls = ({k: med(v) for k, v in r["calls"].items()} if side == "engine"
+                         else {"process_outputs": med(r["frontend"])})
+                out[side][c] = {"total": med(r[side]), "calls": calls,
+                                "paired": paired(c, side) if c != "plain" else 0.0,
+                                "paired_calls": ({k: med([a - b for a, b in zip(v, rec["plain"]["calls"][k])])
+                                                  for k, v in r["calls"].items()} if side == "engine"
+                                                 else {"process_outputs": paired(c, side) if c != "plain" else 0.0})}
+        return out
 
     out: dict = {"vllm": vllm.__version__, "batches": {}}
     for batch in (int(b) for b in args.batches.split(",")):
         engines = {c: Engine(batch, c) for c in CONDITIONS}
-        for eng in engines.values():
-            block(eng, args.warmup)
+        block(engines, args.warmup, CONDITIONS)
         per_side = {"engine": [], "frontend": []}
         for rnd in range(args.rounds):
-            order = CONDITIONS[rnd % 3:] + CONDITIONS[: rnd % 3]
-            if rnd // 3 % 2:
-                order = order[::-1]
-            res = {"engine": {}, "frontend": {}}
-            for c in order:
-                res["engine"][c], res["frontend"][c] = block(engines[c], args.steps)
+            order = CONDITIONS if rnd % 2 == 0 else CONDITIONS[::-1]
+            res = block(engines, args.steps, order)
             per_side["engine"].append(res["engine"])
             per_side["frontend"].append(res["frontend"])
         armed = engines["armed"]
@@ -367,11 +386,11 @@ def child(args: argparse.Namespace) -> None:
 
             prof = cProfile.Profile()
             prof.enable()
-            block(armed, args.steps)
+            block({"plain": engines["plain"], "armed": armed}, args.steps, ("plain", "armed"))
             prof.disable()
             pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
             prof.dump_stats(os.environ.get("PHASESCOPE_BENCH_PSTATS", "/tmp/vllm_host_cost.pstats"))
-        per_side["counts"] = dict(armed.counts)
+        per_side["counts"] = dict(armed.counts, unpaired_steps=engines["plain"].counts.get("unpaired_steps", 0))
         own = getattr(adapter, "self_cost_us", None)  # the adapter's own sampled timing, where it has one
         if own is not None:
             per_side["self"] = own()
@@ -390,7 +409,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12, help="rounds of one block per condition")
     ap.add_argument("--steps", type=int, default=200, help="engine steps per block")
     ap.add_argument("--warmup", type=int, default=100, help="steps per condition before the first round")
-    ap.add_argument("--quick", action="store_true", help="6 rounds of 80 steps (<= 3 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="12 rounds of 40 steps (<= 3 min on 2 cores)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--src", help="a phasescope checkout whose adapter to measure (default: this one)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment for the child")
@@ -399,7 +418,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup = 6, 80, 40
+        args.rounds, args.steps, args.warmup = 12, 40, 40
     if args.child:
         child(args)
     else:

@@ -220,8 +220,9 @@ class _Pool:
         self.cached_block_hash_to_block._cache[h] = b
 
 
-def _engine(monkeypatch, tmp_path, pool: _Pool):
-    """EngineHooks on a scheduler shaped like vLLM 0.24's (no record_prefix_cache_stats)."""
+def _engine(monkeypatch, tmp_path, pool: _Pool, scheduled: object = None):
+    """EngineHooks on a scheduler shaped like vLLM 0.24's (no record_prefix_cache_stats); its schedule() returns
+    `scheduled`."""
     from types import SimpleNamespace as NS
 
     monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")  # nothing listens: records are dropped
@@ -232,15 +233,19 @@ def _engine(monkeypatch, tmp_path, pool: _Pool):
     sched = NS(vllm_config=NS(), kv_cache_manager=kvm, requests={},
                kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=NS(page_size_bytes=1024, dtype="bf16"),
                                                       layer_names=["l0"])]),
-               add_request=lambda r: None, schedule=lambda: None, update_from_output=lambda o, so: {},
+               add_request=lambda r: None, schedule=lambda: scheduled, update_from_output=lambda o, so: {},
                _preempt_request=lambda r, t: None, finish_requests=lambda ids, st: [])
     return adapter.EngineHooks(sched), sched, kvm
 
 
-def test_cached_pages_kept_by_the_wrappers_equal_a_recount(monkeypatch, tmp_path):
+@pytest.mark.parametrize("page_sample", ["", "0"], ids=["lifecycles-on", "counts-only-fast-path"])
+def test_cached_pages_kept_by_the_wrappers_equal_a_recount(monkeypatch, tmp_path, page_sample):
+    monkeypatch.setenv("PHASESCOPE_PAGE_SAMPLE_EVERY", page_sample)  # "0" and no prefix table: the fast wrappers
     pool = _Pool(12)
     hooks, _, _ = _engine(monkeypatch, tmp_path, pool)
     try:
+        fast = pool.__dict__["get_new_blocks"].__code__.co_name == "hooked" and hooks.kv.life is None
+        assert fast == (page_sample == "0")
         a = pool.get_new_blocks(4)
         for i, b in enumerate(a[:3]):
             pool.cache(b, bytes([i + 1]) * 8)
@@ -483,3 +488,30 @@ def test_step_shaper_equals_the_per_request_split_without_walking_the_batch():
                  finished={"c"} if i == 6 else ())
         assert shaper.shape(out) == reference(new, cached), i
     assert shaper.prefilling == {}  # nothing left half-prefilled
+
+
+def test_another_vllm_disarms_only_the_part_it_cannot_read(monkeypatch, tmp_path):
+    """A vLLM whose block pool keeps no free count (internals renamed) and whose scheduler output has another shape:
+    the KV accounting is disarmed and counted, the pool left unwrapped; lookups and lifecycles stay armed; a step
+    this adapter cannot read is a counted probe error, and vLLM gets its own result back every time."""
+    from types import SimpleNamespace as NS
+
+    pool = _Pool(8)
+    pool.free_block_queue = NS(blocks=[])  # no num_free_blocks: this vLLM counts its free pages elsewhere
+    before = adapter.failures().get("block_pool", 0)
+    odd = NS(other_layout=True)  # a scheduler output with none of the fields the adapter reads
+    hooks, sched, kvm = _engine(monkeypatch, tmp_path, pool, scheduled=odd)
+    try:
+        assert hooks.kv is None and adapter.failures()["block_pool"] == before + 1
+        assert not {"get_new_blocks", "touch", "free_blocks"} & set(pool.__dict__)  # vLLM's own methods, untouched
+        kvm.get_computed_blocks(NS(request_id="a", num_tokens=100, hits=64, num_preemptions=0,
+                                   skip_reading_prefix_cache=False))
+        assert (hooks.queried, hooks.hits) == (100, 64)  # the prefix ledger is still armed
+        sched.add_request(NS(request_id="a", num_prompt_tokens=100, arrival_time=None))
+        assert "a" in hooks.out_tokens  # and the request lifecycle
+        errors = hooks.probe.errors
+        assert sched.schedule() is odd
+        assert hooks.probe.errors == errors + 1
+    finally:
+        adapter.close_channels(0.1)
+

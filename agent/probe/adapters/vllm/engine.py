@@ -70,6 +70,7 @@ class EngineHooks:
         self.table: PrefixTable | None = None
         self.caching = True
         self._last_prefix: tuple | None = None
+        self._last_resumed: tuple | None = None
         self.kv: kvaccount.KvAccount | None = None
         ref, m = (lambda: self.probe), self.meter
         wrap(scheduler, "add_request", self._after_add, ref, meter=m)
@@ -264,8 +265,11 @@ class EngineHooks:
         self._last_prefix = state
         # one prefix cache per engine (the scheduler's), so one series: the engine's first rank
         self._push(PrefixCounters(now, self.rank0, *state))
-        self.probe.label(prefix_resumed_queried_tokens=self.resumed_queried,
-                         prefix_resumed_hit_tokens=self.resumed_hits)
+        resumed = (self.resumed_queried, self.resumed_hits)
+        if resumed != self._last_resumed:  # run labels: only when a resumed request's lookup moved them
+            self._last_resumed = resumed
+            self.probe.label(prefix_resumed_queried_tokens=self.resumed_queried,
+                             prefix_resumed_hit_tokens=self.resumed_hits)
 
     # KV snapshot
     def snapshot(self, now: int) -> None:

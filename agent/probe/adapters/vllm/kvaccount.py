@@ -29,6 +29,7 @@ from ....records.kvmath import PageStats, largest_gap
 from ...pagetrack import PageLife, PrefixTable
 from .common import Meter, fail, wrap
 
+_perf = time.perf_counter_ns
 ENV_PAGE_SAMPLE = "PHASESCOPE_PAGE_SAMPLE_EVERY"  # follow one KV page id in N (0: no PageEvents; default ~1024 pages)
 
 
@@ -47,6 +48,7 @@ class KvAccount:
         self.kv_dtype = str(getattr(group.kv_cache_spec, "dtype", "")).replace("torch.", "")[:12]
         self.total = self.pool.num_gpu_blocks - 1  # block 0 is the null block
         self.free_queue = self.pool.free_block_queue
+        int(self.free_queue.num_free_blocks)  # read unguarded by the fast paths: another vLLM fails here (counted)
         hm = self.pool.cached_block_hash_to_block
         self._hashes = hm.__len__ if hasattr(type(hm), "__len__") else hm._cache.__len__  # cached hashes now
         self.caching = bool(getattr(self.pool, "enable_caching", True))
@@ -64,12 +66,103 @@ class KvAccount:
         self._f0 = 0
         self._h0 = 0
         self._peek: list = []
-        ref, m = probe_ref, meter
-        wrap(self.pool, "get_new_blocks", self._after_new, ref, before=self._before_new, meter=m, part="kv_pool")
-        wrap(self.pool, "touch", self._after_touch, ref, before=self._before_touch, meter=m, part="kv_pool")
-        wrap(self.pool, "free_blocks", self._after_free, ref, before=self._before_free, meter=m, part="kv_pool")
-        wrap(self.free_queue, "append_n", None, ref, before=self._before_append, meter=m, part="kv_pool")
-        wrap(kvm, "free", None, ref, before=self._before_request_free, meter=m, part="kv_pool")
+        self._meter = meter
+        self._probe_ref = probe_ref
+        self._fast(self.pool, "get_new_blocks", self._after_new, self._before_new, self._fast_new)
+        self._fast(self.pool, "touch", self._after_touch, self._before_touch, self._fast_touch)
+        self._fast(self.pool, "free_blocks", self._after_free, self._before_free, self._fast_free)
+        wrap(self.free_queue, "append_n", None, probe_ref, before=self._before_append, meter=meter, part="kv_pool")
+        wrap(kvm, "free", None, probe_ref, before=self._before_request_free, meter=meter, part="kv_pool")
+
+    def _fast(self, obj: Any, name: str, after: Callable, before: Callable, fast: Callable) -> None:
+        """Wrap `obj.name` twice over: the guarded, self-timed `wrap` (common.py) around `before`/`after`, taken
+        while page lifecycles or the prefix table need the pages themselves; else `fast(original, *args)`, the
+        counts alone in one Python frame (no per-page work; self-timed on a measured step too)."""
+        holder = type("_Holder", (), {})()
+        try:
+            original = getattr(obj, name)
+        except AttributeError as exc:
+            fail(name, exc)
+            return
+        setattr(holder, name, original)
+        if not wrap(holder, name, after, self._probe_ref, before=before, meter=self._meter, part="kv_pool"):
+            return
+        slow, meter = getattr(holder, name), self._meter
+
+        def hooked(*args: Any, **kw: Any) -> Any:
+            if self.life is not None or self.table is not None or kw:
+                return slow(*args, **kw)
+            return fast(original, *args)
+
+        hooked.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(obj, name, hooked)
+
+    # the fast paths: counts only (see `_fast`); vLLM's call is made exactly once, outside the guard; on a
+    # measured step (Meter) the time before and after it is added to the meter's "kv_pool"
+    def _fast_new(self, original: Callable, n: int, *a: Any) -> Any:
+        timed = self._meter.on
+        t0 = _perf() if timed else 0
+        h0 = self._hashes()
+        spent = _perf() - t0 if timed else 0
+        blocks = original(n, *a)
+        t1 = _perf() if timed else 0
+        try:
+            gone = h0 - self._hashes()  # cached pages popped from the free queue are evicted
+            self.allocated += n
+            self.refs += n
+            if gone > 0:
+                self.evicted += gone
+                self.cached -= gone
+        except Exception as exc:  # noqa: BLE001 - never into vLLM
+            self._error(exc)
+        if timed:
+            self._meter.ns["kv_pool"] += spent + _perf() - t1
+        return blocks
+
+    def _fast_touch(self, original: Callable, blocks: Any, *a: Any) -> Any:
+        timed = self._meter.on
+        t0 = _perf() if timed else 0
+        f0 = self.free_queue.num_free_blocks
+        spent = _perf() - t0 if timed else 0
+        result = original(blocks, *a)
+        t1 = _perf() if timed else 0
+        try:
+            taken = f0 - self.free_queue.num_free_blocks  # cached pages a prefix hit took back
+            self.allocated += taken
+            self.cached -= taken
+            self.refs += len(blocks)
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+        if timed:
+            self._meter.ns["kv_pool"] += spent + _perf() - t1
+        return result
+
+    def _fast_free(self, original: Callable, ordered: Any, *a: Any) -> Any:
+        timed = self._meter.on
+        t0 = _perf() if timed else 0
+        n = operator.length_hint(ordered, -1)  # vLLM passes reversed(list): its length costs nothing
+        if n < 0:  # an iterator that cannot say: copy it, so that vLLM still sees every page
+            ordered = list(ordered)
+            n = sum(1 for b in ordered if not getattr(b, "is_null", False))
+        f0 = self.free_queue.num_free_blocks
+        spent = _perf() - t0 if timed else 0
+        result = original(ordered, *a)
+        t1 = _perf() if timed else 0
+        try:
+            self.freed += self.free_queue.num_free_blocks - f0
+            self.refs -= n
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+        if timed:
+            self._meter.ns["kv_pool"] += spent + _perf() - t1
+        return result
+
+    def _error(self, exc: BaseException) -> None:
+        p = self._probe_ref()
+        if p is not None:
+            p._error(exc)
+        else:
+            fail("hook", exc)
 
     # --- counts kept by the wrappers (O(1) per call, except where page lifecycles are followed) -------------
     def _free_count(self) -> int:
