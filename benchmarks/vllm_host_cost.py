@@ -22,7 +22,8 @@ block (vLLM's is stats - plain; a step whose shape differed between conditions i
 gives the median over rounds and a 95% bootstrap CI of that median, with the armed - plain split by vLLM entry
 point (which of phasescope's hooks run inside each is said in the adapter's docstrings).
 
-    python benchmarks/vllm_host_cost.py --quick                      # <= 3 min on 2 cores
+    python benchmarks/vllm_host_cost.py --quick                      # the defaults, <= 4 min on 2 cores
+    python benchmarks/vllm_host_cost.py --quick --env PHASESCOPE_VLLM_BUDGET=1   # full detail: never lowered
     python benchmarks/vllm_host_cost.py --json results.json --rounds 12
     python benchmarks/vllm_host_cost.py --src /path/to/other/checkout   # the adapter of another checkout
 
@@ -152,7 +153,7 @@ def parent(args: argparse.Namespace) -> None:
                 break
             time.sleep(0.1)
         env = dict(os.environ, PYTHONPATH=site, PHASESCOPE_AGENT=sock, VLLM_CACHE_ROOT=f"{tmp}/vllm-cache",
-                   PHASESCOPE_RUN_ID="hostcost", PHASESCOPE_VLLM_BUDGET="1")  # full detail: never lowered
+                   PHASESCOPE_RUN_ID="hostcost")  # the defaults; --env PHASESCOPE_VLLM_BUDGET=1: full detail
         env.update({k: v for k, v in (kv.split("=", 1) for kv in args.env)})
         cmd = [exe, __file__, "--child"] + (["--profile"] if args.profile else []) + [ "--batches", args.batches, "--rounds", str(args.rounds),
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -408,8 +409,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--rounds", type=int, default=12, help="rounds of one block per condition")
     ap.add_argument("--steps", type=int, default=200, help="engine steps per block")
-    ap.add_argument("--warmup", type=int, default=100, help="steps per condition before the first round")
-    ap.add_argument("--quick", action="store_true", help="12 rounds of 40 steps (<= 3 min on 2 cores)")
+    ap.add_argument("--warmup", type=int, default=700,
+                    help="steps per condition before the first round (700: the budget's lowering ladder, one level "
+                         "per 128 steps after 256 start-up steps, has settled under the defaults)")
+    ap.add_argument("--quick", action="store_true", help="12 rounds of 40 steps after 700 (<= 4 min on 2 cores)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--src", help="a phasescope checkout whose adapter to measure (default: this one)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment for the child")
@@ -418,7 +421,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup = 12, 40, 40
+        args.rounds, args.steps, args.warmup = 12, 40, 700
     if args.child:
         child(args)
     else:

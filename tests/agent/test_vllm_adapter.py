@@ -515,3 +515,26 @@ def test_another_vllm_disarms_only_the_part_it_cannot_read(monkeypatch, tmp_path
     finally:
         adapter.close_channels(0.1)
 
+
+
+def test_budget_share_is_over_busy_time_not_the_gaps_between_steps():
+    """The adapter's share is its hooks' time over the steps' busy time: 100 us of hooks in 1 ms steps is 10%,
+    over budget, whether or not the engine then sat idle (or the host paused) 50 ms before its next step."""
+    from phasescope.agent.probe.adapters.vllm.budget import SKIP_WINDOWS, WINDOW, Budget
+
+    def run(gap_ns: int, with_end: bool) -> list:
+        m, lows = vllm_common.Meter(4), []
+        b = Budget(m, lambda level, why: lows.append(level), 0.005)
+        now = 0
+        for _ in range(4 * WINDOW * (SKIP_WINDOWS + 2) + 1):  # the last window closes at the next step
+            b.step(now)
+            if m.on:
+                m.ns["schedule"] += 100_000
+            now += 1_000_000
+            if with_end:
+                b.end(now)
+            now += gap_ns
+        return lows
+
+    assert run(0, True) == run(50_000_000, True) == [1, 2]
+    assert run(50_000_000, False) == []  # without end(): the gaps dilute the share under the budget

@@ -46,7 +46,9 @@ def self_cost_us() -> dict:
     out: dict = {}
     for h in _HOOKED.values():
         if isinstance(h, EngineHooks):
-            out = dict(h.budget.cost_us(), level=h.budget.level)
+            b = h.budget
+            out = dict(b.cost_us(), level=b.level, budget=b.share, measured_steps=b.measured,
+                       share_used=round(b.hook_ns / b.step_ns, 5) if b.step_ns else None)
             if h.kv is not None:
                 out.update(kv_walks=h.kv.walks, kv_recount_off=h.kv.recount_off)
     return out

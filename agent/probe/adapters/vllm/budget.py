@@ -1,8 +1,9 @@
 """The adapter's budget: its own time per engine step against a share of the step time, and the detail it lowers,
 in a fixed order, when it is over.
 
-Hot path (`Budget.step`, once per engine step): a counter, a modulo and a compare; on one step in `Meter.every`
-also the sums below. The KV cross-check walk (kvaccount.walk) is paid from a credit: each step adds
+Hot path (`Budget.step` and `Budget.end`, once per engine step): a counter, a modulo and a compare; on one step in
+`Meter.every` also the sums below. The share is the hooks' time over the step's busy time (from schedule()'s return to the end
+of update_from_output()), never the gap to the next step (idle waits, host pauses). The KV cross-check walk (kvaccount.walk) is paid from a credit: each step adds
 `share x step time - the hooks' own time`, a walk costs what the last one took, and at most one walk runs every
 `MIN_WALK_EVERY` steps, so the walks stay inside the budget whatever the batch.
 
@@ -70,6 +71,7 @@ class Budget:
         self.walk_ns_last = 0
         self.last_walk_step = -MIN_WALK_EVERY
         self._t0 = 0
+        self._busy_ns = 0
         self._hooks0 = 0
         self._win = [0, 0, 0]  # measured steps, hook ns, step ns of the open window
         self._windows = 0
@@ -84,13 +86,16 @@ class Budget:
         if m.on:
             m.on = False
             hook = self._hooks_total() - self._hooks0
+            # the step's busy time (schedule() to the end of update_from_output()) where `end` saw it: the time up
+            # to this schedule() would also hold the engine's idle waits and any pause of the host between steps
+            busy = self._busy_ns if self._busy_ns > 0 else now_ns - self._t0
             self.measured += 1
             self.hook_ns += hook
-            self.step_ns += now_ns - self._t0
+            self.step_ns += busy
             w = self._win
             w[0] += 1
             w[1] += hook
-            w[2] += now_ns - self._t0
+            w[2] += busy
             if w[0] >= WINDOW:
                 self._verdict()
         self.steps += 1
@@ -98,8 +103,15 @@ class Budget:
                              4.0 * max(self.walk_ns_last, 1))
         if self.steps % m.every == 0:
             self._t0 = now_ns
+            self._busy_ns = 0
             self._hooks0 = self._hooks_total()
             m.on = True
+
+    def end(self, now_ns: int) -> None:
+        """The engine step that started at the last `step` has its output (monotonic ns): its busy time, if measured.
+        The hooks that run before the next step (arrivals, aborts) are still metered: they are the adapter's."""
+        if self.meter.on and not self._busy_ns:
+            self._busy_ns = now_ns - self._t0
 
     def _verdict(self) -> None:
         n, hook, step = self._win
