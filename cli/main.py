@@ -216,7 +216,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                       collectors=[nvml, host, *scrapers], sample_interval_s=args.sample_s, read_api=api, findings=diagnose,
                       token=token, memory_budget_bytes=int(args.memory_budget_mib * 2**20),
                       max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
-                      frame_timeout_s=args.frame_timeout_s, read_memory_mib=args.read_memory_mib)
+                      frame_timeout_s=args.frame_timeout_s, read_memory_mib=args.read_memory_mib,
+                      store_threads=args.store_threads)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 

@@ -115,7 +115,8 @@ class Sidecar:
                                     health=lambda: _jsonable(vars(self.stats)), findings=self._findings,
                                     live=lambda: liveness(self), ready=lambda: readiness(self, self.checks))
         created = not os.path.exists(self.db_path)
-        self.store = Store(self.db_path, read_memory_limit=f"{self.limits.read_memory_mib}MB")
+        self.store = Store(self.db_path, read_memory_limit=f"{self.limits.read_memory_mib}MB",
+                           threads=self.limits.store_threads)
         self.store.defer_sources = True
         self.writer = Writer(self.store, self.stats, self.limits, self._budget, self._committed,
                              self.fanout if self.sinks else None)

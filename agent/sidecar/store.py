@@ -85,7 +85,7 @@ class Store:
     """A DuckDB file opened read-write, with the phasescope schema."""
 
     def __init__(self, path: str, memory_limit: str | None = "48MB", read_memory_limit: str | None = "512MB",
-                 read_timeout_s: float = 60.0, temp_limit: str = "2GiB") -> None:
+                 read_timeout_s: float = 60.0, temp_limit: str = "2GiB", threads: int | None = 2) -> None:
         """`memory_limit`: DuckDB's buffer pool in this process while only the writer works (it spills
         beyond it); None: DuckDB's default (80% of RAM), which lets the sidecar's RSS grow with the data it
         has written. `read_memory_limit`: the pool while a read (`reading()`) runs; None: no change.
@@ -103,12 +103,19 @@ class Store:
         RSS back from 400 to 202 MiB in 12 ms at 10M steps).
 
         `read_timeout_s`: a read still running after this long is interrupted (duckdb.InterruptException);
+        `threads`: DuckDB's worker threads (None: one per core, DuckDB's default). The sidecar shares its node
+        with the inference server, whose engine loop is one busy thread per process: a store that took every core
+        for an insert or a fold would take them from it. 2 by default (writes are one thread; reads and folds
+        take two).
         `temp_limit`: what DuckDB may spill to its temp folder (`<file>.tmp`) at most, for all reads
         together (past it a read fails with duckdb.OutOfMemoryException). No data, however odd, can make
         a read of the live store run or spill without bound."""
         self.path = path
         self.reads = Reads(self.cursor, self._set_memory_limit, memory_limit, read_memory_limit, read_timeout_s)
         self.temp_limit = temp_limit
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        self.threads = threads
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
         self._src_lock = threading.Lock()  # ids and pending rows of new sources
         self.rows_written = 0
@@ -128,6 +135,8 @@ class Store:
             limit = self.reads.limit()
             if limit:
                 self._set_memory_limit(limit)
+            if self.threads is not None:
+                self._ctl.execute(f"SET threads = {int(self.threads)}")
             self._ctl.execute(f"SET temp_directory = '{path}.tmp'")
             self._ctl.execute(f"SET max_temp_directory_size = '{self.temp_limit}'")
             self._init_schema()

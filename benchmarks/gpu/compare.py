@@ -177,8 +177,31 @@ def _boot_ci(xs: list[float], stat: Any = statistics.median, n: int = 4000, seed
     return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
 
 
+def _pair(pairs: list[dict], a: str, b: str) -> dict:
+    """Throughput loss of condition `a` against `b` (1 - tok/s a / tok/s b) and the p50 step-period change, per
+    paired round, median with a 95% bootstrap CI (and the mean with a t interval)."""
+    loss = [1 - (p[a]["tokens"] / p[a]["wall_s"]) / (p[b]["tokens"] / p[b]["wall_s"]) for p in pairs]
+    dstep = [p[a]["p50_step_ms"] / p[b]["p50_step_ms"] - 1 for p in pairs]
+    mean, sd = statistics.mean(loss), statistics.stdev(loss) if len(loss) > 1 else math.nan
+    t = 2.0 if len(loss) < 30 else 1.96  # ~t(0.975) for 20+ pairs
+    return {
+        "pairs": len(pairs),
+        "throughput_tok_s_median": [round(statistics.median(p[c]["tokens"] / p[c]["wall_s"] for p in pairs), 1)
+                                    for c in (a, b)],
+        "throughput_loss_median": round(statistics.median(loss), 5),
+        "throughput_loss_median_ci95": [round(x, 5) for x in _boot_ci(loss)],
+        "throughput_loss_mean": round(mean, 5),
+        "throughput_loss_mean_ci95": [round(mean - t * sd / math.sqrt(len(loss)), 5),
+                                      round(mean + t * sd / math.sqrt(len(loss)), 5)],
+        "p50_step_ms_median": [round(statistics.median(p[c]["p50_step_ms"] for p in pairs), 4) for c in (a, b)],
+        "p50_step_change_median": round(statistics.median(dstep), 5),
+        "p50_step_change_median_ci95": [round(x, 5) for x in _boot_ci(dstep)],
+    }
+
+
 def cost(child: dict) -> dict:
-    """Per batch size: paired rounds (A armed, B not): throughput loss and p50 step-period change, with 95% CIs."""
+    """Per batch size, over paired rounds: A (phasescope armed) and C (vLLM's own stats, where run) against B
+    (plain): throughput loss and p50 step-period change, with 95% CIs."""
     rows = child.get("rows") or []
     out: dict = {"rounds": child.get("rounds"), "armed": child.get("armed")}
     for bs in sorted({r["bs"] for r in rows}):
@@ -186,27 +209,12 @@ def cost(child: dict) -> dict:
         for r in rows:
             if r["bs"] == bs:
                 by.setdefault(r["round"], {})[r["cond"]] = r
-        pairs = [v for v in by.values() if "A" in v and "B" in v]
-        loss = [1 - (p["A"]["tokens"] / p["A"]["wall_s"]) / (p["B"]["tokens"] / p["B"]["wall_s"]) for p in pairs]
-        dstep = [p["A"]["p50_step_ms"] / p["B"]["p50_step_ms"] - 1 for p in pairs]
-        thr_a = [p["A"]["tokens"] / p["A"]["wall_s"] for p in pairs]
-        thr_b = [p["B"]["tokens"] / p["B"]["wall_s"] for p in pairs]
-        mean, sd = statistics.mean(loss), statistics.stdev(loss) if len(loss) > 1 else math.nan
-        t = 2.0 if len(loss) < 30 else 1.96  # ~t(0.975) for 20+ pairs
-        out[f"bs{bs}"] = {
-            "pairs": len(pairs),
-            "throughput_tok_s_armed_median": round(statistics.median(thr_a), 1),
-            "throughput_tok_s_plain_median": round(statistics.median(thr_b), 1),
-            "throughput_loss_median": round(statistics.median(loss), 5),
-            "throughput_loss_median_ci95": [round(x, 5) for x in _boot_ci(loss)],
-            "throughput_loss_mean": round(mean, 5),
-            "throughput_loss_mean_ci95": [round(mean - t * sd / math.sqrt(len(loss)), 5),
-                                          round(mean + t * sd / math.sqrt(len(loss)), 5)],
-            "p50_step_ms_armed_median": round(statistics.median(p["A"]["p50_step_ms"] for p in pairs), 4),
-            "p50_step_ms_plain_median": round(statistics.median(p["B"]["p50_step_ms"] for p in pairs), 4),
-            "p50_step_change_median": round(statistics.median(dstep), 5),
-            "p50_step_change_median_ci95": [round(x, 5) for x in _boot_ci(dstep)],
-        }
+        row: dict = {}
+        for cond, name in (("A", "armed_vs_plain"), ("C", "stats_vs_plain")):
+            pairs = [v for v in by.values() if cond in v and "B" in v]
+            if pairs:
+                row[name] = _pair(pairs, cond, "B")
+        out[f"bs{bs}"] = row
     return out
 
 

@@ -39,15 +39,18 @@ def timing_rows(ph: dict) -> list[str]:
 
 
 def cost_rows(c: dict) -> list[str]:
+    """One row per batch and pair (armed vs plain, vLLM's stats vs plain)."""
     rows = []
-    for bs in ("bs1", "bs8", "bs64"):
-        s = c.get(bs)
-        if s:
-            rows.append(f"| {bs[2:]} | {s['throughput_tok_s_armed_median']:.0f} | {s['throughput_tok_s_plain_median']:.0f}"
-                        f" | {_pct(s['throughput_loss_median'])} {_ci(s['throughput_loss_median_ci95'])} | "
-                        f"{_pct(s['throughput_loss_mean'])} {_ci(s['throughput_loss_mean_ci95'])} | "
-                        f"{s['p50_step_ms_armed_median']:.3f} / {s['p50_step_ms_plain_median']:.3f} | "
-                        f"{_pct(s['p50_step_change_median'])} {_ci(s['p50_step_change_median_ci95'])} |")
+    for bs in sorted((k for k in c if k.startswith("bs")), key=lambda k: int(k[2:])):
+        for name, label in (("armed_vs_plain", "phasescope armed"), ("stats_vs_plain", "vLLM's own stats")):
+            s = c[bs].get(name)
+            if s:
+                tok = s["throughput_tok_s_median"]
+                step = s["p50_step_ms_median"]
+                rows.append(f"| {bs[2:]} | {label} | {tok[0]:.0f} / {tok[1]:.0f} | {_pct(s['throughput_loss_median'])} "
+                            f"{_ci(s['throughput_loss_median_ci95'])} | {_pct(s['throughput_loss_mean'])} "
+                            f"{_ci(s['throughput_loss_mean_ci95'])} | {step[0]:.3f} / {step[1]:.3f} | "
+                            f"{_pct(s['p50_step_change_median'])} {_ci(s['p50_step_change_median_ci95'])} |")
     return rows
 
 
@@ -98,11 +101,11 @@ def tables(name: str, res: dict) -> str:
                 "abs µs p50 | within 2% |", "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     c = (ph.get("cost", {}).get("compare") or {}).get("cost")
     if c:
-        out += [f"Cost: an armed and a plain engine in one process serving identical blocks alternately (ABBA), "
-                f"{c['rounds']} rounds, 256 output tokens per request; 95% intervals (bootstrap of the median, "
-                "t of the mean)", "",
-                "| batch | tok/s armed | tok/s plain | throughput loss, median [CI] | mean [CI] | "
-                "p50 step ms armed / plain | p50 step change, median [CI] |", "|---|---|---|---|---|---|---|",
+        out += [f"Cost: three engines in one process (phasescope armed, plain, vLLM's own stats) serving identical "
+                f"blocks, the order alternating by round, {c['rounds']} rounds, 256 output tokens per request; 95% "
+                "intervals (bootstrap of the median, t of the mean)", "",
+                "| batch | condition vs plain | tok/s it / plain | throughput loss, median [CI] | mean [CI] | "
+                "p50 step ms it / plain | p50 step change, median [CI] |", "|---|---|---|---|---|---|---|",
                 *cost_rows(c)]
         labels = (ph["cost"]["compare"].get("probe") or {}).get("engine_labels") or {}
         if labels.get("kv_snapshot_mean_us"):

@@ -41,7 +41,7 @@ RESULT_TAG = "H200_RESULT "
 _LLMS: list = []  # the child's engines, shut down after the result is written
 
 # phase -> (seconds it may take at most, seconds it needs at least to be worth starting)
-PHASE_TIME = {"truth": (240, 120), "cost": (300, 150), "pressure": (150, 80), "interference": (150, 80)}
+PHASE_TIME = {"truth": (240, 120), "cost": (450, 150), "pressure": (150, 80), "interference": (150, 80)}
 
 
 # --- child side: runs vLLM ------------------------------------------------------------------------
@@ -158,38 +158,42 @@ def _timed_block(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_tokens: int) -> dict:
-    """Two engines, armed (A) and not (B), identical blocks alternately, ABBA by round."""
+    """Three engines of one setup: phasescope armed (A, vLLM's stats off), plain (B, both off) and vLLM's own
+    stats (C, `disable_log_stats=False`, the `vllm serve` default; phasescope off); identical blocks, the order
+    A B C / C B A alternating by round."""
     import vllm_ref
     from vllm import LLM
 
-    util = {} if cpu else dict(gpu_memory_utilization=0.30)
+    util = {} if cpu else dict(gpu_memory_utilization=0.25)
     t0 = time.monotonic()
     llm_a = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))  # PHASESCOPE_AGENT is set
-    del os.environ["PHASESCOPE_AGENT"]  # B's EngineCore (spawned) starts with the plugin off
+    del os.environ["PHASESCOPE_AGENT"]  # B's and C's EngineCores (spawned) start with the plugin off
     llm_b = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))
+    llm_c = LLM(**_engine_args(model, cpu, disable_log_stats=False, **util))
+    engines = {"A": llm_a, "B": llm_b, "C": llm_c}
     res: dict = {"engine_start_s": round(time.monotonic() - t0, 1),
-                 "armed": {"A": _rpc(llm_a, vllm_ref.armed), "B": _rpc(llm_b, vllm_ref.armed)}}
+                 "armed": {k: _rpc(v, vllm_ref.armed) for k, v in engines.items()}}
     rng = random.Random(2)
-    for bs in batches:  # warm-up: one block of each size on both
+    for bs in batches:  # warm-up: one block of each size on each
         p = _prompts(rng, bs, 32)
-        _timed_block(llm_a, p, 16)
-        _timed_block(llm_b, p, 16)
+        for llm in engines.values():
+            _timed_block(llm, p, 16)
     rows = []
     t_end = time.monotonic() + budget_s
     r = 0
     while time.monotonic() < t_end or r < 4:
         for bs in batches:
             p = _prompts(rng, bs, 32)
-            order = ("A", "B") if r % 2 == 0 else ("B", "A")
+            order = ("A", "B", "C") if r % 2 == 0 else ("C", "B", "A")
             for cond in order:
-                row = _timed_block(llm_a if cond == "A" else llm_b, p, max_tokens)
+                row = _timed_block(engines[cond], p, max_tokens)
                 rows.append(dict(row, round=r, bs=bs, cond=cond))
         r += 1
         if r >= 60:
             break
     res["rows"] = rows
     res["rounds"] = r
-    _LLMS.extend((llm_a, llm_b))
+    _LLMS.extend(engines.values())
     return res
 
 
@@ -246,6 +250,9 @@ def child_main(a: argparse.Namespace) -> None:
 def _agent(db: str, sock: str) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "import sys; from phasescope.cli.main import main; sys.exit(main())",
            "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api", "--no-metrics", "--sample-s", "1.0"]
+    cpus = os.environ.get("PHASESCOPE_BENCH_AGENT_CPUS")  # e.g. "14-15": the sidecar kept off the server's cores
+    if cpus:
+        cmd = ["taskset", "-c", cpus] + cmd
     proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
     t0 = time.monotonic()
     while not os.path.exists(sock):
