@@ -425,8 +425,9 @@ class AgentSettings:
     read_memory_mib: int = setting(512, "DuckDB memory while a read-API query or retention roll runs; exact "
                                         "percentiles over 10M steps need ~250 MiB (the writer alone stays within "
                                         "48 MB)", unit="MiB", lo=1, hi=1 << 22)
-    store_threads: int = setting(2, "DuckDB worker threads of the store (writes, folds, reads): the node's other "
-                                    "cores stay the inference server's", lo=1, hi=1024)
+    store_threads: int | None = setting(None, "DuckDB worker threads of the store (writes, folds, reads); a cap keeps "
+                                                "them off the inference server's cores, folds get slower",
+                                         shown="one per core", lo=1, hi=1024)
     max_connections: int = setting(256, "probe connections at once", lo=1, hi=1_000_000)
     idle_timeout_s: float = setting(120.0, "close a probe connection silent this long", unit="s", lo=0,
                                     lo_open=True, hi=7 * 86400)

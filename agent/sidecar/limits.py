@@ -29,7 +29,7 @@ class SidecarLimits:
     at most; past them the sinks miss records (counted), ingestion never waits for a sink;
     `read_memory_mib`: DuckDB's memory limit while a read-API query or a retention roll runs
     (`Store.reading`; the writer alone keeps 48 MB);
-    `store_threads`: DuckDB's worker threads (`Store`: the server's cores are not the store's)."""
+    `store_threads`: DuckDB's worker threads (`Store`; None: one per core)."""
 
     memory_budget_bytes: int = 32 << 20
     partial_budget_bytes: int = 16 << 20
@@ -45,7 +45,7 @@ class SidecarLimits:
     sink_queue_batches: int = 64
     sink_budget_bytes: int = 32 << 20
     read_memory_mib: int = 512
-    store_threads: int = 2
+    store_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.batch_interval_s <= 0 or self.checkpoint_interval_s <= 0:
@@ -58,7 +58,7 @@ class SidecarLimits:
             raise ValueError("max_unverified >= 1 and handshake_timeout_s > 0")
         if self.sink_queue_batches < 1 or self.sink_budget_bytes < 1 or self.read_memory_mib < 1:
             raise ValueError("sink_queue_batches, sink_budget_bytes and read_memory_mib must be >= 1")
-        if self.store_threads < 1:
-            raise ValueError("store_threads must be >= 1")
+        if self.store_threads is not None and self.store_threads < 1:
+            raise ValueError("store_threads must be >= 1 or None")
         if self.write_start_rows < 1 or self.write_threshold_bytes < 1:
             raise ValueError("write_start_rows and write_threshold_bytes must be >= 1")

@@ -85,7 +85,7 @@ class Store:
     """A DuckDB file opened read-write, with the phasescope schema."""
 
     def __init__(self, path: str, memory_limit: str | None = "48MB", read_memory_limit: str | None = "512MB",
-                 read_timeout_s: float = 60.0, temp_limit: str = "2GiB", threads: int | None = 2) -> None:
+                 read_timeout_s: float = 60.0, temp_limit: str = "2GiB", threads: int | None = None) -> None:
         """`memory_limit`: DuckDB's buffer pool in this process while only the writer works (it spills
         beyond it); None: DuckDB's default (80% of RAM), which lets the sidecar's RSS grow with the data it
         has written. `read_memory_limit`: the pool while a read (`reading()`) runs; None: no change.
@@ -104,9 +104,10 @@ class Store:
 
         `read_timeout_s`: a read still running after this long is interrupted (duckdb.InterruptException);
         `threads`: DuckDB's worker threads (None: one per core, DuckDB's default). The sidecar shares its node
-        with the inference server, whose engine loop is one busy thread per process: a store that took every core
-        for an insert or a fold would take them from it. 2 by default (writes are one thread; reads and folds
-        take two).
+        with the inference server, whose engine loop is one busy thread per process; a cap keeps the store's
+        inserts and folds off the server's cores, at the price of slower folds (which hold the writer). Not
+        capped by default: on one H100 the capped run (2) was too noisy to say which way it moved the server's
+        throughput (benchmarks/results/vllm_gpu_ab.md).
         `temp_limit`: what DuckDB may spill to its temp folder (`<file>.tmp`) at most, for all reads
         together (past it a read fails with duckdb.OutOfMemoryException). No data, however odd, can make
         a read of the live store run or spill without bound."""
