@@ -1,5 +1,11 @@
 """Today's SQL (before issue 30): the reference the new reads must equal.
 
+One change since, by definition: a token's time is the engine's output stamp (issue 27: a token event's ts_ns less
+its `cached_tokens` lead in us), in the `itl` view, the ITL histogram and the ITL tail's gaps alike. The fixtures
+recorded before a frontend stamped leads (all but healthy-vllm-h100) have leads of 0, where both clocks agree; the
+H100 run's 276,624 token events all carry one (up to 6.5 ms), and the receive-time text then differed (ITL p50
+4.2355 against 4.2295 ms).
+
 Each string is the query it was, verbatim, over the views it had: `reference_views(con)` puts today's
 `request_log`, `requests` and `itl` on a connection as temp views, which hide the store's own
 (temp objects come first in DuckDB's search path), so these strings run unchanged. Two are not verbatim:
@@ -95,7 +101,7 @@ LOWEST_RANK_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s 
 ITL_GAPS = f"""st AS ({LOWEST_RANK_STEPS}),
     ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns, ms AS step_ms, prefill_tokens, decode_tokens,
                     row_number() OVER (ORDER BY ts_ns, step_id) AS step_no FROM st),
-    tok AS (SELECT request_id, ts_ns, tokens FROM request_log
+    tok AS (SELECT request_id, ts_ns - 1000 * cached_tokens AS ts_ns, tokens FROM request_log
             WHERE run_id = $run AND event = 'token' AND tokens > 0),
     ts AS (SELECT t.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens
            FROM tok t ASOF LEFT JOIN ends e ON t.ts_ns >= e.end_ns),
@@ -200,7 +206,8 @@ def latency_histogram_sql(metric: str) -> str:
     """Today's latency_histogram SQL for one run ($run_id, $bins); the ITL one sampled requests above 1M
     token events (never in the fixtures: k = 1)."""
     if metric == "itl":
-        src = """(SELECT s.run_id, (s.ts_ns - lag(s.ts_ns) OVER w) / 1e9 / s.tokens AS itl_s
+        src = """(SELECT s.run_id, (s.ts_ns - 1000 * s.cached_tokens - lag(s.ts_ns - 1000 * s.cached_tokens) OVER w)
+                          / 1e9 / s.tokens AS itl_s
                    FROM request_log s, range(s.tokens) AS k(i)
                    WHERE s.event = 'token' AND s.tokens > 0 AND hash(s.runtime_request_id) % 1 = 0 AND s.run_id = $run_id
                    WINDOW w AS (PARTITION BY s.run_id, s.request_id ORDER BY s.ts_ns))"""

@@ -248,7 +248,8 @@ def child_main(a: argparse.Namespace) -> None:
 # --- parent side: sidecar, child, comparison ------------------------------------------------------
 
 def _agent(db: str, sock: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "import sys; from phasescope.cli.main import main; sys.exit(main())",
+    exe = os.environ.get("PHASESCOPE_BENCH_AGENT_PYTHON", sys.executable)  # a local --cpu check: the project's
+    cmd = [exe, "-c", "import sys; from phasescope.cli.main import main; sys.exit(main())",
            "agent", "--db", db, "--listen", f"unix:{sock}", "--no-api", "--no-metrics", "--sample-s", "1.0"]
     cpus = os.environ.get("PHASESCOPE_BENCH_AGENT_CPUS")  # e.g. "14-15": the sidecar kept off the server's cores
     if cpus:

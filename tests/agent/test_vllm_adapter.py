@@ -4,6 +4,8 @@ PHASESCOPE_AGENT. The real-vLLM checks are in test_vllm_integration.py."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from phasescope.agent.records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
@@ -538,3 +540,44 @@ def test_budget_share_is_over_busy_time_not_the_gaps_between_steps():
 
     assert run(0, True) == run(50_000_000, True) == [1, 2]
     assert run(50_000_000, False) == []  # without end(): the gaps dilute the share under the budget
+
+
+def test_attention_backend_read_inside_vllm_config_context(monkeypatch):
+    """vLLM 0.24's FlashAttention reads its kernel block sizes from vLLM's *current* config, which is unset where
+    the worker hooks run (one H100 run: `attention_backend` counted missing, `Current vLLM config is not set`): the
+    read runs inside `set_current_vllm_config(cfg)`, and a config already current is left alone."""
+    import contextlib
+    import types
+
+    from phasescope.agent.probe.adapters.vllm import worker as vllm_worker
+
+    current = [None]
+
+    @contextlib.contextmanager
+    def set_current_vllm_config(cfg):
+        old, current[0] = current[0], cfg
+        try:
+            yield
+        finally:
+            current[0] = old
+
+    fake = types.ModuleType("vllm.config")
+    fake.get_current_vllm_config_or_none = lambda: current[0]
+    fake.set_current_vllm_config = set_current_vllm_config
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.config", fake)
+
+    def block_sizes():
+        if current[0] is None:
+            raise AssertionError("Current vLLM config is not set")
+        return [16, 32] if current[0] == "cfg" else [64]
+
+    with vllm_worker._config_context("cfg"):
+        assert block_sizes() == [16, 32]
+    assert current[0] is None  # put back
+    current[0] = "theirs"
+    with vllm_worker._config_context("cfg"):
+        assert block_sizes() == [64]  # vLLM's own context untouched
+    monkeypatch.setitem(sys.modules, "vllm.config", None)  # a vLLM without it: a no-op
+    with vllm_worker._config_context("cfg"):
+        pass

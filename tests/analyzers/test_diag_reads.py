@@ -252,7 +252,10 @@ def test_itl_causes_are_read_only_for_a_spike(scenario, name):
         rec = _Recorder(con)
         got = ritl.attribution(rec, run, min_spike_ratio=r)
         spike = bool(full["itl_p50_ms"]) and full["itl_p99_ms"] / full["itl_p50_ms"] >= r
-        assert got == (full if spike else {k: full[k] for k in ("itl_samples", "itl_p50_ms", "itl_p99_ms", "gaps")})
+        # equal to the last bits but for sums DuckDB adds in parallel, in an order of its own (the H100 run's
+        # 275k samples: a tail excess that differed in its 16th digit between two identical reads)
+        want = full if spike else {k: full[k] for k in ("itl_samples", "itl_p50_ms", "itl_p99_ms", "gaps")}
+        same(got, want, name)
         assert any(ritl.ITL_TAIL_SQL in s for s in rec.sql) == spike, (name, r)
     rec = _Recorder(con)
     assert itl.itl_spikes(rec, run, itl_spike_ratio=float("inf")) == []

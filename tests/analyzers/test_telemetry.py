@@ -145,6 +145,7 @@ def test_a_lowered_detail_is_named_with_what_is_off_and_why(tmp_path):
     assert set(f) == {"telemetry-detail-lowered"}
     assert f["telemetry-detail-lowered"].evidence["detail_lowered"] == why
     assert f["telemetry-detail-lowered"].evidence["budget_share"] == "0.005"
+    assert f["telemetry-detail-lowered"].severity == "info"  # the budget at work, said; no fault of the server's
     path2 = str(tmp_path / "n.duckdb")
     build(path2, [step(i, i * S // 10) for i in range(10)] + [RunLabel(0, "vllm_adapter_budget", "0.005")])
     assert "telemetry-detail-lowered" not in findings(path2)

@@ -53,6 +53,21 @@ def _shape(n_pre: int, n_dec: int, pre: int, dec: int, ctx: int) -> StepShape:
     return StepShape(phase, n_pre + n_dec, pre, dec, ctx)
 
 
+def _config_context(cfg: Any) -> Any:
+    """vLLM's `set_current_vllm_config(cfg)` where no config is current (the worker's hooks are installed outside
+    vLLM's own context, where 0.24's attention backends read theirs); a no-op context otherwise or where this vLLM
+    has none."""
+    import contextlib
+
+    try:
+        from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config
+    except ImportError:
+        return contextlib.nullcontext()
+    if get_current_vllm_config_or_none() is not None:
+        return contextlib.nullcontext()
+    return set_current_vllm_config(cfg)
+
+
 class StepShaper:
     """Token counts of SchedulerOutputs, identical on every rank, in O(requests admitted or prefilling)."""
 
@@ -174,8 +189,9 @@ class WorkerHooks:
             dtypes = [str(d) for d in getattr(backend, "supported_kv_cache_dtypes", ())]
             if backend.get_name() == "CPU_ATTN" and not _cpu_has_fp8_kv():
                 dtypes = [d for d in dtypes if not d.startswith("fp8")]
-            self.probe.label(vllm_attention_backend=backend.get_name(),
-                             vllm_block_sizes=block_size_rule(backend.get_supported_kernel_block_sizes()),
+            with _config_context(cfg):  # vLLM 0.24's FlashAttention reads its block sizes from the current config
+                sizes = backend.get_supported_kernel_block_sizes()
+            self.probe.label(vllm_attention_backend=backend.get_name(), vllm_block_sizes=block_size_rule(sizes),
                              vllm_kv_cache_dtypes=",".join(dtypes)[:96])
         except Exception as exc:  # noqa: BLE001 - labels are optional: the analyzers fall back to their table
             fail("attention_backend", exc)
