@@ -184,7 +184,8 @@ class EngineHooks:
             if self.kv is not None and self.steps % self.kv_every == 0:
                 self.snapshot(now)
         self._emit_prefix(now)
-        self.budget.end(time.monotonic_ns())
+        if self.meter.on:  # a measured step: its busy time ends here (the output's stamp, read above)
+            self.budget.end(now)
 
     def _finished(self, ts: int, rid: str, aborted: bool, cancelled: bool = False) -> None:
         if rid not in self.out_tokens:
