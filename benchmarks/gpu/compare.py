@@ -196,6 +196,10 @@ def _pair(pairs: list[dict], a: str, b: str) -> dict:
         "p50_step_ms_median": [round(statistics.median(p[c]["p50_step_ms"] for p in pairs), 4) for c in (a, b)],
         "p50_step_change_median": round(statistics.median(dstep), 5),
         "p50_step_change_median_ci95": [round(x, 5) for x in _boot_ci(dstep)],
+        # CPU per engine step (ms) of the frontend process and of the EngineCore serving the block, where recorded
+        "cpu_ms_per_step_median": {side: [round(statistics.median(p[c][f"{side}_cpu_s"] / max(p[c]["steps"], 1) * 1e3
+                                                                  for p in pairs), 4) for c in (a, b)]
+                                   for side in ("frontend", "engines") if all(f"{side}_cpu_s" in p[a] for p in pairs)},
     }
 
 

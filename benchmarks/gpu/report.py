@@ -38,6 +38,12 @@ def timing_rows(ph: dict) -> list[str]:
     return rows
 
 
+def _cpu(cpu: dict) -> str:
+    """CPU ms per step, condition / plain, of the EngineCore and the frontend ("-" where not recorded)."""
+    parts = [f"{side} {v[0]:.3f} / {v[1]:.3f}" for side, v in cpu.items()]
+    return "; ".join(parts) or "-"
+
+
 def cost_rows(c: dict) -> list[str]:
     """One row per batch and pair (armed vs plain, vLLM's stats vs plain)."""
     rows = []
@@ -50,7 +56,8 @@ def cost_rows(c: dict) -> list[str]:
                 rows.append(f"| {bs[2:]} | {label} | {tok[0]:.0f} / {tok[1]:.0f} | {_pct(s['throughput_loss_median'])} "
                             f"{_ci(s['throughput_loss_median_ci95'])} | {_pct(s['throughput_loss_mean'])} "
                             f"{_ci(s['throughput_loss_mean_ci95'])} | {step[0]:.3f} / {step[1]:.3f} | "
-                            f"{_pct(s['p50_step_change_median'])} {_ci(s['p50_step_change_median_ci95'])} |")
+                            f"{_pct(s['p50_step_change_median'])} {_ci(s['p50_step_change_median_ci95'])} | "
+                            f"{_cpu(s.get('cpu_ms_per_step_median') or {})} |")
     return rows
 
 
@@ -105,7 +112,8 @@ def tables(name: str, res: dict) -> str:
                 f"blocks, the order alternating by round, {c['rounds']} rounds, 256 output tokens per request; 95% "
                 "intervals (bootstrap of the median, t of the mean)", "",
                 "| batch | condition vs plain | tok/s it / plain | throughput loss, median [CI] | mean [CI] | "
-                "p50 step ms it / plain | p50 step change, median [CI] |", "|---|---|---|---|---|---|---|",
+                "p50 step ms it / plain | p50 step change, median [CI] | CPU ms per step it / plain |",
+                "|---|---|---|---|---|---|---|---|",
                 *cost_rows(c)]
         labels = (ph["cost"]["compare"].get("probe") or {}).get("engine_labels") or {}
         if labels.get("kv_snapshot_mean_us"):
