@@ -10,7 +10,9 @@ and live tokens are kept by wrappers whose work is O(1) per call:
   for the prefix table and the sampled page lifecycles, are read off the free queue's head only when an eviction
   is certain: vLLM keeps unhashed free pages ahead of hashed ones);
 - `kv_cache_manager.free(request)`: the request's computed tokens leave the live sum.
-Live tokens = Σ computed tokens of the requests holding pages - P x (references - used pages): a page shared by k
+Each method gets one wrapper (`_install`): the counts inline around vLLM's call, made once; per-page work (the
+eviction peek, the sampled lifecycles) only while page lifecycles or the prefix table are on (the budget's levels 1
+and 3 turn them off). Live tokens = Σ computed tokens of the requests holding pages - P x (references - used pages): a page shared by k
 requests is counted once. `allocated_total - freed_total = used` holds on every snapshot.
 
 The walk (`walk`, O(used pages)) recomputes everything from the block tables; where the kept figures differ, the
@@ -27,7 +29,7 @@ from typing import Any, Callable
 from ....records.events import KVSnapshot
 from ....records.kvmath import PageStats, largest_gap
 from ...pagetrack import PageLife, PrefixTable
-from .common import Meter, fail, wrap
+from .common import Meter, fail
 
 _perf = time.perf_counter_ns
 ENV_PAGE_SAMPLE = "PHASESCOPE_PAGE_SAMPLE_EVERY"  # follow one KV page id in N (0: no PageEvents; default ~1024 pages)
@@ -63,99 +65,48 @@ class KvAccount:
         self.free_run = self.total
         self.walks = 0
         self.recount_off = 0
-        self._f0 = 0
-        self._h0 = 0
-        self._peek: list = []
         self._meter = meter
         self._probe_ref = probe_ref
-        self._fast(self.pool, "get_new_blocks", self._after_new, self._before_new, self._fast_new)
-        self._fast(self.pool, "touch", self._after_touch, self._before_touch, self._fast_touch)
-        self._fast(self.pool, "free_blocks", self._after_free, self._before_free, self._fast_free)
-        wrap(self.free_queue, "append_n", None, probe_ref, before=self._before_append, meter=meter, part="kv_pool")
-        wrap(kvm, "free", None, probe_ref, before=self._before_request_free, meter=meter, part="kv_pool")
+        self._install(self.pool, "get_new_blocks", self._hook_new)
+        self._install(self.pool, "touch", self._hook_touch)
+        self._install(self.pool, "free_blocks", self._hook_free)
+        self._install(self.free_queue, "append_n", self._hook_append)
+        self._install(kvm, "free", self._hook_request_free)
 
-    def _fast(self, obj: Any, name: str, after: Callable, before: Callable, fast: Callable) -> None:
-        """Wrap `obj.name` twice over: the guarded, self-timed `wrap` (common.py) around `before`/`after`, taken
-        while page lifecycles or the prefix table need the pages themselves; else `fast(original, *args)`, the
-        counts alone in one Python frame (no per-page work; self-timed on a measured step too)."""
-        holder = type("_Holder", (), {})()
+    def _install(self, obj: Any, name: str, hook: Callable[..., Any]) -> None:
+        """Replace `obj.name` by `hook(original, *args)`: the counts in one Python frame around vLLM's call, made
+        exactly once; the hooks guard their own work, never vLLM's. On a measured step (Meter) the hook's time less
+        vLLM's call is added to the meter's "kv_pool". A call with keywords (not vLLM's way) goes to vLLM unhooked
+        and is counted as a probe error. A method this vLLM lacks: counted, not hooked."""
         try:
             original = getattr(obj, name)
         except AttributeError as exc:
             fail(name, exc)
             return
-        setattr(holder, name, original)
-        if not wrap(holder, name, after, self._probe_ref, before=before, meter=self._meter, part="kv_pool"):
-            return
-        slow, meter = getattr(holder, name), self._meter
+        meter = self._meter
 
         def hooked(*args: Any, **kw: Any) -> Any:
-            if self.life is not None or self.table is not None or kw:
-                return slow(*args, **kw)
-            return fast(original, *args)
+            if kw or not args:
+                self._error(TypeError(f"{name} called with keywords: not counted"))
+                return original(*args, **kw)
+            if not meter.on:
+                return hook(original, *args)
+            inner = [0]
+
+            def timed(*a: Any) -> Any:
+                t = _perf()
+                try:
+                    return original(*a)
+                finally:
+                    inner[0] += _perf() - t
+
+            t0 = _perf()
+            result = hook(timed, *args)
+            meter.ns["kv_pool"] += _perf() - t0 - inner[0]
+            return result
 
         hooked.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(obj, name, hooked)
-
-    # the fast paths: counts only (see `_fast`); vLLM's call is made exactly once, outside the guard; on a
-    # measured step (Meter) the time before and after it is added to the meter's "kv_pool"
-    def _fast_new(self, original: Callable, n: int, *a: Any) -> Any:
-        timed = self._meter.on
-        t0 = _perf() if timed else 0
-        h0 = self._hashes()
-        spent = _perf() - t0 if timed else 0
-        blocks = original(n, *a)
-        t1 = _perf() if timed else 0
-        try:
-            gone = h0 - self._hashes()  # cached pages popped from the free queue are evicted
-            self.allocated += n
-            self.refs += n
-            if gone > 0:
-                self.evicted += gone
-                self.cached -= gone
-        except Exception as exc:  # noqa: BLE001 - never into vLLM
-            self._error(exc)
-        if timed:
-            self._meter.ns["kv_pool"] += spent + _perf() - t1
-        return blocks
-
-    def _fast_touch(self, original: Callable, blocks: Any, *a: Any) -> Any:
-        timed = self._meter.on
-        t0 = _perf() if timed else 0
-        f0 = self.free_queue.num_free_blocks
-        spent = _perf() - t0 if timed else 0
-        result = original(blocks, *a)
-        t1 = _perf() if timed else 0
-        try:
-            taken = f0 - self.free_queue.num_free_blocks  # cached pages a prefix hit took back
-            self.allocated += taken
-            self.cached -= taken
-            self.refs += len(blocks)
-        except Exception as exc:  # noqa: BLE001
-            self._error(exc)
-        if timed:
-            self._meter.ns["kv_pool"] += spent + _perf() - t1
-        return result
-
-    def _fast_free(self, original: Callable, ordered: Any, *a: Any) -> Any:
-        timed = self._meter.on
-        t0 = _perf() if timed else 0
-        n = operator.length_hint(ordered, -1)  # vLLM passes reversed(list): its length costs nothing
-        if n < 0:  # an iterator that cannot say: copy it, so that vLLM still sees every page
-            ordered = list(ordered)
-            n = sum(1 for b in ordered if not getattr(b, "is_null", False))
-        f0 = self.free_queue.num_free_blocks
-        spent = _perf() - t0 if timed else 0
-        result = original(ordered, *a)
-        t1 = _perf() if timed else 0
-        try:
-            self.freed += self.free_queue.num_free_blocks - f0
-            self.refs -= n
-        except Exception as exc:  # noqa: BLE001
-            self._error(exc)
-        if timed:
-            self._meter.ns["kv_pool"] += spent + _perf() - t1
-        return result
 
     def _error(self, exc: BaseException) -> None:
         p = self._probe_ref()
@@ -164,87 +115,111 @@ class KvAccount:
         else:
             fail("hook", exc)
 
-    # --- counts kept by the wrappers (O(1) per call, except where page lifecycles are followed) -------------
+    # --- the hooks: O(1) counts per call; per-page work only while page lifecycles or the prefix table are on --
     def _free_count(self) -> int:
         return self.free_queue.num_free_blocks
 
-    def _before_new(self, n: int, *a: Any, **k: Any) -> None:
-        self._h0 = self._hashes()
-        if (self.table is not None or self.life is not None) and n > self._free_count() - self.cached:
-            head = getattr(self.free_queue, "fake_free_list_head", None)  # another vLLM: no peek, counts still kept
-            block = head.next_free_block if head is not None else None  # the pages vLLM pops next
-            for _ in range(n):
-                if block is None or block.next_free_block is None:  # vLLM's fake tail: the queue's end
-                    break
-                if block.block_hash is not None:
-                    self._peek.append((block.block_id, block.block_hash))
-                block = block.next_free_block
-        return None
+    def _hook_new(self, original: Callable, n: int, *a: Any) -> Any:
+        h0 = self._hashes()
+        peek = None
+        if self.table is not None or self.life is not None:
+            try:
+                peek = self._peek_evictions(n)
+            except Exception as exc:  # noqa: BLE001 - never into vLLM
+                self._error(exc)
+        blocks = original(n, *a)
+        try:
+            gone = h0 - self._hashes()  # cached pages popped from the free queue are evicted
+            self.allocated += n
+            self.refs += n
+            if gone > 0:
+                self.evicted += gone
+                self.cached -= gone
+            if peek or self.life is not None:
+                self._note_new(blocks, peek)
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+        return blocks
 
-    def _after_new(self, blocks: Any, n: int, *a: Any, **k: Any) -> None:
-        self.allocated += n
-        self.refs += n
-        gone = self._h0 - self._hashes()  # cached pages popped from the free queue are evicted
-        if gone > 0:
-            self.evicted += gone
-            self.cached -= gone
-        if self._peek or self.life is not None:
-            now = time.monotonic_ns()
-            if self._peek:
-                if self.table is not None:
-                    self.table.mark_evicted([bytes(h[:-4]) for _, h in self._peek], now)
-                if self.life is not None:
-                    self.life.evicted([i for i, _ in self._peek], now)
-                self._peek = []
+    def _peek_evictions(self, n: int) -> list[tuple[int, Any]]:
+        """(block id, hash) of the cached pages `get_new_blocks(n)` is about to evict: vLLM pops the free queue's
+        head and keeps unhashed free pages ahead of hashed ones, so there are some only when n exceeds those."""
+        out: list[tuple[int, Any]] = []
+        if n <= self._free_count() - self.cached:
+            return out
+        head = getattr(self.free_queue, "fake_free_list_head", None)  # another vLLM: no peek, counts still kept
+        block = head.next_free_block if head is not None else None
+        for _ in range(n):
+            if block is None or block.next_free_block is None:  # vLLM's fake tail: the queue's end
+                break
+            if block.block_hash is not None:
+                out.append((block.block_id, block.block_hash))
+            block = block.next_free_block
+        return out
+
+    def _note_new(self, blocks: Any, peek: list | None) -> None:
+        now = time.monotonic_ns()
+        if peek:
+            if self.table is not None:
+                self.table.mark_evicted([bytes(h[:-4]) for _, h in peek], now)
             if self.life is not None:
-                self.life.allocated([b.block_id for b in blocks], now)
-
-    def _before_touch(self, blocks: Any, *a: Any, **k: Any) -> None:
-        self._f0 = self._free_count()
+                self.life.evicted([i for i, _ in peek], now)
         if self.life is not None:
-            idle = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
-            if idle:
-                self.life.reused(idle, time.monotonic_ns())
-        return None
+            self.life.allocated([b.block_id for b in blocks], now)
 
-    def _after_touch(self, _res: Any, blocks: Any, *a: Any, **k: Any) -> None:
-        taken = self._f0 - self._free_count()  # cached pages a prefix hit took back from the free queue
-        self.allocated += taken
-        self.cached -= taken
-        self.refs += len(blocks)
-
-    def _before_free(self, ordered: Any, *a: Any, **k: Any) -> Any:
-        self._f0 = self._free_count()
-        if self.life is not None:  # vLLM passes an iterator: copy it so both see every page
-            blocks = list(ordered)
-            self._freeing = blocks
-            self.refs -= sum(1 for b in blocks if not b.is_null)
-            return (blocks, *a)
-        n = operator.length_hint(ordered, -1)  # vLLM passes reversed(list): its length costs nothing
-        if n < 0:  # an iterator that cannot say: copy it, as above
-            blocks = list(ordered)
-            self.refs -= sum(1 for b in blocks if not b.is_null)
-            return (blocks, *a)
-        self.refs -= n
-        return None
-
-    def _after_free(self, _res: Any, *a: Any, **k: Any) -> None:
-        self.freed += self._free_count() - self._f0
+    def _hook_touch(self, original: Callable, blocks: Any, *a: Any) -> Any:
+        f0 = self._free_count()
         if self.life is not None:
-            blocks, self._freeing = self._freeing, []
-            now = time.monotonic_ns()
-            idle = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
-            self.life.cached([b.block_id for b in idle if b.block_hash is not None], now)
-            self.life.freed([b.block_id for b in idle if b.block_hash is None], now)
+            try:
+                idle = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
+                if idle:
+                    self.life.reused(idle, time.monotonic_ns())
+            except Exception as exc:  # noqa: BLE001
+                self._error(exc)
+        result = original(blocks, *a)
+        try:
+            taken = f0 - self._free_count()  # cached pages a prefix hit took back from the free queue
+            self.allocated += taken
+            self.cached -= taken
+            self.refs += len(blocks)
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+        return result
 
-    def _before_append(self, blocks: Any, *a: Any, **k: Any) -> None:
+    def _hook_free(self, original: Callable, ordered: Any, *a: Any) -> Any:
+        life = self.life
+        n = -1 if life is not None else operator.length_hint(ordered, -1)  # vLLM passes reversed(list): free
+        if n < 0:  # lifecycles need the pages after the call, or an iterator that cannot say: copy it (both see all)
+            ordered = list(ordered)
+            n = sum(1 for b in ordered if not getattr(b, "is_null", False))
+        f0 = self._free_count()
+        result = original(ordered, *a)
+        try:
+            self.freed += self._free_count() - f0
+            self.refs -= n
+            if life is not None:
+                now = time.monotonic_ns()
+                idle = [b for b in ordered if b.ref_cnt == 0 and not b.is_null]
+                life.cached([b.block_id for b in idle if b.block_hash is not None], now)
+                life.freed([b.block_id for b in idle if b.block_hash is None], now)
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+        return result
+
+    def _hook_append(self, original: Callable, blocks: Any, *a: Any) -> Any:
         if self.caching:  # free_blocks appends the hashed pages it frees (they stay cached); the rest go first
-            self.cached += len(blocks)
-        return None
+            try:
+                self.cached += len(blocks)
+            except Exception as exc:  # noqa: BLE001
+                self._error(exc)
+        return original(blocks, *a)
 
-    def _before_request_free(self, request: Any, *a: Any, **k: Any) -> None:
-        self.computed -= int(request.num_computed_tokens)
-        return None
+    def _hook_request_free(self, original: Callable, request: Any, *a: Any) -> Any:
+        try:
+            self.computed -= int(request.num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+        return original(request, *a)
 
     def admitted(self, computed_tokens: int) -> None:
         """A request (new or resumed) was scheduled holding `computed_tokens` tokens of KV before this step."""
