@@ -25,8 +25,6 @@ processes compare.
 
 from __future__ import annotations
 
-import dataclasses
-
 from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
@@ -159,9 +157,9 @@ def _stopped(row: dict, last_key: str, sql: str, stale_s: float, min_steps: int)
 
 
 def _warning(run_id: str, thresholds: dict, *, id: str, title: str, evidence: dict, suggestion: str,
-             expected_effect: str) -> Finding:
-    """Every reason's finding: a warning on the probe's health."""
-    return Finding(id=id, title=title, severity="warning", evidence=evidence, suggestion=suggestion,
+             expected_effect: str, severity: str = "warning") -> Finding:
+    """Every reason's finding: a warning on the probe's health (info where it is the probe's own choice)."""
+    return Finding(id=id, title=title, severity=severity, evidence=evidence, suggestion=suggestion,
                    expected_effect=expected_effect, reference=ref("Probe health"), run_id=run_id,
                    thresholds=thresholds)
 
@@ -237,13 +235,13 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
     if lowered:
         # info, not a warning: the budget doing its job (every GPU run so far lowered at the 0.5% default) is no
         # fault of the server's; what is off is said, and every /metrics counter is still exact
-        out.append(dataclasses.replace(_warning(
-            run_id, {}, id="telemetry-detail-lowered",
+        out.append(_warning(
+            run_id, {}, id="telemetry-detail-lowered", severity="info",
             title="The probe lowered its detail to stay inside its budget",
             evidence={"detail_lowered": lowered, "budget_share": budget, "query": LOWERED_SQL},
             suggestion=("Read the lowered figures (page lifecycles, KV walks: shared pages and the free run, "
                         "per-lookup prefix miss causes, by level) as absent from then on; every counter vLLM's own "
                         "/metrics has is still exact. To keep them, raise PHASESCOPE_VLLM_BUDGET (the share of "
                         "step time the adapter may take)."),
-            expected_effect=f"detail lowered: {lowered}."), severity="info"))
+            expected_effect=f"detail lowered: {lowered}."))
     return out
