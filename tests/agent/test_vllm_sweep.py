@@ -110,11 +110,11 @@ RATES, N = [1.0, 2.0, 4.0, 8.0, 16.0], 12  # every case: 5 constant rates x 12 r
 
 
 def _swept(vllm_env, model_dir, tmp_path, flags: list[str], expect: str, shown: str,
-           headers: dict[str, str] | None = None, prompt_tokens: int = 64):
+           headers: dict[str, str] | None = None, prompt_tokens: int = 64, output_tokens: int = 32):
     """A case's sweep at calibrated SLOs (`_calibrated`), printed with each point's `shown` figure; asserts that
     the binding constraint is `expect`. Returns (db, slo, result, binding)."""
     db, slo, res = _sweep(vllm_env, model_dir, tmp_path, flags, RATES, N, prompt_tokens=prompt_tokens,
-                          output_tokens=32, headers=headers)
+                          output_tokens=output_tokens, headers=headers)
     slo, res = _calibrated(db, res)
     print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
           [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p[shown]) for p in res["points"]])
@@ -249,14 +249,20 @@ def test_dp_skew_all_requests_on_one_engine(vllm_env, guidellm, model_dir, tmp_p
     """--data-parallel-size 2 with every request pinned to engine 0: guidellm sends one header value with every
     request (its backend's extras.headers), so the skew it can build is all-on-one-engine, not a mix. Engine 1
     never steps and sends no gauge sample; it counts as idle (the run's dp label, its probe that recorded nothing),
-    and DP skew binds at the evidence point with figures equal to the raw gauge rows of that point's run."""
+    and DP skew binds at the evidence point with figures equal to the raw gauge rows of that point's run.
+
+    One sequence at a time and 64 output tokens make engine 0 saturate below the second rate (~0.65 s a request
+    at ~10 ms a step: ~1.5 req/s), so every point past the calibration rate queues on engine 0 while engine 1 idles.
+    With 2 sequences and 32 tokens it saturated only at 8 req/s, and a loaded CI host that missed the calibrated
+    SLO at 2-4 req/s from noise put the evidence point where nothing queued yet (stranded share < 0.2; host-bound
+    bound instead: CI run of 50b4867)."""
     from builders.dp_reference import dp_by_hand
 
     rates, n = RATES, N
-    db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--data-parallel-size", "2", "--max-num-seqs", "2",
+    db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--data-parallel-size", "2", "--max-num-seqs", "1",
                                                             "--max-num-batched-tokens", "512",
                                                             "--num-gpu-blocks-override", "64", "--block-size", "32"],
-                             "dp-skew", "queue_p50_s", headers={"X-data-parallel-rank": "0"})
+                             "dp-skew", "queue_p50_s", headers={"X-data-parallel-rank": "0"}, output_tokens=64)
     con = duckdb.connect(db, read_only=True)
     try:
         _check_points(con, res, rates, n)
