@@ -115,7 +115,8 @@ _CODE = ("CASE e.event WHEN 'arrival' THEN 0 WHEN 'scheduled' THEN 1 WHEN 'token
          "WHEN 'aborted' THEN 4 WHEN 'cancelled' THEN 4 WHEN 'preempted' THEN 5 WHEN 'queued' THEN 7 ELSE 6 END")
 # (a cancel closes a request as an abort does; 'queued' belongs to the arrival it follows)
 
-# The delta: stages over the raw events past the watermark ({new} filters `request_events r`), each one
+# The delta: stages over the raw events past the watermark ({new} filters `request_events r`; {upto} filters
+# `request_events e`, the late keys' events, to the slice a fold stops at: `true` in the views), each one
 # SELECT over the raw tables, the derived tables and the stages before it. The views inline them as CTEs;
 # `refresh` materializes each once. The last ones:
 #   merged - request rows to add (new requests, and stored ones extended: they replace `folded`),
@@ -136,10 +137,13 @@ STAGES: list[tuple[str, str]] = [
               UNION ALL SELECT run_id, rid, NULL, 0, NULL, true FROM forced)
         GROUP BY run_id, rid"""),
     # per key touched: the latest stored arrival; in order when its new events all follow everything stored
-    ("keys", """SELECT t.key_id, t.run_id, t.rid, t.arrivals, t.arrival_ts, coalesce(h.last_no, 0) AS base_no,
+    # (base_no: the key's arrivals stored; its first request may have none: the tail of a life whose arrival a
+    # retention roll deleted, or a slice ended before it; request_log numbers the events before a key's first
+    # arrival with it, so a new arrival continues that request)
+    ("keys", """SELECT t.key_id, t.run_id, t.rid, t.arrivals, t.arrival_ts, coalesce(h.arrived, 0) AS base_no,
                NOT t.forced AND (h.last_ts IS NULL OR t.first_new > h.last_ts) AS in_order
         FROM touched t LEFT JOIN (
-            SELECT q.run_id, q.runtime_request_id AS rid, max(q.arrival_no) AS last_no, max(q.last_ts) AS last_ts
+            SELECT q.run_id, q.runtime_request_id AS rid, count(q.arrival_ns) AS arrived, max(q.last_ts) AS last_ts
             FROM request_rows q JOIN touched t ON q.run_id = t.run_id AND q.runtime_request_id = t.rid
             GROUP BY q.run_id, q.runtime_request_id) h ON h.run_id = t.run_id AND h.rid = t.rid"""),
     ("late", "SELECT key_id, run_id, rid FROM keys WHERE NOT in_order"),
@@ -163,7 +167,7 @@ STAGES: list[tuple[str, str]] = [
               UNION ALL
               SELECT k.key_id, 0, e.ts_ns, {_CODE}, e.tokens, e.cached_tokens, s.wall_minus_mono_ns
               FROM request_events e JOIN late k ON k.rid = e.request_id
-              JOIN sources s ON s.source_id = e.source_id AND s.run_id = k.run_id)"""),
+              JOIN sources s ON s.source_id = e.source_id AND s.run_id = k.run_id WHERE {{upto}})"""),
     ("part", """SELECT k.run_id, CASE WHEN a.arrival_no = 1 THEN k.rid ELSE k.rid || '#' || a.arrival_no END AS request_id,
                k.rid AS runtime_request_id, a.* EXCLUDE (key_id)
         FROM (SELECT key_id, arrival_no,
@@ -322,7 +326,7 @@ VIEW_DOCS = {
 
 
 def _fill(text: str, wm: str, n: str, new: str) -> str:
-    return (text.replace("{new}", new).replace("{wm}", wm).replace("{n}", n)
+    return (text.replace("{new}", new).replace("{upto}", "true").replace("{wm}", wm).replace("{n}", n)
             .replace("{state_wm}", _STATE.format(col="coalesce(max(wm), -1)")))
 
 
@@ -431,9 +435,9 @@ def stored(con: Any) -> dict[str, str] | None:
     return {"requests": f"({REQUESTS_SELECT} FROM request_rows)", "itl": f"({ITL_SELECT} FROM token_gaps)"}
 
 
-def _temp(con: Any, stages: list[tuple[str, str]], new_filter: str = "") -> None:
+def _temp(con: Any, stages: list[tuple[str, str]], new_filter: str = "", upto: str = "true") -> None:
     for name, sql in stages:  # each stage once, as a temp table the later stages read by its name
-        con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql.replace('{new}', new_filter)}")
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql.replace('{new}', new_filter).replace('{upto}', upto)}")
 
 
 def _drop(con: Any, stages: list[tuple[str, str]]) -> None:
@@ -512,8 +516,9 @@ def _attribute(con: Any, new_gaps: bool) -> None:
 
 
 def _fold(con: Any, wm: int, top: int) -> None:
-    """The delta of the events in (wm, top] (and of the keys in temp table `forced`) into the derived tables."""
-    _temp(con, STAGES, f"r.rowid > {wm} AND r.rowid <= {top}")
+    """The delta of the events in (wm, top] (and of the keys in temp table `forced`, from their events up to top)
+    into the derived tables."""
+    _temp(con, STAGES, f"r.rowid > {wm} AND r.rowid <= {top}", f"e.rowid <= {top}")
     con.execute("DELETE FROM request_rows q USING (SELECT run_id, request_id FROM redo UNION ALL "
                 "SELECT run_id, request_id FROM folded) d WHERE d.run_id = q.run_id AND d.request_id = q.request_id")
     con.execute("DELETE FROM token_gaps g USING redo d WHERE d.run_id = g.run_id AND d.request_id = g.request_id")
@@ -524,21 +529,24 @@ def _fold(con: Any, wm: int, top: int) -> None:
     _drop(con, STAGES)
 
 
-def _complete(con: Any) -> bool:
-    """Whether the request rows hold every raw event (of a known source) once."""
+def _complete(con: Any, top: int) -> bool:
+    """Whether the request rows hold every raw event (of a known source) up to rowid `top` once."""
     held, raw = con.execute("SELECT (SELECT coalesce(sum(events), 0) FROM request_rows), "
-                            "(SELECT count(*) FROM request_events r JOIN sources s USING (source_id))").fetchone()
+                            "(SELECT count(*) FROM request_events r JOIN sources s USING (source_id) "
+                            f"WHERE r.rowid <= {int(top)})").fetchone()
     return held == raw
 
 
-def refresh(con: Any) -> int:
+def refresh(con: Any, max_rows: int | None = None) -> int:
     """Write the delta into the derived tables and move the watermarks, in one transaction; returns the raw
-    request events folded in (0: nothing new). Rebuilds them from the raw rows when rows were deleted below a
-    watermark. Needs a writable connection; concurrent refreshes of one database must be serialized by the
+    request events folded in (0: nothing new). `max_rows`: fold at most this many new request events (the
+    oldest; a slice: the memory and time of one fold are bounded; the views fold the rest in at each read, and
+    the next refresh goes on from there); None: all of them. Rebuilds them from the raw rows when rows were deleted
+    below a watermark. Needs a writable connection; concurrent refreshes of one database must be serialized by the
     caller (DuckDB reports a write-write conflict otherwise)."""
     con.execute("BEGIN")
     try:
-        new = fold(con)
+        new = fold(con, max_rows)
         con.execute("COMMIT")
         return new
     except BaseException:
@@ -549,15 +557,21 @@ def refresh(con: Any) -> int:
         raise
 
 
-def fold(con: Any) -> int:
+def fold(con: Any, max_rows: int | None = None) -> int:
     """`refresh` in the caller's transaction: what a writer that deletes raw rows (a retention roll) runs before
     its commit, so no reader ever sees the rows gone and the derived tables not yet folded (their views would
     raise until the next refresh)."""
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1 or None, got {max_rows!r}")
     st = state(con)
     wm, n = st or (-1, 0)
-    top, total, below = con.execute(
-        f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
-        "FROM request_events").fetchone()
+    top, below = con.execute(
+        f"SELECT coalesce(max(rowid), -1), count(*) FILTER (WHERE rowid <= {wm}) FROM request_events").fetchone()
+    if max_rows is not None and top > wm:  # the slice ends at the max_rows-th row id past the watermark
+        top = con.execute(f"SELECT max(rowid) FROM (SELECT rowid FROM request_events WHERE rowid > {wm} "
+                          f"ORDER BY rowid LIMIT {int(max_rows)})").fetchone()[0]
+    total = below + con.execute(f"SELECT count(*) FROM request_events WHERE rowid > {wm} AND rowid <= {top}"
+                                ).fetchone()[0]
     deleted = below != n
     forced = "SELECT NULL::VARCHAR AS run_id, NULL::VARCHAR AS rid WHERE false"
     if deleted:  # rows deleted, oldest first (a retention roll): every key that had an event before the
@@ -570,7 +584,7 @@ def fold(con: Any) -> int:
     new = total - below
     if new or deleted or st is None:
         _fold(con, wm, top)
-        if deleted and not _complete(con):  # not oldest first after all: start over from what is left
+        if deleted and not _complete(con, top):  # not oldest first after all: start over from what is left
             con.execute("DELETE FROM request_rows")
             con.execute("DELETE FROM token_gaps")
             con.execute("DELETE FROM temp.forced")

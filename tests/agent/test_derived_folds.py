@@ -231,3 +231,37 @@ def test_a_late_event_of_an_old_request_and_a_retention_roll(tmp_path):
     want = reference(con)
     assert current(con) == want and len(want[0]) > 20
     store.close()
+
+
+@pytest.mark.parametrize("seed,shuffle", [(21, False), (22, True), (23, True)])
+def test_folded_in_slices_equals_the_reference_after_every_slice(tmp_path, seed, shuffle):
+    """What the sidecar's live fold does (`refresh(con, max_rows)`): everything appended at once, then folded a
+    few rows at a time; in between, the views (stored rows plus the rest as delta) equal the reference, the
+    watermark moves by at most the slice, and late keys recomputed in a slice take none of the rows past it
+    (or the next slice would count them twice). A retention roll between slices folds its deletion in."""
+    events = workload(seed)
+    if shuffle:
+        random.Random(seed).shuffle(events)
+    store, sid = _store(tmp_path)
+    con = store.cursor()
+    store.append([(sid, events)])
+    with pytest.raises(ValueError, match="max_rows"):
+        derived.refresh(con, max_rows=0)
+    wm, slices = -1, 0
+    while True:
+        got = derived.refresh(con, max_rows=37)
+        new_wm = derived.state(con)[0]
+        held = con.execute(f"SELECT count(*) FROM request_events WHERE rowid > {wm} AND rowid <= {new_wm}").fetchone()[0]
+        assert 0 <= got <= 37 and held == got and current(con) == reference(con), f"slice {slices}"
+        wm, slices = new_wm, slices + 1
+        if slices == 4:  # a retention roll: the oldest quarter of the events by time
+            con.execute("DELETE FROM request_events WHERE ts_ns < ?", [sorted(e.ts_ns for e in events)[len(events) // 4]])
+            derived.refresh(con, max_rows=37)
+            wm = derived.state(con)[0]
+            assert current(con) == reference(con)
+        if not got and slices > 4:
+            break
+    assert slices >= len(events) * 3 // 4 // 37
+    stored_rows_hold_their_events(con)
+    assert current(con) == reference(con)
+    store.close()
