@@ -428,6 +428,11 @@ class AgentSettings:
     store_threads: int | None = setting(None, "DuckDB worker threads of the store (writes, folds, reads); a cap keeps "
                                                 "them off the inference server's cores, folds get slower",
                                          shown="one per core", lo=1, hi=1024)
+    fold_interval_s: float = setting(5.0, "fold new request events into the derived tables this often, a slice at "
+                                          "a time, so reads stay fast and the fold at close stays small (0: only "
+                                          "at reads and close)", unit="s", lo=0, hi=3600)
+    fold_slice_rows: int = setting(200_000, "request events folded per transaction at most (its memory is the "
+                                            "slice's, under the read memory)", lo=1, hi=100_000_000)
     max_connections: int = setting(256, "probe connections at once", lo=1, hi=1_000_000)
     idle_timeout_s: float = setting(120.0, "close a probe connection silent this long", unit="s", lo=0,
                                     lo_open=True, hi=7 * 86400)

@@ -16,7 +16,10 @@ before someone trusts a dashboard built on missing data:
 - `clock-skew`: a probe's wall clock at connect differs from the sidecar's by more than
   `max_clock_skew_s` (every timestamp it sent is that far off);
 - `adapter-partial`: the runtime adapter reported parts of the runtime it does not understand
-  (run label `adapter_missing`): those figures are absent, not zero.
+  (run label `adapter_missing`): those figures are absent, not zero;
+- `store-fold-failed`: while the run was recorded, the sidecar's live fold of the derived tables failed or fell
+  `alarm_lag_s` behind (its `sidecar_health` rows, agent/sidecar/folding.py): every figure is still exact (the
+  views fold what is missing at each read), but reads of the run are slower and may run past the read memory.
 
 Dropped records are `probe-dropping` (reliability.py). All times are wall-clock seconds:
 monotonic `ts_ns` of each source plus its `wall_minus_mono_ns`, so sources of different
@@ -116,6 +119,33 @@ PREFIX_MOVED_AFTER_SQL = """SELECT count(*) AS n,
                AS moved_after
     FROM prefix_counters x JOIN sources s USING (source_id) WHERE s.run_id = $run"""
 _MARGIN_S = 1e-3  # wall seconds near 2^31 carry ~2e-7 s of rounding: a move this far past the window is in it
+
+
+# the sidecar's fold health rows (agent/sidecar/folding.py) from the run's first connect to its last step (+60 s),
+# with the last one before when it was failing (one row a minute at most while a failure lasts)
+FOLD_SQL = """WITH span AS (
+        SELECT (SELECT min(connected_ns) FROM sources WHERE run_id = $run) AS lo,
+               (SELECT max(x.ts_ns + s.wall_minus_mono_ns) FROM steps x JOIN sources s USING (source_id)
+                WHERE s.run_id = $run) + 60000000000 AS hi),
+     f AS (SELECT * FROM sidecar_health WHERE check_name = 'derived-fold'),
+     -- the rows in the span, and the last one before it when that one says failing (a state the run began in)
+     h AS (SELECT f.* FROM f, span WHERE f.ts_ns >= span.lo AND (span.hi IS NULL OR f.ts_ns <= span.hi)
+           UNION ALL
+           SELECT * FROM (SELECT f.* FROM f, span WHERE f.ts_ns < span.lo ORDER BY f.ts_ns DESC LIMIT 1) WHERE NOT ok)
+    SELECT count(*) FILTER (WHERE NOT ok) AS failures, min(ts_ns) FILTER (WHERE NOT ok) / 1e9 AS first_failure_s,
+           max(ts_ns) FILTER (WHERE NOT ok) / 1e9 AS last_failure_s, arg_max(ok, ts_ns) AS ok_at_end,
+           arg_max(detail, ts_ns) FILTER (WHERE NOT ok) AS last_detail, max(lag_s) AS lag_max_s,
+           max(behind_rows) AS behind_rows_max
+    FROM h"""
+
+
+def _fold_health(con, run_id: str) -> dict | None:
+    """FOLD_SQL's row when the run's span holds a failing fold record; None otherwise or without the table (a
+    store older than it, an export)."""
+    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'sidecar_health'").fetchone()[0]:
+        return None
+    row = one(con, FOLD_SQL, run_id)
+    return row if row and row["failures"] else None
 
 
 def _can_fire(con, run_id: str, stale_s: float) -> dict[str, bool]:
@@ -231,6 +261,21 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
             title="The runtime adapter understands this runtime only in part",
             evidence={"adapter_missing": missing, "query": ADAPTER_SQL}, suggestion=SUGGEST_ADAPTER,
             expected_effect=f"missing: {missing}; the figures those hooks produce are absent, not zero."))
+    fold = _fold_health(con, run_id)
+    if fold:
+        now = not fold["ok_at_end"]
+        out.append(_warning(
+            run_id, {}, id="telemetry-store-fold-failed", severity="warning" if now else "info",
+            title=("The sidecar's live fold of request events is failing" if now else
+                   "The sidecar's live fold of request events failed, then recovered"),
+            evidence={**fold, "query": FOLD_SQL},
+            suggestion=("Every figure is still exact: reads fold the events the derived tables miss themselves, "
+                        "at a cost that grows with them. Read the error: out of memory means a larger "
+                        "--read-memory-mib or a smaller --fold-slice-rows; behind means the host's CPU cannot "
+                        "fold at the event rate (more CPU for the sidecar, or --store-threads off its cap)."),
+            expected_effect=(f"{fold['failures']} failing health record(s) from {fold['first_failure_s']:.0f} to "
+                             f"{fold['last_failure_s']:.0f} (Unix s); the last: {fold['last_detail']}"
+                             + ("" if now else "; the last record says it caught up") + ".")))
     lowered, budget = con.execute(LOWERED_SQL, {"run": run_id}).fetchone() or (None, None)
     if lowered:
         # info, not a warning: the budget doing its job (every GPU run so far lowered at the 0.5% default) is no

@@ -139,7 +139,7 @@ def start_agent_extras(args: argparse.Namespace, sidecar: Any) -> Any:
         return None
     from phasescope.agent.sidecar.retention import Retention
 
-    return Retention(sidecar.store, policy_from_args(args)).start(args.retention_interval_s)
+    return Retention(sidecar.store, policy_from_args(args), fold_lock=sidecar.fold_lock).start(args.retention_interval_s)
 
 
 def cmd_retention(args: argparse.Namespace) -> int:

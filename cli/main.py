@@ -217,7 +217,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                       token=token, memory_budget_bytes=int(args.memory_budget_mib * 2**20),
                       max_connections=args.max_connections, idle_timeout_s=args.idle_timeout_s,
                       frame_timeout_s=args.frame_timeout_s, read_memory_mib=args.read_memory_mib,
-                      store_threads=args.store_threads)
+                      store_threads=args.store_threads, fold_interval_s=args.fold_interval_s,
+                      fold_slice_rows=args.fold_slice_rows)
     if server is not None:
         from phasescope.exporters.prometheus import SidecarStatsCollector
 

@@ -451,19 +451,31 @@ _KEY = "g.run_id = a.run_id AND g.request_id = a.request_id AND g.ts_ns = a.ts_n
 def _attribute(con: Any, new_gaps: bool) -> None:
     """Tie to their steps the gaps that are new (`new_gaps`: some may be), and those whose steps may have changed
     since the last refresh (see ATTRIBUTE); then the neighbour counts of those and of the gap before each. In
-    the caller's transaction."""
+    the caller's transaction.
+
+    Every filter on `token_gaps` is a constant (a time from which on, a list of runs), so DuckDB skips its row groups by their zone maps: a fold's cost follows its slice, not the
+    history (with joins against the whole table, a slice of 200k events took seconds at 20M stored gaps and the
+    live fold fell minutes behind at 80k events/s: benchmarks/gpu_rate.py). The new gaps are those the fold just
+    made (temp table `fold_new_gaps`); every older one is attributed once `derived_state` has a 'token_gaps' row
+    (None before the first such fold: all are done). Not a row-id watermark: rows appended in the fold's own
+    transaction carry transaction-local row ids until it commits."""
     st = state(con, "steps")
     wm, n = st or (-1, 0)
-    top, total, below = con.execute(f"SELECT coalesce(max(rowid), -1), count(*), count(*) FILTER (WHERE rowid <= {wm}) "
-                                    "FROM steps").fetchone()
+    top = con.execute("SELECT coalesce(max(rowid), -1) FROM steps").fetchone()[0]
+    below, above = rowid_counts(con, "steps", wm)
+    total = below + above
+    gst = state(con, "token_gaps")
     # each run's lowest rank now: a run whose lowest rank is not the one its gaps were tied to is done again
     con.execute("""CREATE OR REPLACE TEMP TABLE rank_now AS SELECT s.run_id, min(t.rank) AS rank
                    FROM steps t JOIN sources s USING (source_id) GROUP BY s.run_id""")
-    moved = ("EXISTS (SELECT 1 FROM rank_now r LEFT JOIN gap_rank o USING (run_id) WHERE r.run_id = g.run_id "
-             "AND o.rank IS DISTINCT FROM r.rank)")
-    conds = ["NOT g.attributed", moved]
-    if st is None:
-        conds = ["true"]
+    moved = [r[0] for r in con.execute("SELECT r.run_id FROM rank_now r LEFT JOIN gap_rank o USING (run_id) "
+                                       "WHERE o.rank IS DISTINCT FROM r.rank").fetchall()]
+    if st is None or gst is None:
+        parts = ["true"]
+    else:
+        parts = []
+        if moved:
+            parts.append("g.run_id IN (" + ", ".join(_lit(r) for r in moved) + ")")
     if below != n and st is not None:  # steps deleted, oldest first (retention): every deleted step started
         # before the earliest one left (m), so ended before m + the longest step; a gap whose previous token
         # came after a step left ended at or after that keeps both its steps and what lies between them
@@ -475,44 +487,63 @@ def _attribute(con: Any, new_gaps: bool) -> None:
                        FILTER (WHERE t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) >= m.m + longest.ns) AS upto
             FROM m, longest JOIN sources s ON s.run_id = m.run_id JOIN steps t ON t.source_id = s.source_id
                  AND t.rank = m.rank GROUP BY m.run_id""")
-        conds.append("NOT EXISTS (SELECT 1 FROM kept k WHERE k.run_id = g.run_id AND g.prev_ns >= k.upto)")
-    if total > below:  # new steps: the gaps from the earliest start of each run's new steps on
-        con.execute(f"""CREATE OR REPLACE TEMP TABLE since AS SELECT s.run_id, min(t.ts_ns) AS since
-            FROM steps t JOIN sources s USING (source_id) WHERE t.rowid > {wm} GROUP BY s.run_id""")
-        conds.append("EXISTS (SELECT 1 FROM since x WHERE x.run_id = g.run_id AND g.ts_ns >= x.since)")
-    elif below == n and st is not None and not new_gaps:
+        parts.append("NOT EXISTS (SELECT 1 FROM kept k WHERE k.run_id = g.run_id AND g.prev_ns >= k.upto)")
+    if above:  # new steps: the gaps from the earliest start of each run's new steps on
+        for run, since in con.execute(f"""SELECT s.run_id, min(t.ts_ns) FROM steps t JOIN sources s USING (source_id)
+                                           WHERE t.rowid > {wm} GROUP BY s.run_id""").fetchall():
+            parts.append(f"g.run_id = {_lit(run)} AND g.ts_ns >= {int(since)}")
+    elif below == n and st is not None and gst is not None and not new_gaps and not moved:
         con.execute("DROP TABLE temp.rank_now")
         return  # nothing new, nothing deleted: every gap keeps its steps
-    todo = " OR ".join(f"({c})" for c in conds)
-    con.execute(f"CREATE OR REPLACE TEMP TABLE todo AS SELECT run_id, request_id, ts_ns, prev_ns FROM token_gaps g "
-                f"WHERE {todo}")
-    if con.execute("SELECT count(*) FROM todo").fetchone()[0]:
+    selects = [f"SELECT run_id, request_id, ts_ns, prev_ns FROM token_gaps g WHERE {p}" for p in parts]
+    if _has_temp(con, "fold_new_gaps"):
+        selects.append("SELECT run_id, request_id, ts_ns, prev_ns FROM temp.fold_new_gaps")
+    con.execute("CREATE OR REPLACE TEMP TABLE todo AS " + (" UNION ".join(selects) if selects else
+                "SELECT run_id, request_id, ts_ns, prev_ns FROM token_gaps WHERE false"))
+    lo, hi = con.execute("SELECT min(prev_ns), max(ts_ns) FROM todo").fetchone()
+    if lo is not None:
         _temp(con, ATTRIBUTE)
         con.execute(f"""UPDATE token_gaps g SET attributed = true, steps_in_gap = a.steps_in_gap, step_ms = a.step_ms,
                            prefill_tokens = a.prefill_tokens, decode_tokens = a.decode_tokens
                         FROM (SELECT run_id, request_id, ts_ns, prev_ns, any_value(steps_in_gap) AS steps_in_gap,
                                      any_value(step_ms) AS step_ms, any_value(prefill_tokens) AS prefill_tokens,
                                      any_value(decode_tokens) AS decode_tokens
-                              FROM att GROUP BY ALL) a WHERE {_KEY}""")
-        # the neighbour counts: the gaps done and the gap before each (whose next gap may be new)
-        con.execute("""CREATE OR REPLACE TEMP TABLE nb AS
-            WITH a AS (SELECT run_id, request_id, ts_ns, prev_ns FROM todo
+                              FROM att GROUP BY ALL) a WHERE {_KEY} AND g.ts_ns >= {int(lo)}""")
+        # the neighbour counts: the gaps done and the gap before each (whose next gap may be new); a neighbour's
+        # token is at or after the earliest previous token of the gaps it neighbours (the bounds below)
+        con.execute(f"""CREATE OR REPLACE TEMP TABLE nb_a AS SELECT run_id, request_id, ts_ns, prev_ns FROM todo
                        UNION SELECT g.run_id, g.request_id, g.ts_ns, g.prev_ns FROM token_gaps g
-                       JOIN todo t ON t.run_id = g.run_id AND t.request_id = g.request_id AND g.ts_ns = t.prev_ns)
+                       JOIN todo t ON t.run_id = g.run_id AND t.request_id = g.request_id AND g.ts_ns = t.prev_ns
+                       WHERE g.ts_ns >= {int(lo)}""")
+        lo_a, lo_prev = con.execute("SELECT min(ts_ns), min(prev_ns) FROM nb_a").fetchone()
+        con.execute(f"""CREATE OR REPLACE TEMP TABLE nb AS
             SELECT a.run_id, a.request_id, a.ts_ns, a.prev_ns, any_value(nx.steps_in_gap) AS next_steps,
                    any_value(pv.steps_in_gap) AS prev_steps
-            FROM a LEFT JOIN token_gaps nx ON nx.run_id = a.run_id AND nx.request_id = a.request_id
-                                          AND nx.prev_ns = a.ts_ns
-                   LEFT JOIN token_gaps pv ON pv.run_id = a.run_id AND pv.request_id = a.request_id
-                                          AND pv.ts_ns = a.prev_ns
+            FROM nb_a a LEFT JOIN (SELECT * FROM token_gaps WHERE ts_ns >= {int(lo_a)}) nx
+                   ON nx.run_id = a.run_id AND nx.request_id = a.request_id AND nx.prev_ns = a.ts_ns
+                   LEFT JOIN (SELECT * FROM token_gaps WHERE ts_ns >= {int(lo_prev)}) pv
+                   ON pv.run_id = a.run_id AND pv.request_id = a.request_id AND pv.ts_ns = a.prev_ns
             GROUP BY ALL""")
-        con.execute(f"UPDATE token_gaps g SET next_steps = a.next_steps, prev_steps = a.prev_steps FROM nb a WHERE {_KEY}")
-        _drop(con, ATTRIBUTE + [("nb", "")])
+        con.execute(f"UPDATE token_gaps g SET next_steps = a.next_steps, prev_steps = a.prev_steps FROM nb a "
+                    f"WHERE {_KEY} AND g.ts_ns >= {int(lo_prev)}")
+        _drop(con, ATTRIBUTE + [("nb", ""), ("nb_a", "")])
     con.execute("DELETE FROM gap_rank")
     con.execute("INSERT INTO gap_rank SELECT run_id, rank FROM rank_now")
-    for t in ("todo", "since", "kept", "rank_now"):
+    for t in ("todo", "kept", "rank_now"):
         con.execute(f"DROP TABLE IF EXISTS temp.{t}")
     con.execute("INSERT OR REPLACE INTO derived_state VALUES ('steps', ?, ?)", [top, total])
+    # every stored gap is attributed now: the next fold need only look at the gaps it makes (`fold_new_gaps`)
+    con.execute("INSERT OR REPLACE INTO derived_state VALUES ('token_gaps', 0, 0)")
+
+
+def _has_temp(con: Any, name: str) -> bool:
+    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE temporary AND table_name = ?",
+                            [name]).fetchone()[0])
+
+
+def _lit(text: str) -> str:
+    """`text` as a SQL string literal."""
+    return "'" + str(text).replace("'", "''") + "'"
 
 
 def _fold(con: Any, wm: int, top: int) -> None:
@@ -521,11 +552,13 @@ def _fold(con: Any, wm: int, top: int) -> None:
     _temp(con, STAGES, f"r.rowid > {wm} AND r.rowid <= {top}", f"e.rowid <= {top}")
     con.execute("DELETE FROM request_rows q USING (SELECT run_id, request_id FROM redo UNION ALL "
                 "SELECT run_id, request_id FROM folded) d WHERE d.run_id = q.run_id AND d.request_id = q.request_id")
-    con.execute("DELETE FROM token_gaps g USING redo d WHERE d.run_id = g.run_id AND d.request_id = g.request_id")
+    if con.execute("SELECT count(*) FROM redo").fetchone()[0]:  # (a join that would read every stored gap)
+        con.execute("DELETE FROM token_gaps g USING redo d WHERE d.run_id = g.run_id AND d.request_id = g.request_id")
     cols = ", ".join(c for c, _, _ in TABLES["request_rows"])
     con.execute(f"INSERT INTO request_rows ({cols}) SELECT {cols} FROM merged")
     cols = ", ".join(c for c, _, _ in TABLES["token_gaps"])
     con.execute(f"INSERT INTO token_gaps ({cols}) SELECT {cols} FROM gaps")
+    con.execute("INSERT INTO temp.fold_new_gaps SELECT run_id, request_id, ts_ns, prev_ns FROM gaps")
     _drop(con, STAGES)
 
 
@@ -565,8 +598,8 @@ def fold(con: Any, max_rows: int | None = None) -> int:
         raise ValueError(f"max_rows must be >= 1 or None, got {max_rows!r}")
     st = state(con)
     wm, n = st or (-1, 0)
-    top, below = con.execute(
-        f"SELECT coalesce(max(rowid), -1), count(*) FILTER (WHERE rowid <= {wm}) FROM request_events").fetchone()
+    top = con.execute("SELECT coalesce(max(rowid), -1) FROM request_events").fetchone()[0]
+    below = rowid_counts(con, "request_events", wm)[0]  # (one statement with a FILTER reads every row id)
     if max_rows is not None and top > wm:  # the slice ends at the max_rows-th row id past the watermark
         top = con.execute(f"SELECT max(rowid) FROM (SELECT rowid FROM request_events WHERE rowid > {wm} "
                           f"ORDER BY rowid LIMIT {int(max_rows)})").fetchone()[0]
@@ -581,6 +614,8 @@ def fold(con: Any, max_rows: int | None = None) -> int:
         forced = ("SELECT DISTINCT run_id, runtime_request_id AS rid FROM request_rows"
                   + ("" if left is None else f" WHERE first_wall_ns < {int(left)}"))
     con.execute(f"CREATE OR REPLACE TEMP TABLE forced AS {forced}")
+    con.execute("CREATE OR REPLACE TEMP TABLE fold_new_gaps "
+                "(run_id VARCHAR, request_id VARCHAR, ts_ns BIGINT, prev_ns BIGINT)")
     new = total - below
     if new or deleted or st is None:
         _fold(con, wm, top)
@@ -594,6 +629,7 @@ def fold(con: Any, max_rows: int | None = None) -> int:
             con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
     con.execute("DROP TABLE IF EXISTS temp.forced")
     _attribute(con, new_gaps=bool(new) or deleted or st is None)
+    con.execute("DROP TABLE IF EXISTS temp.fold_new_gaps")
     steprollup.refresh(con)  # the ten-second step rollup, by its own watermark
     kvrollup.refresh(con)  # the ten-second KV rollup (counts from the step rollup's run starts)
     return new

@@ -191,6 +191,16 @@ RUN_INFO_DDL = ("CREATE TABLE IF NOT EXISTS run_info "
 RUN_INFO_DOC = {"run_id": "sources.run_id", "key": "label name, e.g. model_layers, page_size, gpu_name",
                 "value": "label value as text"}
 
+# the sidecar's own health events worth keeping with the data (agent/sidecar/folding.py: check 'derived-fold'):
+# a failure, at most one row a minute while it lasts, and the recovery; read by diagnose (analyzers/telemetry.py)
+SIDECAR_HEALTH_DDL = ("CREATE TABLE IF NOT EXISTS sidecar_health (ts_ns BIGINT, check_name VARCHAR, ok BOOLEAN, "
+                      "detail VARCHAR, behind_rows BIGINT, lag_s DOUBLE)")
+SIDECAR_HEALTH_DOC = {"ts_ns": "sidecar wall clock, Unix ns", "check_name": "what was checked: derived-fold",
+                      "ok": "false: failing (the detail says how); true: recovered",
+                      "detail": "the error or the state, in words",
+                      "behind_rows": "request events not yet folded then; NULL unknown",
+                      "lag_s": "bound on the age of the oldest of them, s; NULL unknown"}
+
 # `phasescope verify`'s results: one row per verified (run, finding) and re-run series; written by the command
 # (cli/verify.py) into a file no agent holds, read by the `verifications` named query and the dashboard
 VERIFICATIONS_DDL = ("CREATE TABLE IF NOT EXISTS verifications (run_id VARCHAR, finding_id VARCHAR, "
@@ -255,6 +265,8 @@ def ddl() -> list[str]:
     out.extend(table_ddl(TABLES))
     out.append(RUN_INFO_DDL)
     out.append(PROGRESS_DDL)
+    out.append(SIDECAR_HEALTH_DDL)
+    out.extend(comment("sidecar_health", name, doc) for name, doc in SIDECAR_HEALTH_DOC.items())
     out.extend(comment("ingest_progress", name, doc) for name, doc in PROGRESS_DOC.items())
     out.extend(comment("run_info", name, doc) for name, doc in RUN_INFO_DOC.items())
     for view, sql in VIEWS.items():

@@ -29,7 +29,10 @@ class SidecarLimits:
     at most; past them the sinks miss records (counted), ingestion never waits for a sink;
     `read_memory_mib`: DuckDB's memory limit while a read-API query or a retention roll runs
     (`Store.reading`; the writer alone keeps 48 MB);
-    `store_threads`: DuckDB's worker threads (`Store`; None: one per core)."""
+    `store_threads`: DuckDB's worker threads (`Store`; None: one per core);
+    `fold_interval_s`: the live fold of the derived tables runs this often (folding.py; 0: only at reads and close);
+    `fold_slice_rows`: request events folded per transaction at most (live and at close);
+    `fold_budget_s`: a live fold round starts no slice after this long (the next round goes on)."""
 
     memory_budget_bytes: int = 32 << 20
     partial_budget_bytes: int = 16 << 20
@@ -46,6 +49,9 @@ class SidecarLimits:
     sink_budget_bytes: int = 32 << 20
     read_memory_mib: int = 512
     store_threads: int | None = None
+    fold_interval_s: float = 5.0
+    fold_slice_rows: int = 200_000
+    fold_budget_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.batch_interval_s <= 0 or self.checkpoint_interval_s <= 0:
@@ -60,5 +66,7 @@ class SidecarLimits:
             raise ValueError("sink_queue_batches, sink_budget_bytes and read_memory_mib must be >= 1")
         if self.store_threads is not None and self.store_threads < 1:
             raise ValueError("store_threads must be >= 1 or None")
+        if self.fold_interval_s < 0 or self.fold_slice_rows < 1 or self.fold_budget_s <= 0:
+            raise ValueError("fold_interval_s >= 0 (0: off), fold_slice_rows >= 1 and fold_budget_s > 0")
         if self.write_start_rows < 1 or self.write_threshold_bytes < 1:
             raise ValueError("write_start_rows and write_threshold_bytes must be >= 1")

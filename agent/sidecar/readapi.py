@@ -62,14 +62,19 @@ class ReadAPI:
         live: Callable[[], dict[str, Any]] | None = None,
         ready: Callable[[], dict[str, Any]] | None = None,
         fold_every_s: float = FOLD_EVERY_S,
+        fold_lock: threading.Lock | None = None,
+        fold_slice_rows: int | None = None,
     ) -> None:
         """`reading`: a context giving a cursor for one read (`Store.reading`); `findings`: the analyzers'
         diagnose, injected by the caller (the sidecar never imports analyzers); `fold_every_s` (>= 0): a read
-        folds new request events into the derived tables only when the last fold ended at least this long ago."""
+        folds new request events into the derived tables only when the last fold ended at least this long ago;
+        `fold_lock`: held by whatever else folds in this process (the sidecar's live fold: a read then skips its
+        own); `fold_slice_rows`: events a read's fold takes at most (None: all)."""
         if fold_every_s < 0:
             raise ValueError(f"fold_every_s must be >= 0, got {fold_every_s}")
         self._reading = reading
-        self._fold_lock = threading.Lock()  # one refresh of the derived tables at a time
+        self._fold_lock = fold_lock or threading.Lock()  # one refresh of the derived tables at a time
+        self._fold_slice_rows = fold_slice_rows
         self.fold_every_s = fold_every_s
         self._folded_at = float("-inf")  # time.monotonic() when the last fold ended
         self._findings_fn = findings
@@ -173,7 +178,7 @@ class ReadAPI:
         if time.monotonic() - self._folded_at < self.fold_every_s or not self._fold_lock.acquire(blocking=False):
             return
         try:
-            derived.refresh(con)
+            derived.refresh(con, self._fold_slice_rows)
             self._folded_at = time.monotonic()
         except duckdb.InterruptException:
             raise  # past the read time limit: this read is over too

@@ -166,10 +166,13 @@ class Retention:
     """Applies a `RetentionPolicy` to a store, on demand (`roll`) or every `interval_s` (`start`)."""
 
     def __init__(self, store: Any, policy: RetentionPolicy | None = None,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns, fold_lock: threading.Lock | None = None) -> None:
         """`store`: a `Store` (the sidecar's, or one opened on a file no agent holds);
-        `clock_ns`: wall clock, Unix ns (injected by tests to simulate days)."""
+        `clock_ns`: wall clock, Unix ns (injected by tests to simulate days);
+        `fold_lock`: the lock the sidecar's other folds of the derived tables hold (`Sidecar.fold_lock`): a roll
+        folds them too, and two folds at once are a write-write conflict."""
         self.store = store
+        self._fold_lock = fold_lock or threading.Lock()
         self.policy = policy or RetentionPolicy()
         self._clock_ns = clock_ns
         self._thread: threading.Thread | None = None
@@ -245,11 +248,15 @@ class Retention:
 
     def roll(self) -> RollResult:
         """Apply the policy once. Raises on failure (the store is then unchanged)."""
-        with self._lock, self.store.reading() as con:  # rollups aggregate whole tables: the read limit
+        with self._lock, self._fold_lock, self.store.reading() as con:  # rollups aggregate whole tables: the read limit
             cut, reason, before = self.cutoff(con)
             rows: dict[str, int] = {}
             files: list[str] = []
             if cut is not None:
+                if derived.state(con) is not None:  # the backlog first, a slice per transaction: what is left
+                    # for the roll's own transaction to fold is small, whatever the history (records/derived.py)
+                    while derived.refresh(con, getattr(self.store, "fold_slice_rows", 200_000)):
+                        pass
                 rows, files = self._roll_raw(con, cut)
             rollup_cut = self._clock_ns() - int(self.policy.rollup_max_age_s * NS)
             r_rows, r_files = self._expire_rollups(con, rollup_cut)

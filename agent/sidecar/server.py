@@ -4,6 +4,7 @@
 - `writer.Writer`: the thread that appends to the DuckDB store and acknowledges what it committed;
 - `fanout.FanOut`: committed batches to the sinks (exporters), on a thread of their own;
 - collectors (NVML, psutil, /metrics scrapes) polled by a sampler thread here;
+- `folding.LiveFold`: the thread that folds new request events into the derived tables, a slice at a time;
 - `readapi.ReadAPI`: named queries over the live store for live readers.
 
 Nothing is lost uncounted: memory for received-but-unwritten records is a fixed budget (when it is full
@@ -25,6 +26,7 @@ from ..records.address import Address, parse_address
 from ..records.events import Record, RunLabel
 from . import columnar
 from .fanout import Batch, Chunk, FanOut, RecordSink
+from .folding import LiveFold
 from .ingest import Ingest
 from .limits import SidecarLimits
 from .stats import Budget, SidecarStats
@@ -96,6 +98,8 @@ class Sidecar:
         self._sampler_thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.checks: dict[str, Callable[[], tuple[bool, str]]] = {}  # extra readiness checks (retention)
+        self.fold_lock = threading.Lock()  # one fold of the derived tables at a time (live, reads)
+        self.fold: LiveFold | None = None
 
     @property
     def bound(self) -> list[Address]:
@@ -113,10 +117,11 @@ class Sidecar:
             host, _, port = self.read_api_addr.rpartition(":")
             self.read_api = ReadAPI(lambda: self.store.reading(), host or "127.0.0.1", int(port),
                                     health=lambda: _jsonable(vars(self.stats)), findings=self._findings,
-                                    live=lambda: liveness(self), ready=lambda: readiness(self, self.checks))
+                                    live=lambda: liveness(self), ready=lambda: readiness(self, self.checks),
+                                    fold_lock=self.fold_lock, fold_slice_rows=self.limits.fold_slice_rows)
         created = not os.path.exists(self.db_path)
         self.store = Store(self.db_path, read_memory_limit=f"{self.limits.read_memory_mib}MB",
-                           threads=self.limits.store_threads)
+                           threads=self.limits.store_threads, fold_slice_rows=self.limits.fold_slice_rows)
         self.store.defer_sources = True
         self.writer = Writer(self.store, self.stats, self.limits, self._budget, self._committed,
                              self.fanout if self.sinks else None)
@@ -133,6 +138,10 @@ class Sidecar:
                         os.remove(p)
             raise
         self.writer.start()
+        if self.limits.fold_interval_s > 0:
+            self.fold = LiveFold(self.store, self.stats, self.fold_lock, interval_s=self.limits.fold_interval_s,
+                                 slice_rows=self.limits.fold_slice_rows, budget_s=self.limits.fold_budget_s)
+            self.fold.start()
         self.fanout.start()
         if self.read_api is not None:
             self.read_api.start()
@@ -153,6 +162,8 @@ class Sidecar:
             self.ingest.stop()
         if self._sampler_thread is not None:
             self._sampler_thread.join(5)
+        if self.fold is not None:
+            self.fold.stop()
         if self.writer is not None:
             self.writer.stop()
         self.fanout.stop()

@@ -38,6 +38,16 @@ class SidecarStats:
         self.sink_errors_total = 0
         self.sink_dropped_records_total = 0  # records the exporters did not see (they lagged)
         self.collector_errors_total = 0
+        # the live fold of the derived tables (folding.py)
+        self.fold_slices_total = 0  # slices folded (one transaction each)
+        self.fold_events_total = 0  # request events folded in
+        self.fold_failures_total = 0  # rounds that failed (each also a sidecar_health row, at most one a minute)
+        self.fold_last_error = ""  # the last failure, "" when none
+        self.fold_lag_s = 0.0  # gauge: age bound of the oldest request event not yet folded after the last round, s
+        self.fold_lag_max_s = 0.0  # gauge: the largest fold_lag_s seen
+        self.fold_behind_rows = 0  # gauge: request events past the watermark after the last round
+        self.fold_complete_unix_s = 0.0  # gauge: the derived tables hold every request event written before this
+        # wall time (Unix s; 0 before the first round): the lag now is time.time() minus it
 
     def reject(self, reason: str, n: int) -> None:
         self.records_rejected_total[reason] = self.records_rejected_total.get(reason, 0) + n

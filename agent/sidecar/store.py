@@ -85,7 +85,8 @@ class Store:
     """A DuckDB file opened read-write, with the phasescope schema."""
 
     def __init__(self, path: str, memory_limit: str | None = "48MB", read_memory_limit: str | None = "512MB",
-                 read_timeout_s: float = 60.0, temp_limit: str = "2GiB", threads: int | None = None) -> None:
+                 read_timeout_s: float = 60.0, temp_limit: str = "2GiB", threads: int | None = None,
+                 fold_slice_rows: int = 200_000) -> None:
         """`memory_limit`: DuckDB's buffer pool in this process while only the writer works (it spills
         beyond it); None: DuckDB's default (80% of RAM), which lets the sidecar's RSS grow with the data it
         has written. `read_memory_limit`: the pool while a read (`reading()`) runs; None: no change.
@@ -110,7 +111,11 @@ class Store:
         throughput (benchmarks/results/vllm_gpu_ab.md).
         `temp_limit`: what DuckDB may spill to its temp folder (`<file>.tmp`) at most, for all reads
         together (past it a read fails with duckdb.OutOfMemoryException). No data, however odd, can make
-        a read of the live store run or spill without bound."""
+        a read of the live store run or spill without bound.
+        `fold_slice_rows`: request events per transaction at most when `refresh_derived` folds (at close too)."""
+        if fold_slice_rows < 1:
+            raise ValueError(f"fold_slice_rows must be >= 1, got {fold_slice_rows}")
+        self.fold_slice_rows = fold_slice_rows
         self.path = path
         self.reads = Reads(self.cursor, self._set_memory_limit, memory_limit, read_memory_limit, read_timeout_s)
         self.temp_limit = temp_limit
@@ -340,18 +345,26 @@ class Store:
 
     def refresh_derived(self, timeout_s: float | None = None) -> int:
         """Fold the request events and steps written since the last refresh into the derived tables
-        (`records/derived.py`), under the read memory limit, within `timeout_s` (None: the read time limit);
-        returns the events folded in. A failure or a timeout is logged, never raised, and leaves them as they
-        were: the views stay exact without it (they fold the rest in at each read), only slower."""
+        (`records/derived.py`), a slice of `fold_slice_rows` events per transaction (memory bounded by the
+        slice, never by the history: one fold of a GPU-hour's events ran out of the 512 MB read limit), under
+        the read memory limit, slices until done or `timeout_s` (None: the read time limit; the slice in flight
+        is interrupted); returns the events folded in. A failure or a timeout is logged, never raised, and
+        leaves the slices done folded: the views stay exact without them (they fold the rest in at each read),
+        only slower."""
+        done = 0
         try:
             with self.reading() as con:
                 if not timeout_s:
-                    return derived.refresh(con)
+                    while n := derived.refresh(con, self.fold_slice_rows):
+                        done += n
+                    return done
                 with interrupt_after(con, timeout_s):
-                    return derived.refresh(con)
+                    while n := derived.refresh(con, self.fold_slice_rows):
+                        done += n
+                return done
         except Exception as exc:  # noqa: BLE001 - an optimisation; the raw rows are what counts
-            log.warning("could not refresh the derived tables: %r", exc)
-            return 0
+            log.warning("could not refresh the derived tables (%d events folded first): %r", done, exc)
+            return done
 
     def checkpoint(self) -> bool:
         """Checkpoint the WAL into the file; False when DuckDB defers it because another cursor of this
