@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true", help="time `phasescope diagnose` on the store at the end")
     ap.add_argument("--keep", action="store_true", help="keep the store (its path is in the JSON)")
     ap.add_argument("--verbose", action="store_true")
-    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--out", help="path prefix: the figures and samples as JSON, the table as markdown, beside it")
     args = ap.parse_args()
     res = run(args)
     t = Table(title=f"store at a GPU's rate: {args.producers} producers, batch {args.batch}, "

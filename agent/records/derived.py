@@ -590,6 +590,15 @@ def refresh(con: Any, max_rows: int | None = None) -> int:
         raise
 
 
+def refresh_slices(con: Any, max_rows: int) -> int:
+    """`refresh` a slice of `max_rows` events at a time until nothing is new; returns the events folded. Each
+    slice is its own transaction: an interruption (a time limit) keeps the slices done."""
+    done = 0
+    while n := refresh(con, max_rows):
+        done += n
+    return done
+
+
 def fold(con: Any, max_rows: int | None = None) -> int:
     """`refresh` in the caller's transaction: what a writer that deletes raw rows (a retention roll) runs before
     its commit, so no reader ever sees the rows gone and the derived tables not yet folded (their views would

@@ -255,8 +255,7 @@ class Retention:
             if cut is not None:
                 if derived.state(con) is not None:  # the backlog first, a slice per transaction: what is left
                     # for the roll's own transaction to fold is small, whatever the history (records/derived.py)
-                    while derived.refresh(con, getattr(self.store, "fold_slice_rows", 200_000)):
-                        pass
+                    derived.refresh_slices(con, getattr(self.store, "fold_slice_rows", 200_000))
                 rows, files = self._roll_raw(con, cut)
             rollup_cut = self._clock_ns() - int(self.policy.rollup_max_age_s * NS)
             r_rows, r_files = self._expire_rollups(con, rollup_cut)

@@ -106,22 +106,18 @@ class Store:
         `read_timeout_s`: a read still running after this long is interrupted (duckdb.InterruptException);
         `threads`: DuckDB's worker threads (None: one per core, DuckDB's default). The sidecar shares its node
         with the inference server, whose engine loop is one busy thread per process; a cap keeps the store's
-        inserts and folds off the server's cores, at the price of slower folds (which hold the writer). Not
-        capped by default: on one H100 the capped run (2) was too noisy to say which way it moved the server's
-        throughput (benchmarks/results/vllm_gpu_ab.md).
+        inserts and folds off the server's cores, at the price of slower folds. Not capped by default (one
+        H100 run capped at 2 was too noisy to tell: benchmarks/results/vllm_gpu_ab.md).
         `temp_limit`: what DuckDB may spill to its temp folder (`<file>.tmp`) at most, for all reads
         together (past it a read fails with duckdb.OutOfMemoryException). No data, however odd, can make
         a read of the live store run or spill without bound.
         `fold_slice_rows`: request events per transaction at most when `refresh_derived` folds (at close too)."""
-        if fold_slice_rows < 1:
-            raise ValueError(f"fold_slice_rows must be >= 1, got {fold_slice_rows}")
-        self.fold_slice_rows = fold_slice_rows
+        if fold_slice_rows < 1 or (threads is not None and threads < 1):
+            raise ValueError(f"fold_slice_rows >= 1 and threads >= 1 or None, got {fold_slice_rows}, {threads}")
+        self.fold_slice_rows, self.threads = fold_slice_rows, threads
         self.path = path
         self.reads = Reads(self.cursor, self._set_memory_limit, memory_limit, read_memory_limit, read_timeout_s)
         self.temp_limit = temp_limit
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1 or None, got {threads}")
-        self.threads = threads
         self._lock = threading.Lock()  # the sidecar's writer thread and its control calls
         self._src_lock = threading.Lock()  # ids and pending rows of new sources
         self.rows_written = 0
@@ -345,26 +341,18 @@ class Store:
 
     def refresh_derived(self, timeout_s: float | None = None) -> int:
         """Fold the request events and steps written since the last refresh into the derived tables
-        (`records/derived.py`), a slice of `fold_slice_rows` events per transaction (memory bounded by the
-        slice, never by the history: one fold of a GPU-hour's events ran out of the 512 MB read limit), under
-        the read memory limit, slices until done or `timeout_s` (None: the read time limit; the slice in flight
-        is interrupted); returns the events folded in. A failure or a timeout is logged, never raised, and
-        leaves the slices done folded: the views stay exact without them (they fold the rest in at each read),
-        only slower."""
-        done = 0
+        (`derived.refresh_slices`: `fold_slice_rows` events per transaction, memory bounded by the slice), under
+        the read memory limit, until done or `timeout_s` (None: the read time limit); returns the events folded.
+        A failure or a timeout is logged, never raised: the views stay exact without the rest, only slower."""
         try:
             with self.reading() as con:
                 if not timeout_s:
-                    while n := derived.refresh(con, self.fold_slice_rows):
-                        done += n
-                    return done
+                    return derived.refresh_slices(con, self.fold_slice_rows)
                 with interrupt_after(con, timeout_s):
-                    while n := derived.refresh(con, self.fold_slice_rows):
-                        done += n
-                return done
+                    return derived.refresh_slices(con, self.fold_slice_rows)
         except Exception as exc:  # noqa: BLE001 - an optimisation; the raw rows are what counts
-            log.warning("could not refresh the derived tables (%d events folded first): %r", done, exc)
-            return done
+            log.warning("could not refresh the derived tables (the slices before stay folded): %r", exc)
+            return 0
 
     def checkpoint(self) -> bool:
         """Checkpoint the WAL into the file; False when DuckDB defers it because another cursor of this
