@@ -190,10 +190,15 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
 
     util = {} if cpu else dict(gpu_memory_utilization=0.25)
     t0 = time.monotonic()
+    cores: dict[str, int | None] = {}
+    seen = _engine_cores(set())
     llm_a = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))  # PHASESCOPE_AGENT is set
+    cores["A"], seen = _new_core(seen)
     del os.environ["PHASESCOPE_AGENT"]  # B's and C's EngineCores (spawned) start with the plugin off
     llm_b = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))
+    cores["B"], seen = _new_core(seen)
     llm_c = LLM(**_engine_args(model, cpu, disable_log_stats=False, **util))
+    cores["C"], seen = _new_core(seen)
     engines = {"A": llm_a, "B": llm_b, "C": llm_c}
     res: dict = {"engine_start_s": round(time.monotonic() - t0, 1),
                  "armed": {k: _rpc(v, vllm_ref.armed) for k, v in engines.items()}}
@@ -204,14 +209,19 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
             _timed_block(llm, p, 16)
     rows = []
     t_end = time.monotonic() + budget_s
+    spy_s = float(os.environ.get("PHASESCOPE_BENCH_PYSPY_S", "0") or 0)
+    spies = _pyspy(cores, spy_s) if spy_s > 0 else []
+    res["engine_core_pids"] = cores
+    spy_end = time.monotonic() + spy_s if spies else 0.0
     r = 0
     while time.monotonic() < t_end or r < 4:
+        profiled = time.monotonic() < spy_end
         for bs in batches:
             p = _prompts(rng, bs, 32)
             order = ("A", "B", "C") if r % 2 == 0 else ("C", "B", "A")
             for cond in order:
                 row = _timed_block(engines[cond], p, max_tokens)
-                rows.append(dict(row, round=r, bs=bs, cond=cond))
+                rows.append(dict(row, round=r, bs=bs, cond=cond, profiled=profiled))
         r += 1
         if r >= 60:
             break
@@ -219,6 +229,49 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
     res["rounds"] = r
     _LLMS.extend(engines.values())
     return res
+
+
+def _engine_cores(seen: set[int]) -> set[int]:
+    """Pids of this process's EngineCore processes (vLLM titles them `VLLM::EngineCore`) plus `seen`."""
+    try:
+        import psutil
+
+        found = set(seen)
+        for c in psutil.Process().children(recursive=True):
+            try:
+                if "EngineCor" in " ".join(c.cmdline()) or "EngineCor" in c.name():
+                    found.add(c.pid)
+            except psutil.Error:
+                pass
+        return found
+    except Exception:  # noqa: BLE001 - profiling is optional
+        return set(seen)
+
+
+def _new_core(seen: set[int]) -> tuple[int | None, set[int]]:
+    """The EngineCore started since `seen` was taken (None when not exactly one), and the new `seen`."""
+    now = _engine_cores(seen)
+    new = now - seen
+    return (new.pop() if len(new) == 1 else None), now
+
+
+def _pyspy(cores: dict[str, int | None], seconds: float) -> list[subprocess.Popen]:
+    """py-spy (if installed) sampling each EngineCore at 200 Hz for `seconds`, without pausing it (--nonblocking),
+    every thread, stacks by function, into PHASESCOPE_BENCH_PYSPY_DIR/<cond>.txt (collapsed: `stack count`)."""
+    exe = shutil.which("py-spy")
+    where = os.environ.get("PHASESCOPE_BENCH_PYSPY_DIR", "")
+    if exe is None or not where:
+        print("py-spy: not installed or no PHASESCOPE_BENCH_PYSPY_DIR; no profile", flush=True)
+        return []
+    procs = []
+    for cond, pid in cores.items():
+        if pid is None:
+            continue
+        cmd = [exe, "record", "-p", str(pid), "-r", "200", "-d", str(int(seconds)), "--nonblocking", "--function",
+               "-f", "raw", "-o", os.path.join(where, f"pyspy_{cond}.txt")]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr))
+    print(f"py-spy: profiling {cores} for {seconds:.0f} s", flush=True)
+    return procs
 
 
 def child_interference(model: str, cpu: bool) -> dict:
