@@ -20,6 +20,7 @@ from .phases import StepShape, classify_packed, classify_padded, phase_of
 from .sampling import BudgetSampler
 
 NAN = float("nan")
+_new = tuple.__new__
 
 
 def _first_tensor(args: tuple, kwargs: dict, *names: str) -> Any:
@@ -102,6 +103,24 @@ class StepTimer:
             if phase is None:
                 phase = phase_of(prefill_tokens, decode_tokens)
             self._begin(StepShape(phase, num_seqs, prefill_tokens, decode_tokens, context_tokens), t_in)
+        except Exception as exc:  # noqa: BLE001
+            self._open = None
+            self._error(exc)
+
+    def begin_shape(self, shape: StepShape) -> None:
+        """`begin_step` for a runtime adapter that holds the step's `StepShape` already (no re-pack: the vLLM
+        worker's hot path). Never raises."""
+        try:
+            t_in = self._perf()
+            if self._in_step:
+                self._end(t_in)
+            self._in_step = True
+            guard = self._guard
+            if guard is not None and guard.depth:
+                self.captured += 1
+                self._open = None
+                return
+            self._begin(shape, t_in)
         except Exception as exc:  # noqa: BLE001
             self._open = None
             self._error(exc)
@@ -227,7 +246,8 @@ class StepTimer:
             phase = shape[0] if type(shape) is StepShape else (1 if shape[0] == "padded_rel" else 0)
         elif type(shape) is StepShape:
             phase = shape[0]
-            self._push(Step(mono, step_id, self.rank, phase, shape[1], shape[2], shape[3], shape[4], host_ms, NAN))
+            # tuple.__new__: the record without the namedtuple's Python-level __new__ frame (~0.15 us a step)
+            self._push(_new(Step, (mono, step_id, self.rank) + shape + (host_ms, NAN)))
         elif shape is None:
             phase = PHASE_IDLE
             self._push(Step(mono, step_id, self.rank, PHASE_IDLE, 0, 0, 0, 0, host_ms, NAN))

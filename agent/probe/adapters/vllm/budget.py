@@ -67,9 +67,12 @@ class Budget:
         self.step_ns = 0  # the measured steps' wall time
         self.base_ns_per_step = 0.0  # the latest window's means
         self.step_ns_mean = 0.0
-        self.credit_ns = 0.0
+        self.credit_ns = 0.0  # the walk credit at step `_credit_step` (grows by `_gain_ns` a step, to a cap)
+        self._credit_step = 0
+        self._gain_ns = 0.0
         self.walk_ns_last = 0
         self.last_walk_step = -MIN_WALK_EVERY
+        self._next_measured = meter.every  # the next step measured (one in meter.every)
         self._t0 = 0
         self._busy_ns = 0
         self._hooks0 = 0
@@ -81,7 +84,13 @@ class Budget:
         return sum(v for k, v in ns.items() if k not in self.excluded)
 
     def step(self, now_ns: int) -> None:
-        """One engine step starts at `now_ns` (monotonic): close the measured one, maybe open the next."""
+        """One engine step starts at `now_ns` (monotonic): close the measured one, maybe open the next. An
+        unmeasured step costs a counter and a compare."""
+        self.steps += 1
+        if self.steps >= self._next_measured or self.meter.on:
+            self._measure(now_ns)
+
+    def _measure(self, now_ns: int) -> None:
         m = self.meter
         if m.on:
             m.on = False
@@ -98,10 +107,8 @@ class Budget:
             w[2] += busy
             if w[0] >= WINDOW:
                 self._verdict()
-        self.steps += 1
-        self.credit_ns = min(self.credit_ns + self.share * self.step_ns_mean - self.base_ns_per_step,
-                             4.0 * max(self.walk_ns_last, 1))
-        if self.steps % m.every == 0:
+        if self.steps >= self._next_measured:
+            self._next_measured = self.steps + m.every
             self._t0 = now_ns
             self._busy_ns = 0
             self._hooks0 = self._hooks_total()
@@ -117,27 +124,38 @@ class Budget:
         n, hook, step = self._win
         self._win = [0, 0, 0]
         self._windows += 1
+        self.credit_ns = self._credit()  # the credit so far at the old gain, then the new one
+        self._credit_step = self.steps
         self.base_ns_per_step = hook / n
         self.step_ns_mean = step / n
+        self._gain_ns = self.share * self.step_ns_mean - self.base_ns_per_step
         if self._windows <= SKIP_WINDOWS or self.level >= len(LEVELS) - 1 or step <= 0:
             return
         used = hook / step
         if used > self.share:
             self.level += 1
             self.credit_ns = 0.0
+            self._credit_step = self.steps
             self.on_lower(self.level, f"adapter {used:.2%} of step time > budget {self.share:.2%}")
+
+    def _credit(self) -> float:
+        """The walk credit now: each step since `_credit_step` added `share x step time - the hooks' own time`,
+        capped at 4 walks' cost (computed when asked, not on every step)."""
+        return min(self.credit_ns + (self.steps - self._credit_step) * self._gain_ns,
+                   4.0 * max(self.walk_ns_last, 1))
 
     def walk_due(self) -> bool:
         """Whether a KV cross-check walk fits now (at most one per MIN_WALK_EVERY steps, paid from the credit)."""
         if self.level >= 2 or self.steps - self.last_walk_step < MIN_WALK_EVERY:
             return False
-        return self.credit_ns >= self.walk_ns_last or self.share >= 1.0
+        return self.share >= 1.0 or self._credit() >= self.walk_ns_last
 
     def walked(self, ns: int) -> None:
         """A walk took `ns`."""
+        self.credit_ns = self._credit() - ns
+        self._credit_step = self.steps
         self.walk_ns_last = ns
         self.last_walk_step = self.steps
-        self.credit_ns -= ns
 
     def cost_us(self) -> dict[str, float]:
         """The hooks' time per engine step by part (means over measured steps, us)."""

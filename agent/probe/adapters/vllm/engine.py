@@ -14,6 +14,7 @@ per record.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import time
@@ -34,6 +35,8 @@ ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine s
 ENV_PREFIX_TABLE = "PHASESCOPE_PREFIX_TABLE_PAGES"  # cap of the table of earlier prompts' block hashes (0: off)
 ENV_COST_EVERY = "PHASESCOPE_VLLM_COST_EVERY"  # measure the adapter's own time on one engine step in N (16)
 ENV_DETAIL = "PHASESCOPE_VLLM_DETAIL_LEVEL"  # start at this lowering level (budget.LEVELS; default 0: full detail)
+ITER_EVERY = 64  # output iterations between two pushes of their cumulative counter (also pushed at idle and exit)
+_mono = time.monotonic_ns
 
 
 class EngineHooks:
@@ -72,10 +75,13 @@ class EngineHooks:
         self._last_prefix: tuple | None = None
         self._last_resumed: tuple | None = None
         self.kv: kvaccount.KvAccount | None = None
+        self._iter_sent = 0  # output_iterations last pushed (the counter is pushed every ITER_EVERY and at idle)
+        self._prefix_moved = False  # a lookup moved the prefix counters since the last PrefixCounters
+        self._evicted_sent = 0
         ref, m = (lambda: self.probe), self.meter
         wrap(scheduler, "add_request", self._after_add, ref, meter=m)
-        wrap(scheduler, "schedule", self._after_schedule, ref, meter=m)
-        wrap(scheduler, "update_from_output", self._after_update, ref, meter=m)
+        self._install_step(scheduler)
+        atexit.register(self._final)  # runs before close_channels (registered earlier, with the first channel)
         wrap(scheduler, "_preempt_request", None, ref, before=self._before_preempt, meter=m)
         wrap(scheduler, "finish_requests", self._after_finish_requests, ref, meter=m)
         kvm = getattr(scheduler, "kv_cache_manager", None)
@@ -99,6 +105,40 @@ class EngineHooks:
         for level in range(1, start + 1):  # the operator's choice: recorded like a lowering
             self.budget.level = level
             self._lower(level, f"{ENV_DETAIL}={start}")
+
+    def _install_step(self, scheduler: Any) -> None:
+        """Instance wrappers on `schedule` and `update_from_output`, the hooks on every engine step, written out
+        rather than through `common.wrap` (one Python frame around vLLM's call); their time on a measured step
+        goes to the meter as `wrap` would. A method this vLLM lacks: counted, not hooked."""
+        meter, probe, perf = self.meter, self.probe, time.perf_counter_ns
+        for name, hook in (("schedule", self._after_schedule), ("update_from_output", self._after_update)):
+            try:
+                original = getattr(scheduler, name)
+            except AttributeError as exc:
+                fail(name, exc)
+                continue
+
+            def wrapper(*a: Any, _orig: Any = original, _hook: Any = hook, _part: str = name, **k: Any) -> Any:
+                timed = meter.on
+                result = _orig(*a, **k)
+                t0 = perf() if timed else 0
+                try:
+                    _hook(result, *a, **k)
+                except Exception as exc:  # noqa: BLE001 - never into vLLM
+                    probe._error(exc)
+                if timed:
+                    meter.ns[_part] += perf() - t0
+                return result
+
+            wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+            setattr(scheduler, name, wrapper)
+
+    def _final(self) -> None:
+        """At exit: the output-iteration counter's last value, if not pushed yet (before the channels close)."""
+        if self.output_iterations != self._iter_sent:
+            self._iter_sent = self.output_iterations
+            self._push(ServerMetric(time.monotonic_ns(), self.dp_rank, VLLM_OUTPUT_ITERATIONS, "",
+                                    float(self.output_iterations)))
 
     # what tests and builders read
     @property
@@ -128,7 +168,7 @@ class EngineHooks:
         self._event(core_event_ns(request, "QUEUED") or time.monotonic_ns(), REQ_QUEUED, rid)
 
     def _after_schedule(self, so: Any, *a: Any, **k: Any) -> None:
-        self.now = now = time.monotonic_ns()
+        self.now = now = _mono()
         self.budget.step(now)
         kv = self.kv
         reqs = self.sched.requests
@@ -158,17 +198,23 @@ class EngineHooks:
                 for i, flag in enumerate(cr.resumed_from_preemption):
                     if flag:
                         kv.admitted(int(cr.num_computed_tokens[i]))
-            kv.scheduled(int(so.total_num_scheduled_tokens))
+            kv.computed += so.total_num_scheduled_tokens  # kv.scheduled(), inline: every step
 
     def _after_update(self, outputs: Any, so: Any, *a: Any, **k: Any) -> None:
-        now = time.monotonic_ns()
+        now = _mono()
         produced = 0
-        for eco in (outputs or {}).values():
-            if getattr(eco, "outputs", None):
-                produced += 1
+        if outputs:
+            for eco in outputs.values():
+                if getattr(eco, "outputs", None):
+                    produced += 1
         if produced:
             self.output_iterations += produced
-            self._push(ServerMetric(now, self.dp_rank, VLLM_OUTPUT_ITERATIONS, "", float(self.output_iterations)))
+            # a cumulative counter: pushed every ITER_EVERY iterations and whenever the engine has no request
+            # left (the end of a burst), and at exit (`_final`); the store's figure is its latest value
+            if self.output_iterations - self._iter_sent >= ITER_EVERY or not self.sched.requests:
+                self._iter_sent = self.output_iterations
+                self._push(ServerMetric(now, self.dp_rank, VLLM_OUTPUT_ITERATIONS, "",
+                                        float(self.output_iterations)))
         if not self.tokens_at_frontend:  # no frontend hook: token and finish times here (O(batch))
             for eco in (outputs or {}).values():
                 for o in getattr(eco, "outputs", ()) or ():
@@ -179,11 +225,12 @@ class EngineHooks:
                         self._event(now, REQ_TOKEN, rid, n)
                     if o.finish_reason is not None:
                         self._finished(now, rid, aborted=is_abort(o.finish_reason))
-        if getattr(so, "total_num_scheduled_tokens", 0) > 0:
+        if so.total_num_scheduled_tokens > 0:
             self.steps += 1
             if self.kv is not None and self.steps % self.kv_every == 0:
                 self.snapshot(now)
-        self._emit_prefix(now)
+        if self._prefix_moved or (self.kv is not None and self.kv.evicted != self._evicted_sent):
+            self._emit_prefix(now)
         if self.meter.on:  # a measured step: its busy time ends here (the output's stamp, read above)
             self.budget.end(now)
 
@@ -234,6 +281,7 @@ class EngineHooks:
         else:
             self.queried += q
             self.hits += h
+        self._prefix_moved = True
 
     def _after_computed_blocks(self, result: Any, request: Any, *a: Any, **k: Any) -> None:
         # vLLM 0.24 counts a lookup here unless caching is off or the request skips reading the cache
@@ -261,6 +309,8 @@ class EngineHooks:
                                 len(table.pages), table.dropped))
 
     def _emit_prefix(self, now: int) -> None:
+        self._prefix_moved = False
+        self._evicted_sent = self.evicted
         state = (self.queried, self.hits, self.recomputed, self.evicted)
         if state == self._last_prefix:
             return
@@ -288,8 +338,9 @@ class EngineHooks:
                 self.probe.label(kv_walk_us=round(dt / 1e3, 1), kv_walks=kv.walks, kv_recount_off=kv.recount_off)
         rec = kv.snapshot(now, self.rank0)
         self._push(rec)
-        for r in range(1, self.tp):
-            self._push(rec._replace(rank=self.rank0 + r))
+        if self.tp > 1:
+            for r in range(1, self.tp):
+                self._push(rec._replace(rank=self.rank0 + r))
 
     # budget
     def _lower(self, level: int, why: str) -> None:

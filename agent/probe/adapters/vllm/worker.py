@@ -16,7 +16,7 @@ from typing import Any
 
 from ....records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
 from ...phases import StepShape
-from .common import WARMUP_PREFIX, channel, fail, wrap
+from .common import WARMUP_PREFIX, channel, fail
 from .labels import _cpu_has_fp8_kv, _model_name, _ranks, block_size_rule, engine_side_labels
 
 
@@ -53,6 +53,14 @@ def _shape(n_pre: int, n_dec: int, pre: int, dec: int, ctx: int) -> StepShape:
     return StepShape(phase, n_pre + n_dec, pre, dec, ctx)
 
 
+def _any_resumed(cr: Any) -> bool:
+    """Whether a CachedRequestData resumes a preempted request (vLLM 0.32: a set of ids; 0.24: per-request flags)."""
+    resumed = getattr(cr, "resumed_req_ids", None)
+    if resumed is not None:
+        return bool(resumed)
+    return True in (getattr(cr, "resumed_from_preemption", None) or ())
+
+
 def _config_context(cfg: Any) -> Any:
     """vLLM's `set_current_vllm_config(cfg)` where no config is current (the worker's hooks are installed outside
     vLLM's own context, where 0.24's attention backends read theirs); a no-op context otherwise or where this vLLM
@@ -78,14 +86,25 @@ class StepShaper:
     def shape(self, so: Any) -> StepShape:
         nst = so.num_scheduled_tokens
         prompt_len, prefilling = self.prompt_len, self.prefilling
-        for rid in so.finished_req_ids or ():
-            prompt_len.pop(rid, None)
-            prefilling.pop(rid, None)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            prefilling.pop(rid, None)
+        finished = so.finished_req_ids
+        if finished:
+            for rid in finished:
+                prompt_len.pop(rid, None)
+                prefilling.pop(rid, None)
+        preempted = getattr(so, "preempted_req_ids", None)
+        if preempted:
+            for rid in preempted:
+                prefilling.pop(rid, None)
+        cr = so.scheduled_cached_reqs
+        new = so.scheduled_new_reqs
+        if not new and not prefilling and not _any_resumed(cr):
+            # a pure decode step: every scheduled request decodes
+            n = len(nst)
+            return StepShape(PHASE_DECODE if n else PHASE_IDLE, n, 0, int(so.total_num_scheduled_tokens),
+                             sum(cr.num_computed_tokens))
         pre = n_pre = ctx = 0
         new_ids = []
-        for nr in so.scheduled_new_reqs:
+        for nr in new:
             plen = len(nr.prompt_token_ids) if nr.prompt_token_ids is not None else int(nr.num_computed_tokens)
             rid = nr.req_id
             new_ids.append(rid)
@@ -95,7 +114,6 @@ class StepShaper:
             p = self._advance(rid, start, n, plen)
             pre += p
             n_pre += p > 0
-        cr = so.scheduled_cached_reqs
         computed = cr.num_computed_tokens
         ctx += sum(computed)  # C-level: the cached requests' starts
         resumed = getattr(cr, "resumed_req_ids", None)  # vLLM 0.32: a set; 0.24: resumed_from_preemption flags
@@ -106,7 +124,7 @@ class StepShaper:
             i = cr.req_ids.index(rid)
             plen = prompt_len.get(rid, 0)
             prefilling[rid] = (int(computed[i]), max(plen, plen + int(cr.num_output_tokens[i]) - 1))
-        for rid, (start, boundary) in list(prefilling.items()):
+        for rid, (start, boundary) in list(prefilling.items()) if prefilling else ():
             n = nst.get(rid)
             if n is None or rid in new_ids:  # not scheduled in this step, or counted above
                 continue
@@ -148,9 +166,8 @@ class WorkerHooks:
         self._open = False  # a step is open (begin_step called, end_step not yet)
         self._label_weights(worker, tp * pp)
         self._label_backend(cfg)
-        ref = lambda: self.probe  # noqa: E731
-        wrap(worker, "execute_model", self._after_execute, ref, before=self._before_execute)
-        wrap(worker, "sample_tokens", self._after_sample, ref)
+        self._warmup = True  # vLLM's kernel warm-up batches come before the first real step only
+        self._install(worker)
 
     @property
     def step_id(self) -> int:
@@ -196,24 +213,49 @@ class WorkerHooks:
         except Exception as exc:  # noqa: BLE001 - labels are optional: the analyzers fall back to their table
             fail("attention_backend", exc)
 
-    def _before_execute(self, so: Any, *a: Any, **k: Any) -> None:
-        self._close_open(None)  # a step whose sample_tokens never came
-        if getattr(so, "total_num_scheduled_tokens", 0) <= 0:
-            return None
-        if str(next(iter(so.num_scheduled_tokens), "")).startswith(WARMUP_PREFIX):
-            return None  # vLLM's own kernel warm-up at start (model runner V2), not an engine step
-        self.probe.begin_step(*self.shaper.shape(so))
-        self._open = True
-        return None
+    def _install(self, worker: Any) -> None:
+        """Instance wrappers on `execute_model` (opens the step) and `sample_tokens` (closes it), written out
+        rather than through `common.wrap`: the only hooks on every step of the worker, so one Python frame
+        each around vLLM's call, no before/after dispatch. A method this vLLM lacks: counted, not hooked."""
+        try:
+            execute, sample = worker.execute_model, worker.sample_tokens
+        except AttributeError as exc:
+            fail("execute_model/sample_tokens", exc)
+            return
+        probe, begin = self.probe, self._begin
 
-    def _after_execute(self, result: Any, *a: Any, **k: Any) -> None:
-        if result is not None:  # no sample_tokens half for this step
-            self._close_open(None)
+        def execute_model(so: Any, *a: Any, **k: Any) -> Any:
+            try:
+                begin(so)
+            except Exception as exc:  # noqa: BLE001 - never into vLLM
+                probe._error(exc)
+            result = execute(so, *a, **k)
+            if result is not None and self._open:  # no sample_tokens half for this step
+                self._open = False
+                probe.end_step()
+            return result
 
-    def _after_sample(self, result: Any, *a: Any, **k: Any) -> None:
-        self._close_open(None)
+        def sample_tokens(*a: Any, **k: Any) -> Any:
+            result = sample(*a, **k)
+            if self._open:
+                self._open = False
+                probe.end_step()  # never raises
+            return result
 
-    def _close_open(self, _: Any) -> None:
+        execute_model.__wrapped__ = execute  # type: ignore[attr-defined]
+        sample_tokens.__wrapped__ = sample  # type: ignore[attr-defined]
+        worker.execute_model, worker.sample_tokens = execute_model, sample_tokens
+
+    def _begin(self, so: Any) -> None:
+        """Open the step of SchedulerOutput `so` (closing one whose sample_tokens never came)."""
         if self._open:
             self._open = False
             self.probe.end_step()
+        if so.total_num_scheduled_tokens <= 0:
+            return
+        if self._warmup:
+            if str(next(iter(so.num_scheduled_tokens), "")).startswith(WARMUP_PREFIX):
+                return  # vLLM's own kernel warm-up at start (model runner V2), not an engine step
+            self._warmup = False
+        self.probe.begin_shape(self.shaper.shape(so))
+        self._open = True
