@@ -61,6 +61,9 @@ class Outbox:
         self._sink = sink
         self._sender = sender
         self.cost = CostMeter()
+        # called by the background wake (every wake, and at flush_now) to push what an adapter keeps as a
+        # running value (cumulative counters): the hot path then only adds to an int
+        self.periodic: list[Callable[[], None]] = []
         # held by whoever does background work: the background thread's wake, or an exit hook's ship
         self._bg_lock = threading.Lock()
         # the background thread's current wake interval; the first wake comes early, so the sampler
@@ -115,6 +118,7 @@ class Outbox:
                 if not self._pending or time.monotonic() >= deadline:
                     break
                 time.sleep(0.001)
+            self._run_periodic()
             self._push(self.health())
             self._flush_once()
         except Exception as exc:  # noqa: BLE001
@@ -138,6 +142,7 @@ class Outbox:
                 period_ns = dt * 1e9 / d_steps if d_steps > 0 and dt > 0 else None
                 try:
                     self._poll_once()
+                    self._run_periodic()
                     meter.interval(self.sampler.hooks_ns())
                     self.sampler.update(meter.bg_cpu_ns)
                     if now >= next_health or stopping:
@@ -153,6 +158,13 @@ class Outbox:
                 if not self._pending or self._pool is None:
                     return
                 time.sleep(self._poll_interval_s)  # close() waits for the device's last timings
+
+    def _run_periodic(self) -> None:
+        for fn in self.periodic:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - an adapter's callback never stops the wake
+                self._error(exc)
 
     def _poll_once(self) -> None:
         """Complete finished CUDA timings, never while a capture is open."""

@@ -246,7 +246,9 @@ def test_cached_pages_kept_by_the_wrappers_equal_a_recount(monkeypatch, tmp_path
     pool = _Pool(12)
     hooks, _, _ = _engine(monkeypatch, tmp_path, pool)
     try:
-        fast = pool.__dict__["get_new_blocks"].__code__.co_name == "hooked" and hooks.kv.life is None
+        # get_new_blocks: the one-frame counts (KvAccount._fast_new) while neither lifecycles nor the table need pages
+        fast = pool.__dict__["get_new_blocks"].__code__.co_name == "get_new_blocks" and hooks.kv.life is None \
+            and hooks.kv.table is None
         assert fast == (page_sample == "0")
         a = pool.get_new_blocks(4)
         for i, b in enumerate(a[:3]):
@@ -411,6 +413,8 @@ def test_output_iterations_skip_chunk_only_steps(monkeypatch, tmp_path):
             sched.update_from_output = lambda so, mro, kind=kind: outs[kind]
             adapter.wrap(sched, "update_from_output", hooks._after_update, lambda: hooks.probe)
             sched.update_from_output(NS(total_num_scheduled_tokens=64), None)
+            hooks._push_counters()  # what the probe's background wake calls (the counters where they moved)
+        assert hooks._push_counters in hooks.probe.periodic
         assert hooks.steps == 4 and hooks.output_iterations == 2
         counter = [r.value for r in emitted if isinstance(r, ServerMetric) and r.name == VLLM_OUTPUT_ITERATIONS]
         assert counter == [1.0, 2.0]

@@ -213,7 +213,8 @@ def core_event_ns(request: Any, kind: str) -> int | None:
     stamps them with time.monotonic() in this process); None when it records none (log stats off)."""
     for ev in reversed(getattr(request, "events", None) or ()):
         t = getattr(ev, "type", None)
-        if str(getattr(t, "name", t)).upper() == kind:
+        name = getattr(t, "name", None)  # vLLM's EngineCoreEventType: an enum named QUEUED, SCHEDULED, ...
+        if (name if name is not None else str(t).upper()) == kind:
             return int(ev.timestamp * 1e9)
     return None
 

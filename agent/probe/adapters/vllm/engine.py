@@ -14,7 +14,6 @@ per record.
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import time
@@ -35,7 +34,6 @@ ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine s
 ENV_PREFIX_TABLE = "PHASESCOPE_PREFIX_TABLE_PAGES"  # cap of the table of earlier prompts' block hashes (0: off)
 ENV_COST_EVERY = "PHASESCOPE_VLLM_COST_EVERY"  # measure the adapter's own time on one engine step in N (16)
 ENV_DETAIL = "PHASESCOPE_VLLM_DETAIL_LEVEL"  # start at this lowering level (budget.LEVELS; default 0: full detail)
-ITER_EVERY = 64  # output iterations between two pushes of their cumulative counter (also pushed at idle and exit)
 _mono = time.monotonic_ns
 
 
@@ -75,13 +73,11 @@ class EngineHooks:
         self._last_prefix: tuple | None = None
         self._last_resumed: tuple | None = None
         self.kv: kvaccount.KvAccount | None = None
-        self._iter_sent = 0  # output_iterations last pushed (the counter is pushed every ITER_EVERY and at idle)
-        self._prefix_moved = False  # a lookup moved the prefix counters since the last PrefixCounters
-        self._evicted_sent = 0
+        self._iter_sent = 0  # output_iterations last pushed (by the probe's background wake)
         ref, m = (lambda: self.probe), self.meter
         wrap(scheduler, "add_request", self._after_add, ref, meter=m)
         self._install_step(scheduler)
-        atexit.register(self._final)  # runs before close_channels (registered earlier, with the first channel)
+        self.probe.periodic.append(self._push_counters)  # the probe's background wake pushes the counters
         wrap(scheduler, "_preempt_request", None, ref, before=self._before_preempt, meter=m)
         wrap(scheduler, "finish_requests", self._after_finish_requests, ref, meter=m)
         kvm = getattr(scheduler, "kv_cache_manager", None)
@@ -133,12 +129,14 @@ class EngineHooks:
             wrapper.__wrapped__ = original  # type: ignore[attr-defined]
             setattr(scheduler, name, wrapper)
 
-    def _final(self) -> None:
-        """At exit: the output-iteration counter's last value, if not pushed yet (before the channels close)."""
-        if self.output_iterations != self._iter_sent:
-            self._iter_sent = self.output_iterations
-            self._push(ServerMetric(time.monotonic_ns(), self.dp_rank, VLLM_OUTPUT_ITERATIONS, "",
-                                    float(self.output_iterations)))
+    def _push_counters(self) -> None:
+        """The cumulative counters where they moved: output iterations and the prefix counters (the probe's
+        background wake, every flush interval, and its exit ship)."""
+        self._emit_prefix(time.monotonic_ns())
+        n = self.output_iterations
+        if n != self._iter_sent:
+            self._iter_sent = n
+            self._push(ServerMetric(time.monotonic_ns(), self.dp_rank, VLLM_OUTPUT_ITERATIONS, "", float(n)))
 
     # what tests and builders read
     @property
@@ -207,14 +205,8 @@ class EngineHooks:
             for eco in outputs.values():
                 if getattr(eco, "outputs", None):
                     produced += 1
-        if produced:
-            self.output_iterations += produced
-            # a cumulative counter: pushed every ITER_EVERY iterations and whenever the engine has no request
-            # left (the end of a burst), and at exit (`_final`); the store's figure is its latest value
-            if self.output_iterations - self._iter_sent >= ITER_EVERY or not self.sched.requests:
-                self._iter_sent = self.output_iterations
-                self._push(ServerMetric(now, self.dp_rank, VLLM_OUTPUT_ITERATIONS, "",
-                                        float(self.output_iterations)))
+        # a cumulative counter, pushed by the probe's background wake where it moved (`_push_iterations`)
+        self.output_iterations += produced
         if not self.tokens_at_frontend:  # no frontend hook: token and finish times here (O(batch))
             for eco in (outputs or {}).values():
                 for o in getattr(eco, "outputs", ()) or ():
@@ -229,8 +221,6 @@ class EngineHooks:
             self.steps += 1
             if self.kv is not None and self.steps % self.kv_every == 0:
                 self.snapshot(now)
-        if self._prefix_moved or (self.kv is not None and self.kv.evicted != self._evicted_sent):
-            self._emit_prefix(now)
         if self.meter.on:  # a measured step: its busy time ends here (the output's stamp, read above)
             self.budget.end(now)
 
@@ -281,7 +271,6 @@ class EngineHooks:
         else:
             self.queried += q
             self.hits += h
-        self._prefix_moved = True
 
     def _after_computed_blocks(self, result: Any, request: Any, *a: Any, **k: Any) -> None:
         # vLLM 0.24 counts a lookup here unless caching is off or the request skips reading the cache
@@ -309,9 +298,11 @@ class EngineHooks:
                                 len(table.pages), table.dropped))
 
     def _emit_prefix(self, now: int) -> None:
-        self._prefix_moved = False
-        self._evicted_sent = self.evicted
-        state = (self.queried, self.hits, self.recomputed, self.evicted)
+        """PrefixCounters where they moved (the probe's background wake: the hot path only adds to ints). Hits
+        are read before queries and recomputed before evictions, so a record never shows more hits than queries
+        while a lookup is being counted on the engine's thread."""
+        hits, recomputed = self.hits, self.recomputed
+        state = (self.queried, hits, recomputed, self.evicted)
         if state == self._last_prefix:
             return
         self._last_prefix = state
