@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any
 
+import duckdb
+
 from ..records import derived
 from .stats import SidecarStats
 
@@ -35,6 +37,7 @@ log = logging.getLogger("phasescope.fold")
 
 CHECK = "derived-fold"
 BEHIND_WAIT_S = 0.05  # between rounds while more than a slice behind
+MIN_SLICE_ROWS = 1000  # the smallest slice a loaded host's interrupts shrink it to
 RECORD_EVERY_S = 60.0  # while failing, at most one health row per this many seconds
 
 
@@ -52,6 +55,9 @@ class LiveFold:
             raise ValueError(f"slice_rows must be >= 1, got {slice_rows!r}")
         self.store, self.stats, self.lock = store, stats, lock
         self.interval_s, self.slice_rows, self.budget_s, self.alarm_lag_s = interval_s, slice_rows, budget_s, alarm_lag_s
+        # the slice in use: halved when a slice outlasts the store's read time limit (a loaded host), doubled
+        # back after each round that completes, never above `slice_rows`
+        self.cur_slice = slice_rows
         self._ends: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic s, last rowid then)
         self._failing = False
         self._recorded_at = float("-inf")
@@ -83,13 +89,14 @@ class LiveFold:
         events folded. Never raises (a failure is counted, logged and stored)."""
         t0 = time.monotonic()
         folded = 0
+        slices0 = self.stats.fold_slices_total
         try:
             with self.lock, self.store.reading() as con:
                 end = _last_rowid(con)
                 self._ends.append((t0, end))
                 wm = (derived.state(con) or (-1, 0))[0]
                 while not self._stop.is_set():
-                    n = derived.refresh(con, max_rows=self.slice_rows)
+                    n = derived.refresh(con, max_rows=self.cur_slice)
                     folded += n
                     self.stats.fold_slices_total += 1
                     wm = (derived.state(con) or (-1, 0))[0]
@@ -97,11 +104,21 @@ class LiveFold:
                         break
                 behind = max(0, _last_rowid(con) - wm)
         except Exception as exc:  # noqa: BLE001 - an optimisation failed; the raw rows and the views are exact
+            if isinstance(exc, duckdb.InterruptException) and self._stop.is_set():
+                return folded  # the sidecar is closing: its close folds what is left
             self.stats.fold_failures_total += 1
             self.stats.fold_last_error = f"{type(exc).__name__}: {exc}"[:500]
-            log.warning("live fold of the derived tables failed: %r", exc)
-            self._health(False, f"fold failed: {type(exc).__name__}: {exc}"[:1000], None)
+            detail = f"fold failed: {type(exc).__name__}: {exc}"
+            if isinstance(exc, duckdb.InterruptException) and not self._stop.is_set():
+                # the slice outlasted the read time limit (a loaded host): the next round folds half as much
+                self.cur_slice = max(MIN_SLICE_ROWS, self.cur_slice // 2)
+                detail = (f"fold interrupted at the store's read time limit after {time.monotonic() - t0:.1f} s "
+                          f"(a loaded host); slices now {self.cur_slice} request events")
+            log.warning("live fold of the derived tables: %s", detail)
+            self._health(False, detail[:1000], None)
             return folded
+        if self.stats.fold_slices_total > slices0:  # a slice completed: grow back towards slice_rows
+            self.cur_slice = min(self.slice_rows, self.cur_slice * 2)
         now = time.monotonic()
         while len(self._ends) > 1 and self._ends[1][1] <= wm:
             self._ends.popleft()

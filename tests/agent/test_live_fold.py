@@ -126,3 +126,55 @@ def test_a_failed_fold_is_a_health_record_diagnose_names_and_so_is_its_recovery(
             assert con.execute("SELECT output_tokens FROM requests WHERE run_id = 'run-f'").fetchall() == [(1,)]
     finally:
         sc.stop()
+
+
+def test_a_slice_past_the_read_time_limit_halves_the_next_and_a_completed_round_doubles_it_back(monkeypatch):
+    """A loaded host: a slice that outlasts the store's read time limit is interrupted (duckdb.InterruptException).
+    The fold says so (not a bare failure), folds half as much per slice next round, down to MIN_SLICE_ROWS, and
+    grows back after rounds that complete; an interrupt while the sidecar closes is no failure at all."""
+    import contextlib
+    import threading
+
+    from phasescope.agent.sidecar import folding
+    from phasescope.agent.sidecar.stats import SidecarStats
+
+    asked: list[int] = []
+    interrupt = {"on": True}
+
+    def refresh(con, max_rows=None):
+        asked.append(max_rows)
+        if interrupt["on"]:
+            if interrupt["on"] == "closing":
+                fold._stop.set()  # the sidecar's close: stop, then interrupt the reads in flight
+            raise duckdb.InterruptException("INTERRUPT Error: Interrupted!")
+        return 0
+
+    class Store:
+        con = duckdb.connect()
+        con.execute("CREATE TABLE request_events (x INT); CREATE TABLE sidecar_health (ts BIGINT, c VARCHAR, "
+                    "ok BOOLEAN, detail VARCHAR, behind BIGINT, lag DOUBLE)")
+
+        @contextlib.contextmanager
+        def reading(self):
+            yield self.con
+
+        def cursor(self):
+            return self.con.cursor()
+
+    monkeypatch.setattr(folding.derived, "refresh", refresh)
+    monkeypatch.setattr(folding.derived, "state", lambda con: None)
+    stats = SidecarStats()
+    fold = folding.LiveFold(Store(), stats, threading.Lock(), interval_s=5, slice_rows=8000, budget_s=3)
+    for _ in range(4):
+        fold.round()
+    assert asked == [8000, 4000, 2000, 1000] and fold.cur_slice == folding.MIN_SLICE_ROWS == 1000
+    assert stats.fold_failures_total == 4
+    (detail,) = Store.con.execute("SELECT detail FROM sidecar_health").fetchone()
+    assert "read time limit" in detail and "slices now 4000" in detail
+    interrupt["on"] = False
+    fold.round()
+    fold.round()
+    assert asked[-2:] == [1000, 2000] and fold.cur_slice == 4000
+    interrupt["on"] = "closing"  # the sidecar closing interrupts its reads: not counted, the slice kept
+    fold.round()
+    assert stats.fold_failures_total == 4 and fold.cur_slice == 4000

@@ -4,8 +4,9 @@ A step is `execute_model` + `sample_tokens`, timed by the worker's probe with `b
 host time always, CUDA events (sampled under the probe's budget, recorded outside any graph) on GPU, so steps that
 replay full CUDA graphs are timed too. Token counts come from the SchedulerOutput, never from padded graph inputs.
 
-Hot path (`StepShaper.shape`, once per step): O(1) Python besides the requests admitted or still prefilling in
-the step. The decode side is what is left of the step's total: every running request that is neither new nor in
+Hot path (`execute_model` and `sample_tokens`, one frame each around vLLM's call; `StepShaper.shape` once per
+step): O(1) Python besides the requests admitted or still prefilling in the step; a pure decode step takes the
+shape from the SchedulerOutput's totals alone. The decode side is what is left of the step's total: every running request that is neither new nor in
 a prompt (or a re-prefill after a preemption) computes decode positions. Context tokens are the C-level sum of the
 cached requests' computed tokens (`sum()` over vLLM's list) plus the new ones'.
 """
