@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from ....records.events import (
-    PrefixCounters, PrefixLookup, RequestEvent, ServerMetric, REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_FINISHED,
+    PrefixLookup, RequestEvent, ServerMetric, REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_FINISHED,
     REQ_PREEMPTED, REQ_QUEUED, REQ_SCHEDULED, REQ_TOKEN, VLLM_OUTPUT_ITERATIONS, short_id,
 )
 from ...pagetrack import PrefixTable
@@ -30,6 +30,7 @@ from . import kvaccount
 from .budget import DETAIL_METRIC, LEVELS, Budget, share_from_env
 from .common import Meter, channel, core_event_ns, fail, forked, is_abort, log, mono_of_wall, wrap
 from .labels import _model_name, _ranks, engine_side_labels
+from .prefix import PrefixLedger
 
 ENV_TOKENS_AT = "PHASESCOPE_VLLM_TOKENS_AT"  # "frontend": the frontend records token/finish events
 ENV_KV_EVERY = "PHASESCOPE_VLLM_KV_EVERY"  # take a KV snapshot every N engine steps (default 1)
@@ -39,7 +40,7 @@ ENV_DETAIL = "PHASESCOPE_VLLM_DETAIL_LEVEL"  # start at this lowering level (bud
 _mono = time.monotonic_ns
 
 
-class EngineHooks:
+class EngineHooks(PrefixLedger):
     """Instance wrappers on one `Scheduler` (EngineCore process)."""
 
     def __init__(self, scheduler: Any) -> None:
@@ -65,15 +66,7 @@ class EngineHooks:
         self.out_tokens: dict[str, int] = {}
         self.tokens_at_frontend = os.environ.get(ENV_TOKENS_AT) == "frontend"
         # prefix ledger: lookups by fresh requests (what /metrics counts) and by resumed ones, apart
-        self.queried = self.hits = self.resumed_queried = self.resumed_hits = 0
-        self.recomputed = 0
-        self.lost: dict[str, int] = {}  # request id -> KV tokens its last preemption dropped
-        # issue 13: per-lookup miss facts against a bounded table of earlier prompts' block hashes (vLLM's own,
-        # `request.block_hashes`, computed at arrival: nothing is hashed here)
-        self.table: PrefixTable | None = None
-        self.caching = True
-        self._last_prefix: tuple | None = None
-        self._last_resumed: tuple | None = None
+        self._init_prefix()
         self.kv: kvaccount.KvAccount | None = None
         self._iter_sent = 0  # output_iterations last pushed (by the probe's background wake)
         ref, m = (lambda: self.probe), self.meter
@@ -249,72 +242,6 @@ class EngineHooks:
         cancelled = ids is not None and "ABORTED" in str(status).upper()
         for req in aborted or ():
             self._finished(now, req.request_id, aborted=True, cancelled=cancelled)
-
-    # prefix cache
-    def _after_prefix(self, _res: Any, request: Any, num_hits: int, *a: Any, **k: Any) -> None:
-        enabled = getattr(self.sched.kv_cache_manager, "prefix_cache_lookup_enabled", None)
-        if callable(enabled) and not enabled(request):
-            return
-        q, h = int(request.num_tokens), int(num_hits)
-        resumed = getattr(request, "num_preemptions", 0) > 0
-        # recomputed (README Definitions): positions whose KV the preemption dropped (vLLM's num_computed_tokens
-        # then: after a decode, 1 short of num_tokens, as the latest sampled token was never computed) and the
-        # cache did not give back, counted at the first lookup after the preemption (vLLM 0.24 looks a waiting
-        # request up again every step until its pages fit; each of those lookups is still one for vLLM's
-        # counters and for ours). The lookup record carries the same figure (`readmission` of the miss split).
-        lost = self.lost.pop(request.request_id, None) if resumed else None
-        dropped = min(q, lost) if lost is not None else 0
-        if self.table is not None:
-            self._lookup(request, q, h, dropped)
-        if resumed:
-            self.resumed_queried += q
-            self.resumed_hits += h
-            self.recomputed += max(0, dropped - h)
-        else:
-            self.queried += q
-            self.hits += h
-
-    def _after_computed_blocks(self, result: Any, request: Any, *a: Any, **k: Any) -> None:
-        # vLLM 0.24 counts a lookup here unless caching is off or the request skips reading the cache
-        if not self.sched.kv_cache_manager.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return
-        self._after_prefix(None, request, int(result[1]))
-
-    def _lookup(self, request: Any, n: int, hit: int, dropped: int = 0) -> None:
-        """One PrefixLookup: vLLM's block hashes of the request against the table of earlier prompts'. A
-        re-admission's `cacheable_tokens` are the `dropped` positions its preemption lost (0 on a repeated lookup
-        of the same re-admission), so that its recomputation is `max(0, min(prompt, cacheable) - hit)`."""
-        now, table = self.now, self.table
-        P = table.page_size
-        readmit = getattr(request, "num_preemptions", 0) > 0
-        chain = [bytes(h) for h in request.block_hashes[: n // P]]
-        tokens = request.all_token_ids[: (len(chain) + 1) * P]
-        shared = table.shared(tokens, chain)
-        if not readmit:
-            table.register(tokens[:n], chain)
-        cacheable = (n - 1) // P * P if n else 0  # vLLM always computes the last token
-        stop = max(min(max(shared, hit) // P * P, cacheable), hit) // P
-        evicted, gap = table.evicted_run(chain, hit // P, stop, now)
-        self._push(PrefixLookup(now, self.rank0, short_id(request.request_id), "readmit" if readmit else "first",
-                                P, n, dropped if readmit else cacheable, hit, shared, evicted, gap,
-                                len(table.pages), table.dropped))
-
-    def _emit_prefix(self, now: int) -> None:
-        """PrefixCounters where they moved (the probe's background wake: the hot path only adds to ints). Hits
-        are read before queries and recomputed before evictions, so a record never shows more hits than queries
-        while a lookup is being counted on the engine's thread."""
-        hits, recomputed = self.hits, self.recomputed
-        state = (self.queried, hits, recomputed, self.evicted)
-        if state == self._last_prefix:
-            return
-        self._last_prefix = state
-        # one prefix cache per engine (the scheduler's), so one series: the engine's first rank
-        self._push(PrefixCounters(now, self.rank0, *state))
-        resumed = (self.resumed_queried, self.resumed_hits)
-        if resumed != self._last_resumed:  # run labels: only when a resumed request's lookup moved them
-            self._last_resumed = resumed
-            self.probe.label(prefix_resumed_queried_tokens=self.resumed_queried,
-                             prefix_resumed_hit_tokens=self.resumed_hits)
 
     # KV snapshot
     def snapshot(self, now: int) -> None:
