@@ -91,21 +91,12 @@ class StepTimer:
         probed module called in between record nothing (the step is this one).
         """
         try:
-            t_in = self._perf()
-            if self._in_step:
-                self._end(t_in)  # the previous step was never ended: close it here
-            self._in_step = True
-            guard = self._guard
-            if guard is not None and guard.depth:
-                self.captured += 1
-                self._open = None
-                return
-            if phase is None:
-                phase = phase_of(prefill_tokens, decode_tokens)
-            self._begin(StepShape(phase, num_seqs, prefill_tokens, decode_tokens, context_tokens), t_in)
+            shape = StepShape(phase_of(prefill_tokens, decode_tokens) if phase is None else phase, num_seqs,
+                              prefill_tokens, decode_tokens, context_tokens)
         except Exception as exc:  # noqa: BLE001
-            self._open = None
             self._error(exc)
+            return
+        self.begin_shape(shape)
 
     def begin_shape(self, shape: StepShape) -> None:
         """`begin_step` for a runtime adapter that holds the step's `StepShape` already (no re-pack: the vLLM
@@ -113,7 +104,7 @@ class StepTimer:
         try:
             t_in = self._perf()
             if self._in_step:
-                self._end(t_in)
+                self._end(t_in)  # the previous step was never ended: close it here
             self._in_step = True
             guard = self._guard
             if guard is not None and guard.depth:
@@ -224,7 +215,7 @@ class StepTimer:
                     if kind is not StepShape and shape is not None and shape[0] != "padded_rel":
                         shape = _unresolved(shape)
                 elif kind is not StepShape and shape is not None and shape[0] != "padded_rel":
-                    shape = self._queue_readback(shape, slot)
+                    shape = _queue_readback(shape, slot)
                 if slot is not None:
                     slot.start.record()
         mono = self._clock_ns()
@@ -298,20 +289,6 @@ class StepTimer:
             return ("padded", batch, new_len, cache_len, mask)
         return classify_padded(batch, new_len, cache_len, None)
 
-    def _queue_readback(self, shape: tuple, slot: Any) -> tuple | StepShape:
-        """Launch the readback of a deferred shape into `slot` (not capturing); drop the tensors."""
-        from .cuda_timing import queue_readback
-
-        if shape[0] == "packed":
-            _, n, has_k, cu_q, cu_k = shape
-            if queue_readback(slot, [cu_q] if cu_k is None else [cu_q, cu_k]):
-                return ("packed", n, has_k)
-        else:
-            _, batch, new_len, cache_len, mask = shape
-            if queue_readback(slot, [mask.sum().reshape(1)]):
-                return ("padded", batch, new_len, cache_len)
-        return _unresolved(shape)
-
     # --- the poller (called by the outbox's background wake) -----------------
 
     def _resolve(self, shape: Any, slot: Any) -> StepShape:
@@ -381,3 +358,18 @@ def _unresolved(shape: tuple) -> StepShape:
     if shape[0] == "packed":
         return StepShape(PHASE_IDLE, shape[1] - 1, 0, 0, 0)
     return classify_padded(shape[1], shape[2], shape[3], None)
+
+
+def _queue_readback(shape: tuple, slot: Any) -> tuple | StepShape:
+    """Launch the readback of a deferred shape into `slot` (not capturing); drop the tensors."""
+    from .cuda_timing import queue_readback
+
+    if shape[0] == "packed":
+        _, n, has_k, cu_q, cu_k = shape
+        if queue_readback(slot, [cu_q] if cu_k is None else [cu_q, cu_k]):
+            return ("packed", n, has_k)
+    else:
+        _, batch, new_len, cache_len, mask = shape
+        if queue_readback(slot, [mask.sum().reshape(1)]):
+            return ("padded", batch, new_len, cache_len)
+    return _unresolved(shape)
