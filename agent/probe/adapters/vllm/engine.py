@@ -110,14 +110,15 @@ class EngineHooks(PrefixLedger):
                 continue
 
             def wrapper(*a: Any, _orig: Any = original, _hook: Any = hook, _part: str = name, **k: Any) -> Any:
-                timed = meter.on
                 result = _orig(*a, **k)
-                t0 = perf() if timed else 0
+                t0 = perf()
                 try:
                     _hook(result, *a, **k)
                 except Exception as exc:  # noqa: BLE001 - never into vLLM
                     probe._error(exc)
-                if timed:
+                # read after the hook: schedule()'s hook opens a measured step (its own time then counts) and closes
+                # the last one (the budget's window bookkeeping then does not count as the step's hooks)
+                if meter.on:
                     meter.ns[_part] += perf() - t0
                 return result
 
