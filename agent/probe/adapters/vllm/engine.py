@@ -4,9 +4,8 @@ snapshot, with the adapter's budget (budget.py).
 Hot path, per engine step: `schedule()` and `update_from_output()` wrappers (one frame each around vLLM's call) do
 O(1) Python besides one loop over the requests *admitted* in the step (their `scheduled` event and KV base): two
 clock reads and one `KVSnapshot` per TP rank from the kept counts (kvaccount.py); the cumulative counters (output
-iterations, prefix queries/hits/recomputed/evicted) are ints the step adds to, pushed as `ServerMetric` and
-`PrefixCounters` by the probe's background wake where they moved (`_push_counters`, every flush interval and at
-exit). ~11 us a step at batch 1 on 2 CPU cores (benchmarks/vllm_host_cost.py). Per request, once: `arrival` + `queued` (add_request), `scheduled`, a
+iterations) is an int the step adds to, pushed as a `ServerMetric` by the probe's background wake where it moved
+(`_push_counters`); `PrefixCounters` only on a step whose lookups or evictions moved them (a flag and a compare). ~11 us a step at batch 1 on 2 CPU cores (benchmarks/vllm_host_cost.py). Per request, once: `arrival` + `queued` (add_request), `scheduled`, a
 `PrefixLookup` (its cost grows with the prompt's pages: the budget's third lowering turns it off), `preempted`,
 and the end (`finished`/`aborted`/`cancelled`). Token times come from the frontend (frontend.py), where vLLM
 measures them; the engine records them itself only when no frontend hook armed (PHASESCOPE_VLLM_TOKENS_AT unset).
@@ -72,7 +71,7 @@ class EngineHooks(PrefixLedger):
         ref, m = (lambda: self.probe), self.meter
         wrap(scheduler, "add_request", self._after_add, ref, meter=m)
         self._install_step(scheduler)
-        self.probe.periodic.append(self._push_counters)  # the probe's background wake pushes the counters
+        self.probe.periodic.append(self._push_counters)  # the probe's background wake pushes the iteration counter
         wrap(scheduler, "_preempt_request", None, ref, before=self._before_preempt, meter=m)
         wrap(scheduler, "finish_requests", self._after_finish_requests, ref, meter=m)
         kvm = getattr(scheduler, "kv_cache_manager", None)
@@ -126,9 +125,9 @@ class EngineHooks(PrefixLedger):
             setattr(scheduler, name, wrapper)
 
     def _push_counters(self) -> None:
-        """The cumulative counters where they moved: output iterations and the prefix counters (the probe's
-        background wake, every flush interval, and its exit ship)."""
-        self._emit_prefix(time.monotonic_ns())
+        """The output-iteration counter where it moved (the probe's background wake, every flush interval, and its
+        exit ship). The prefix counters stay on the step (`_after_update`): their series has one record per step
+        that moved them, which the prefix analyzers and the telemetry checks read as the time of each move."""
         n = self.output_iterations
         if n != self._iter_sent:
             self._iter_sent = n
@@ -217,6 +216,9 @@ class EngineHooks(PrefixLedger):
             self.steps += 1
             if self.kv is not None and self.steps % self.kv_every == 0:
                 self.snapshot(now)
+        kv = self.kv
+        if self._prefix_moved or self._last_prefix is None or (kv is not None and kv.evicted != self._last_prefix[3]):
+            self._emit_prefix(now)  # a lookup or an eviction moved them (and the engine's first step)
         if self.meter.on:  # a measured step: its busy time ends here (the output's stamp, read above)
             self.budget.end(now)
 

@@ -4,8 +4,8 @@ recompute, and, while the budget leaves it on, one `PrefixLookup` per lookup aga
 block hashes (why a lookup missed).
 
 Hot path: one call per lookup (vLLM's `record_prefix_cache_stats`, or 0.24's `get_computed_blocks`), O(1) at the
-budget's last level; the lookup record is O(the prompt's pages). `PrefixCounters` are pushed by the probe's
-background wake where they moved (`_emit_prefix`), never per step.
+budget's last level; the lookup record is O(the prompt's pages). `PrefixCounters` are pushed on the step that
+moved them (`_emit_prefix`, called by the engine's `update_from_output` hook).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class PrefixLedger:
         # `request.block_hashes`, computed at arrival: nothing is hashed here)
         self.table: PrefixTable | None = None
         self.caching = True
-        self._last_prefix: tuple | None = None
+        self._last_prefix: tuple | None = None  # the last PrefixCounters pushed (None: none yet)
+        self._prefix_moved = False  # a lookup moved the counters since
         self._last_resumed: tuple | None = None
 
     def _after_prefix(self, _res: Any, request: Any, num_hits: int, *a: Any, **k: Any) -> None:
@@ -54,6 +55,7 @@ class PrefixLedger:
         else:
             self.queried += q
             self.hits += h
+        self._prefix_moved = True
 
     def _after_computed_blocks(self, result: Any, request: Any, *a: Any, **k: Any) -> None:
         # vLLM 0.24 counts a lookup here unless caching is off or the request skips reading the cache
@@ -81,11 +83,9 @@ class PrefixLedger:
                                 len(table.pages), table.dropped))
 
     def _emit_prefix(self, now: int) -> None:
-        """PrefixCounters where they moved (the probe's background wake: the hot path only adds to ints). Hits
-        are read before queries and recomputed before evictions, so a record never shows more hits than queries
-        while a lookup is being counted on the engine's thread."""
-        hits, recomputed = self.hits, self.recomputed
-        state = (self.queried, hits, recomputed, self.evicted)
+        """PrefixCounters where they moved (the engine's step, when a lookup or an eviction moved them)."""
+        self._prefix_moved = False
+        state = (self.queried, self.hits, self.recomputed, self.evicted)
         if state == self._last_prefix:
             return
         self._last_prefix = state
