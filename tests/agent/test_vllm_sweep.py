@@ -110,10 +110,10 @@ RATES, N = [1.0, 2.0, 4.0, 8.0, 16.0], 12  # every case: 5 constant rates x 12 r
 
 
 def _swept(vllm_env, model_dir, tmp_path, flags: list[str], expect: str, shown: str,
-           headers: dict[str, str] | None = None, prompt_tokens: int = 64, output_tokens: int = 32):
-    """A case's sweep at calibrated SLOs (`_calibrated`), printed with each point's `shown` figure; asserts that
-    the binding constraint is `expect`. Returns (db, slo, result, binding)."""
-    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, flags, RATES, N, prompt_tokens=prompt_tokens,
+           headers: dict[str, str] | None = None, prompt_tokens: int = 64, output_tokens: int = 32, n: int = N):
+    """A case's sweep at calibrated SLOs (`_calibrated`), `n` requests a point, printed with each point's `shown`
+    figure; asserts that the binding constraint is `expect`. Returns (db, slo, result, binding)."""
+    db, slo, res = _sweep(vllm_env, model_dir, tmp_path, flags, RATES, n, prompt_tokens=prompt_tokens,
                           output_tokens=output_tokens, headers=headers)
     slo, res = _calibrated(db, res)
     print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
@@ -255,14 +255,17 @@ def test_dp_skew_all_requests_on_one_engine(vllm_env, guidellm, model_dir, tmp_p
     at ~10 ms a step: ~1.5 req/s), so every point past the calibration rate queues on engine 0 while engine 1 idles.
     With 2 sequences and 32 tokens it saturated only at 8 req/s, and a loaded CI host that missed the calibrated
     SLO at 2-4 req/s from noise put the evidence point where nothing queued yet (stranded share < 0.2; host-bound
-    bound instead: CI run of 50b4867)."""
+    bound instead: CI run of 50b4867). 24 requests a point, not 12: at 12, the second rate's point (6 s of arrivals
+    at ~1.3x engine 0's rate) ended with ~3 requests queued and its p50 queue near 0, so DP skew's stranded share
+    stayed under its threshold there and the batch ceiling (one sequence, at its cap all along) bound instead (CI
+    run of 1f702dd); at 24 the backlog of that point doubles and queues for most of it."""
     from builders.dp_reference import dp_by_hand
 
-    rates, n = RATES, N
+    rates, n = RATES, 2 * N
     db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--data-parallel-size", "2", "--max-num-seqs", "1",
                                                             "--max-num-batched-tokens", "512",
                                                             "--num-gpu-blocks-override", "64", "--block-size", "32"],
-                             "dp-skew", "queue_p50_s", headers={"X-data-parallel-rank": "0"}, output_tokens=64)
+                             "dp-skew", "queue_p50_s", headers={"X-data-parallel-rank": "0"}, output_tokens=64, n=n)
     con = duckdb.connect(db, read_only=True)
     try:
         _check_points(con, res, rates, n)
