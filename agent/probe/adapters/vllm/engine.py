@@ -3,9 +3,10 @@ snapshot, with the adapter's budget (budget.py).
 
 Hot path, per engine step: `schedule()` and `update_from_output()` wrappers (one frame each around vLLM's call) do
 O(1) Python besides one loop over the requests *admitted* in the step (their `scheduled` event and KV base): two
-clock reads and one `KVSnapshot` per TP rank from the kept counts (kvaccount.py); the cumulative counters (output
-iterations) is an int the step adds to, pushed as a `ServerMetric` by the probe's background wake where it moved
-(`_push_counters`); `PrefixCounters` only on a step whose lookups or evictions moved them (a flag and a compare). ~11 us a step at batch 1 on 2 CPU cores (benchmarks/vllm_host_cost.py). Per request, once: `arrival` + `queued` (add_request), `scheduled`, a
+clock reads and one `KVSnapshot` per TP rank from the kept counts (kvaccount.py). The output-iteration counter is
+an int the step adds to, pushed as a `ServerMetric` by the probe's background wake where it moved
+(`_push_counters`); `PrefixCounters` only on a step whose lookups or evictions moved them (a flag and a compare).
+~11 us a step at batch 1 on 2 CPU cores (benchmarks/vllm_host_cost.py). Per request, once: `arrival` + `queued` (add_request), `scheduled`, a
 `PrefixLookup` (its cost grows with the prompt's pages: the budget's third lowering turns it off), `preempted`,
 and the end (`finished`/`aborted`/`cancelled`). Token times come from the frontend (frontend.py), where vLLM
 measures them; the engine records them itself only when no frontend hook armed (PHASESCOPE_VLLM_TOKENS_AT unset).
@@ -191,7 +192,7 @@ class EngineHooks(PrefixLedger):
                 for i, flag in enumerate(cr.resumed_from_preemption):
                     if flag:
                         kv.admitted(int(cr.num_computed_tokens[i]))
-            kv.computed += so.total_num_scheduled_tokens  # kv.scheduled(), inline: every step
+            kv.computed += so.total_num_scheduled_tokens  # the step computes these positions (vLLM advanced them)
 
     def _after_update(self, outputs: Any, so: Any, *a: Any, **k: Any) -> None:
         now = _mono()
@@ -200,7 +201,7 @@ class EngineHooks(PrefixLedger):
             for eco in outputs.values():
                 if getattr(eco, "outputs", None):
                     produced += 1
-        # a cumulative counter, pushed by the probe's background wake where it moved (`_push_iterations`)
+        # a cumulative counter, pushed by the probe's background wake where it moved (`_push_counters`)
         self.output_iterations += produced
         if not self.tokens_at_frontend:  # no frontend hook: token and finish times here (O(batch))
             for eco in (outputs or {}).values():

@@ -258,10 +258,6 @@ class KvAccount:
         """A request (new or resumed) was scheduled holding `computed_tokens` tokens of KV before this step."""
         self.computed += computed_tokens
 
-    def scheduled(self, tokens: int) -> None:
-        """A step computes `tokens` more positions (vLLM advances num_computed_tokens at schedule())."""
-        self.computed += tokens
-
     # --- records --------------------------------------------------------------------------------------------
     def snapshot(self, now: int, rank: int) -> KVSnapshot:
         """This step's KV snapshot of one rank, from the kept counts (O(1))."""

@@ -6,9 +6,9 @@ replay full CUDA graphs are timed too. Token counts come from the SchedulerOutpu
 
 Hot path (`execute_model` and `sample_tokens`, one frame each around vLLM's call; `StepShaper.shape` once per
 step): O(1) Python besides the requests admitted or still prefilling in the step; a pure decode step takes the
-shape from the SchedulerOutput's totals alone. The decode side is what is left of the step's total: every running request that is neither new nor in
-a prompt (or a re-prefill after a preemption) computes decode positions. Context tokens are the C-level sum of the
-cached requests' computed tokens (`sum()` over vLLM's list) plus the new ones'.
+shape from the SchedulerOutput's totals alone. The decode side is what is left of the step's total: every running
+request that is neither new nor in a prompt (or a re-prefill after a preemption) computes decode positions. Context
+tokens are the C-level sum of the cached requests' computed tokens (`sum()` over vLLM's list) plus the new ones'.
 """
 
 from __future__ import annotations
@@ -225,12 +225,12 @@ class WorkerHooks:
             return
         probe, begin = self.probe, self._begin
 
-        def execute_model(so: Any, *a: Any, **k: Any) -> Any:
+        def execute_model(*a: Any, **k: Any) -> Any:  # any call form vLLM uses goes through unchanged
             try:
-                begin(so)
+                begin(a[0] if a else k["scheduler_output"])
             except Exception as exc:  # noqa: BLE001 - never into vLLM
                 probe._error(exc)
-            result = execute(so, *a, **k)
+            result = execute(*a, **k)
             if result is not None and self._open:  # no sample_tokens half for this step
                 self._open = False
                 probe.end_step()
