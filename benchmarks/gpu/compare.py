@@ -204,8 +204,8 @@ def _pair(pairs: list[dict], a: str, b: str) -> dict:
 
 
 def cost(child: dict) -> dict:
-    """Per batch size, over paired rounds: A (phasescope armed) and C (vLLM's own stats, where run) against B
-    (plain): throughput loss and p50 step-period change, with 95% CIs."""
+    """Per batch size, over paired rounds: A (phasescope armed), C (vLLM's own stats, where run) and D (armed with
+    PHASESCOPE_CUDA_TIMING=0, where run) against B (plain): throughput loss and p50 step-period change, with 95% CIs."""
     rows = child.get("rows") or []
     out: dict = {"rounds": child.get("rounds"), "armed": child.get("armed")}
     for bs in sorted({r["bs"] for r in rows}):
@@ -214,7 +214,7 @@ def cost(child: dict) -> dict:
             if r["bs"] == bs:
                 by.setdefault(r["round"], {})[r["cond"]] = r
         row: dict = {}
-        for cond, name in (("A", "armed_vs_plain"), ("C", "stats_vs_plain")):
+        for cond, name in (("A", "armed_vs_plain"), ("C", "stats_vs_plain"), ("D", "armed_host_timed_vs_plain")):
             pairs = [v for v in by.values() if cond in v and "B" in v]
             if pairs:
                 row[name] = _pair(pairs, cond, "B")

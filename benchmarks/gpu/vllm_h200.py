@@ -184,22 +184,34 @@ def _cpu_s() -> tuple[float, float]:
 def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_tokens: int) -> dict:
     """Three engines of one setup: phasescope armed (A, vLLM's stats off), plain (B, both off) and vLLM's own
     stats (C, `disable_log_stats=False`, the `vllm serve` default; phasescope off); identical blocks, the order
-    A B C / C B A alternating by round."""
+    A B C / C B A alternating by round. PHASESCOPE_BENCH_COND_D=1 adds D: armed as A with PHASESCOPE_CUDA_TIMING=0
+    (its own run id), order A B C D / D C B A."""
     import vllm_ref
     from vllm import LLM
 
-    util = {} if cpu else dict(gpu_memory_utilization=0.25)
+    cond_d = os.environ.get("PHASESCOPE_BENCH_COND_D", "") == "1"
+    util = {} if cpu else dict(gpu_memory_utilization=0.2 if cond_d else 0.25)
     t0 = time.monotonic()
     cores: dict[str, int | None] = {}
     seen = _engine_cores(set())
     llm_a = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))  # PHASESCOPE_AGENT is set
     cores["A"], seen = _new_core(seen)
-    del os.environ["PHASESCOPE_AGENT"]  # B's and C's EngineCores (spawned) start with the plugin off
+    agent = os.environ.pop("PHASESCOPE_AGENT")  # B's and C's EngineCores (spawned) start with the plugin off
     llm_b = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))
     cores["B"], seen = _new_core(seen)
     llm_c = LLM(**_engine_args(model, cpu, disable_log_stats=False, **util))
     cores["C"], seen = _new_core(seen)
     engines = {"A": llm_a, "B": llm_b, "C": llm_c}
+    if cond_d:  # D: armed as A, the worker's steps timed on the host only (no CUDA event, no poll): what they cost
+        rid = os.environ.get("PHASESCOPE_RUN_ID")
+        os.environ.update(PHASESCOPE_AGENT=agent, PHASESCOPE_CUDA_TIMING="0", PHASESCOPE_RUN_ID="bench-cond-d")
+        try:
+            engines["D"] = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))
+            cores["D"], seen = _new_core(seen)
+        finally:
+            for k in ("PHASESCOPE_AGENT", "PHASESCOPE_CUDA_TIMING"):
+                os.environ.pop(k, None)
+            os.environ.update({"PHASESCOPE_RUN_ID": rid} if rid else {})
     res: dict = {"engine_start_s": round(time.monotonic() - t0, 1),
                  "armed": {k: _rpc(v, vllm_ref.armed) for k, v in engines.items()}}
     rng = random.Random(2)
@@ -218,7 +230,7 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
         profiled = time.monotonic() < spy_end
         for bs in batches:
             p = _prompts(rng, bs, 32)
-            order = ("A", "B", "C") if r % 2 == 0 else ("C", "B", "A")
+            order = tuple(engines) if r % 2 == 0 else tuple(reversed(engines))
             for cond in order:
                 row = _timed_block(engines[cond], p, max_tokens)
                 rows.append(dict(row, round=r, bs=bs, cond=cond, profiled=profiled))
@@ -237,9 +249,11 @@ def _engine_cores(seen: set[int]) -> set[int]:
         import psutil
 
         found = set(seen)
-        for c in psutil.Process().children(recursive=True):
+        for c in psutil.Process().children(recursive=False):  # the EngineCore is a direct child (spawn)
             try:
-                if "EngineCor" in " ".join(c.cmdline()) or "EngineCor" in c.name():
+                cmd = " ".join(c.cmdline())
+                # titled `VLLM::EngineCore` where setproctitle is installed; else a multiprocessing spawn child
+                if "EngineCor" in cmd or "EngineCor" in c.name() or "spawn_main" in cmd:
                     found.add(c.pid)
             except psutil.Error:
                 pass
@@ -252,6 +266,8 @@ def _new_core(seen: set[int]) -> tuple[int | None, set[int]]:
     """The EngineCore started since `seen` was taken (None when not exactly one), and the new `seen`."""
     now = _engine_cores(seen)
     new = now - seen
+    if len(new) != 1:
+        print(f"py-spy: {len(new)} new EngineCore candidates {sorted(new)}; this engine is not profiled", flush=True)
     return (new.pop() if len(new) == 1 else None), now
 
 

@@ -585,3 +585,25 @@ def test_attention_backend_read_inside_vllm_config_context(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.config", None)  # a vLLM without it: a no-op
     with vllm_worker._config_context("cfg"):
         pass
+
+
+@pytest.mark.parametrize("env,on_cuda,expect_cuda", [("0", True, False), ("1", True, True), ("0", False, False),
+                                                      ("1", False, False)])
+def test_worker_channel_honours_cuda_timing_setting(monkeypatch, tmp_path, env, on_cuda, expect_cuda):
+    """PHASESCOPE_CUDA_TIMING=0 (documented: host timing only) reaches the vLLM worker's probe: on a CUDA device
+    it is built without CUDA timing; with 1 it asks for it; on the CPU, set either way, it is passed once (here a
+    stub Probe records what it was asked)."""
+    monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")
+    monkeypatch.setenv("PHASESCOPE_CUDA_TIMING", env)
+    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
+    asked = {}
+
+    class _Probe:
+        def __init__(self, module, **kw):
+            asked.update(kw)
+
+    monkeypatch.setattr(vllm_common, "Probe", _Probe)
+    device = type("Dev", (), {"type": "cuda"})() if on_cuda else None
+    vllm_common.channel("worker", 0, 1, "m", {}, device=device)
+    assert asked["cuda_timing"] is expect_cuda
+    assert asked["device"] is (device if expect_cuda else None)

@@ -62,13 +62,14 @@ _TIMING_OPTIONS = ("flush_interval_s", "poll_interval_s", "buffer_records", "eve
 
 
 def _env_timing() -> dict[str, Any]:
-    """The probe's timing options set by PHASESCOPE_* variables (ProbeSettings); a bad value: the defaults."""
+    """The probe's timing options set by PHASESCOPE_* variables (ProbeSettings), `cuda_timing` included;
+    a bad value: the defaults."""
     try:
         opts = from_env(os.environ, ProbeSettings)
     except ValueError as exc:  # the user's variable, not vLLM's internals: say so, run on the defaults
         log.warning("phasescope: %s; the vLLM probes use the default timing options", exc)
         return {}
-    return {k: v for k, v in opts.items() if k in _TIMING_OPTIONS}
+    return {k: v for k, v in opts.items() if k in _TIMING_OPTIONS + ("cuda_timing",)}
 
 
 def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str, str], device: Any = None) -> Probe:
@@ -80,10 +81,13 @@ def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str,
     with _STATE_LOCK:
         p = _CHANNELS.get(role)
         if p is None:
-            cuda = getattr(device, "type", "") == "cuda"
+            opts = _env_timing()
+            # PHASESCOPE_CUDA_TIMING=0: the worker's steps are timed on the host only (no CUDA event, no poll)
+            wanted = bool(opts.pop("cuda_timing", True))
+            cuda = wanted and getattr(device, "type", "") == "cuda"
             p = Probe(_NoModule(), rank=rank, world_size=max(world_size, rank + 1), run_id=run_id(),
                       model_name=model, runtime=f"{RUNTIME}-{role}"[:16], cuda_timing=cuda,
-                      device=device if cuda else None, labels=labels, **_env_timing())
+                      device=device if cuda else None, labels=labels, **opts)
             if not _CHANNELS:
                 atexit.register(close_channels)
             _CHANNELS[role] = p
