@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 HERE = pathlib.Path(__file__).resolve().parent
 MODELS = HERE / "models"
@@ -181,7 +181,8 @@ def _cpu_s() -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
-def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_tokens: int) -> dict:
+def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_tokens: int,
+               checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Three engines of one setup: phasescope armed (A, vLLM's stats off), plain (B, both off) and vLLM's own
     stats (C, `disable_log_stats=False`, the `vllm serve` default; phasescope off); identical blocks, the order
     A B C / C B A alternating by round. PHASESCOPE_BENCH_COND_D=1 adds D: armed as A with PHASESCOPE_CUDA_TIMING=0
@@ -235,10 +236,12 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
                 row = _timed_block(engines[cond], p, max_tokens)
                 rows.append(dict(row, round=r, bs=bs, cond=cond, profiled=profiled))
         r += 1
+        res.update(rows=rows, rounds=r, partial=True)
+        if checkpoint is not None:  # a child killed at the phase's deadline still leaves its finished rounds
+            checkpoint(res)
         if r >= 60:
             break
-    res["rows"] = rows
-    res["rounds"] = r
+    res["partial"] = False
     _LLMS.extend(engines.values())
     return res
 
@@ -320,16 +323,24 @@ def child_interference(model: str, cpu: bool) -> dict:
             "long_tokens": long_len, "every_steps": every, "metrics": _metrics(llm)}
 
 
+def _write_result(path: str, res: dict) -> None:
+    """`res` as JSON at `path`, whole or not at all (a kill mid-write leaves the previous checkpoint)."""
+    tmp = path + ".tmp"
+    pathlib.Path(tmp).write_text(json.dumps(res))
+    os.replace(tmp, path)
+
+
 def child_main(a: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     _VOCAB[0] = int(json.loads((pathlib.Path(a.model) / "config.json").read_text()).get("vocab_size", 32000))
     if a.child in ("truth", "pressure"):
         res = child_fidelity(a.model, a.cpu, a.child == "pressure")
     elif a.child == "cost":
-        res = child_cost(a.model, a.cpu, a.cost_budget_s, [int(b) for b in a.batches.split(",")], a.max_tokens)
+        res = child_cost(a.model, a.cpu, a.cost_budget_s, [int(b) for b in a.batches.split(",")], a.max_tokens,
+                         checkpoint=lambda partial: _write_result(a.result, partial))
     else:
         res = child_interference(a.model, a.cpu)
-    pathlib.Path(a.result).write_text(json.dumps(res))
+    _write_result(a.result, res)
     print(RESULT_TAG + "written", flush=True)
     for llm in _LLMS:  # end the EngineCore processes now (their probes flush at exit), free the GPU
         try:
@@ -374,8 +385,10 @@ def run_phase(phase: str, a: argparse.Namespace, timeout_s: float, out: pathlib.
     env.pop("PHASESCOPE_RUN_ID", None)
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # engine B of `cost` must not inherit A's hooks
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the reference's functions (cloudpickle)
+    # the child's engine starts, warm-up and exit, s (a fourth engine: +60; an H100 start of 4 took ~180 s)
+    reserve = 230 if os.environ.get("PHASESCOPE_BENCH_COND_D") == "1" else 170
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", phase, "--model", a.model,
-           "--result", result, "--cost-budget-s", str(min(a.cost_budget_s, max(30.0, timeout_s - 170))), "--batches", a.batches,
+           "--result", result, "--cost-budget-s", str(min(a.cost_budget_s, max(30.0, timeout_s - reserve))), "--batches", a.batches,
            "--max-tokens", str(a.max_tokens)] + (["--cpu"] if a.cpu else [])
     t0 = time.monotonic()
     status = "ok"
