@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import duckdb
@@ -857,18 +858,34 @@ def run_named(con: duckdb.DuckDBPyConnection, name: str, params: dict[str, str |
             raise ValueError(f"query {name!r} takes no parameter {key!r}")
         ann = str(p.annotation)
         if isinstance(raw, str) and raw != "":
-            try:
-                if ann.startswith("float"):
-                    raw = float(raw)
-                elif ann.startswith("int"):
-                    raw = int(raw)
-            except ValueError:
-                raise ValueError(f"{key} must be {'a number' if ann.startswith('float') else 'an integer'}, "
-                                 f"not {raw[:40]!r}") from None
+            raw = parse_number(key, raw, ann)
         value = None if raw == "" else raw
         _check_param(key, value)
         kwargs[key] = value
+    for key, p in sig.parameters.items():
+        if key != "con" and p.default is inspect.Parameter.empty and kwargs.get(key) is None:
+            raise ValueError(f"query {name!r} needs parameter {key!r}")
     return fn(con, **kwargs)
+
+
+# what a numeric parameter may look like: plain decimal (no whitespace, underscores, hex, inf or nan, which
+# Python's float() and int() would take)
+_INT = re.compile(r"[+-]?[0-9]{1,18}")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def parse_number(key: str, raw: str, annotation: str) -> Any:
+    """`raw` as the int or float `annotation` ("int", "float | None", ...) names, else `raw` unchanged.
+    Raises ValueError (one line) for anything but a plain decimal literal."""
+    if annotation.startswith("float"):
+        if _FLOAT.fullmatch(raw):
+            return float(raw)
+        raise ValueError(f"{key} must be a decimal number, not {raw[:40]!r}")
+    if annotation.startswith("int"):
+        if _INT.fullmatch(raw):
+            return int(raw)
+        raise ValueError(f"{key} must be a decimal integer, not {raw[:40]!r}")
+    return raw
 
 
 # bounds of every numeric parameter (inclusive); strings are bounded in length
