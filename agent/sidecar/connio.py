@@ -8,6 +8,12 @@ the transport a view of the frame's own bytearray, so `recv_into` writes the
 payload where the decoder reads it. Bytes that arrive while no read waits go to a
 small look-ahead buffer; when it is full, reading pauses (the socket buffer fills
 and the sender waits: backpressure, as with StreamReader's limit).
+
+Memory is taken as bytes arrive, never from a header's claim: a connection holds no
+buffer until its first bytes come, the look-ahead starts at 1 KiB and grows x4 to
+64 KiB, and a frame's buffer starts at what arrived (1 KiB at least) and grows x4
+toward the length read waits for (a frame that arrives whole is copied ~1/3 more
+in those steps). A peer that announces 1 MiB and sends 10 bytes holds ~1 KiB.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-LOOKAHEAD_BYTES = 64 << 10  # bytes read ahead while no read waits (per connection)
+LOOKAHEAD_BYTES = 64 << 10  # bytes read ahead while no read waits (per connection), at most
+FIRST_BUFFER_BYTES = 1 << 10  # a buffer's first size: each grows (x4) as bytes arrive, never from a header's claim
 
 
 class Incomplete(asyncio.IncompleteReadError):
@@ -49,10 +56,11 @@ class Reader(asyncio.BufferedProtocol):
 
     def __init__(self, on_connect: Callable[["Reader", Writer], object]) -> None:
         self._on_connect = on_connect
-        self._buf = bytearray(LOOKAHEAD_BYTES)
+        self._buf = bytearray()  # taken when the first bytes arrive, grown as more do (up to LOOKAHEAD_BYTES)
         self._start = self._end = 0  # look-ahead bytes not yet read: _buf[_start:_end]
-        self._target: bytearray | None = None  # the buffer a waiting read fills
+        self._target: bytearray | None = None  # the buffer a waiting read fills, grown as its bytes arrive
         self._fill = 0
+        self._want = 0  # the bytes that read waits for (len(_target) reaches it only as they arrive)
         self._waiter: asyncio.Future | None = None
         self._eof = False
         self._exc: BaseException | None = None
@@ -67,25 +75,35 @@ class Reader(asyncio.BufferedProtocol):
         self.task = self._on_connect(self, Writer(transport))  # type: ignore[arg-type]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._target is not None:  # a read waits and the look-ahead is empty: fill the frame itself
-            return memoryview(self._target)[self._fill:]
+        target = self._target
+        if target is not None:  # a read waits and the look-ahead is empty: fill the frame itself
+            if self._fill == len(target):  # what arrived filled it: grow toward what the read waits for
+                target.extend(bytes(min(self._want, 4 * len(target)) - len(target)))
+            return memoryview(target)[self._fill:]
         if self._end == len(self._buf):
             if self._start:
                 n = self._end - self._start
                 self._buf[:n] = self._buf[self._start:self._end]
                 self._start, self._end = 0, n
-            else:  # full and not paused yet (the transport asks once more): grow rather than fail
-                self._buf.extend(bytes(len(self._buf)))
+            if self._end == len(self._buf):  # full: grow x4 up to LOOKAHEAD_BYTES (past it only when the
+                # transport asks once more before its pause takes effect: grow rather than fail)
+                size = len(self._buf)
+                if size < LOOKAHEAD_BYTES:
+                    grow = max(FIRST_BUFFER_BYTES, min(LOOKAHEAD_BYTES, 4 * size)) - size
+                else:
+                    grow = size
+                self._buf.extend(bytes(grow))
         return memoryview(self._buf)[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._target is not None:
             self._fill += nbytes
-            if self._fill == len(self._target):
+            if self._fill == self._want:
                 self._wake(None)
             return
         self._end += nbytes
-        if self._end == len(self._buf) and not self._paused and self.transport is not None:
+        if self._end >= LOOKAHEAD_BYTES and self._end == len(self._buf) and not self._paused \
+                and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
 
@@ -99,11 +117,21 @@ class Reader(asyncio.BufferedProtocol):
             self._exc = exc
         self._eof = True
         self._wake(exc or self._incomplete())
+        self._buf = bytearray()  # a lost connection's look-ahead goes now, whoever still holds this Reader
+        # asyncio's selector transport keeps its read callback as a bound method of itself (CPython 3.11-3.13):
+        # a transport <-> method cycle, with the socket objects and a dict in it, that only the cyclic collector
+        # frees (~1 KiB a closed connection). Its reader is off the selector by now: the callback is never called.
+        t = self.transport
+        if t is not None and "_read_ready_cb" in getattr(t, "__dict__", ()):
+            t._read_ready_cb = None
 
     # --- reading (called by the handler) --------------------------------------
 
-    async def readexactly(self, n: int) -> bytes | bytearray:
-        """The next `n` bytes; raises IncompleteReadError at end of stream, or the connection's error."""
+    async def readexactly(self, n: int, deadline: float | None = None) -> bytes | bytearray:
+        """The next `n` bytes; raises IncompleteReadError at end of stream, TimeoutError past `deadline` (the
+        loop's clock), or the connection's error. The deadline is a timer on this read, not `asyncio.wait_for`:
+        wait_for's inner task, holding the exception whose traceback holds wait_for's frame holding that task,
+        made a cycle of every failed read (a closed or timed-out connection) that only the collector freed."""
         if self._exc is not None:
             raise self._exc
         have = self._end - self._start
@@ -116,12 +144,15 @@ class Reader(asyncio.BufferedProtocol):
         if self._eof:  # before allocating: a lost connection's frame costs nothing
             self._start = self._end = 0
             raise Incomplete(have, n)
-        target = bytearray(n)
+        # sized by what arrived (and a first step), not by `n`: a header's claim takes no memory until its bytes come
+        target = bytearray(min(n, max(have, FIRST_BUFFER_BYTES)))
         if have:
             target[:have] = self._buf[self._start:self._end]
         self._start = self._end = 0
-        self._target, self._fill = target, have
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._target, self._fill, self._want = target, have, n
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = loop.call_at(deadline, self._time_out) if deadline is not None else None
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
@@ -135,13 +166,18 @@ class Reader(asyncio.BufferedProtocol):
             target = None
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._target, self._waiter = None, None
         return target
+
+    def _time_out(self) -> None:
+        self._wake(TimeoutError())
 
     def _incomplete(self) -> BaseException | None:
         if self._target is None:
             return None
-        return Incomplete(self._fill, len(self._target))
+        return Incomplete(self._fill, self._want)
 
     def _wake(self, exc: BaseException | None) -> None:
         w = self._waiter

@@ -155,8 +155,8 @@ class Ingest:
         if left <= 0:
             raise _Timeout()
         try:
-            return await asyncio.wait_for(reader.readexactly(n), left)
-        except asyncio.TimeoutError:
+            return await reader.readexactly(n, deadline)
+        except TimeoutError:
             raise _Timeout() from None
 
     def _admit(self, conn: Conn) -> bool:
@@ -237,11 +237,11 @@ class Ingest:
         assert loop is not None
         verified = conn.verified
         try:
-            first = await asyncio.wait_for(reader.readexactly(1), self.limits.idle_timeout_s if verified
-                                           else self.limits.handshake_timeout_s)
+            first = await reader.readexactly(1, loop.time() + (self.limits.idle_timeout_s if verified
+                                                               else self.limits.handshake_timeout_s))
         except Incomplete:
             return False  # clean end of stream
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _Timeout() from None
         deadline = loop.time() + (self.limits.frame_timeout_s if verified else self.limits.handshake_timeout_s)
         try:

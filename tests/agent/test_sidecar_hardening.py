@@ -4,6 +4,7 @@ the read API's Host check and parameter validation, the TCP token."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -303,6 +304,108 @@ def test_flood_of_malformed_frames_and_poison_while_a_good_probe_streams(short_t
         con.close()
     assert sender.lost == 0 and sender.rejected == 0
     assert sender.delivered == sender.sent == good_rows == good_ids  # the good stream, complete
+
+
+def _bad_frames(hello: bytes) -> dict[str, list[bytes]]:
+    """One bad frame of every kind the decoder knows, as the chunks a hostile client sends (then it closes)."""
+    H, M = ev.HEADER, ev.MAGIC
+    v2_hello = ev.frame_v2(hello, 0, [ev.Session(7, "")])
+    return {
+        "random": [os.urandom(64)],
+        "bad_magic": [b"XX" + H.pack(M, 1, 0, 1, 10)[2:] + b"\x00" * 10],
+        "unknown_version": [H.pack(M, 99, 0, 1, 10) + b"\x00" * 10],
+        "over_max_frame": [H.pack(M, 1, 0, 1, ev.MAX_FRAME_BYTES + 100), b"\x01" * 4096],
+        "count_past_length": [H.pack(M, 1, 0, 500, 10) + b"\x00" * 10],
+        "truncated_header": [H.pack(M, 1, 0, 1, 10)[:7]],
+        "v2_without_session": [ev.frame_v2(hello, 0)],
+        "v2_session_twice": [v2_hello, ev.frame_v2(hello, 1, [ev.Session(8, "")])],
+        "garbage_after_hello": [hello, H.pack(M, 1, 0, 1, 10) + b"\xc8" * 10],
+        "first_frame_too_big": [H.pack(M, 1, 0, 1, 200 << 10), b"\x02" * (64 << 10)],
+        "gib_announced": [hello, H.pack(M, 1, 0, 1000, 1 << 30), b"\x03" * (64 << 10)],
+        "max_announced_after_hello": [hello, H.pack(M, 1, 0, 1000, ev.MAX_FRAME_BYTES), b"\x04" * (64 << 10)],
+    }
+
+
+@pytest.mark.slow
+def test_flood_of_every_bad_frame_kind_keeps_memory_within_64_mib_with_the_collector_off(short_tmp):
+    """Issue 52: thousands of short connections, 4 at a time over the unix socket and loopback TCP, each one bad
+    frame of every kind above (1 GiB and 1 MiB announcements followed by 64 KiB among them), and 5 connections
+    that announce 1 MiB frames after their hello and stall with 64 KiB sent: the agent, run with the cyclic
+    collector off, stays within its own baseline + 64 MiB, and a legitimate probe beside it loses nothing."""
+    db, sock = os.path.join(short_tmp, "m.duckdb"), os.path.join(short_tmp, "agent.sock")
+    agent = subprocess.Popen(
+        [sys.executable, "-c", "import gc, sys; gc.disable(); from phasescope.cli.main import main; "
+         "sys.exit(main(sys.argv[1:]))", "agent", "--db", db, "--listen", f"unix:{sock}", "--listen",
+         "tcp:127.0.0.1:0", "--no-metrics", "--no-api", "--no-retention", "--checkpoint-s", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = agent.stdout.readline()
+    port = int(re.search(r"tcp:127\.0\.0\.1:(\d+)", line).group(1))
+    good = Streamer(f"unix:{sock}", frame_records=200, pause_s=0.005, wait=True).start()
+    time.sleep(1.0)  # the good probe connected and streaming: its share of memory is in the baseline
+    rss0 = _rss(agent)
+    peak, stop, sent = [rss0], threading.Event(), collections.Counter()
+
+    def sample():
+        while not stop.is_set():
+            peak.append(_rss(agent))
+            time.sleep(0.02)
+
+    hello = ev.encode_frame([ev.Hello(1, 0, 1, 0, 1, "evil", "evil", "module")])
+    kinds = _bad_frames(hello)
+    names = sorted(kinds)
+
+    def client(worker):
+        for k in range(750):
+            name = names[(worker + k) % len(names)]
+            fam, addr = (socket.AF_UNIX, sock) if k % 2 else (socket.AF_INET, ("127.0.0.1", port))
+            s = socket.socket(fam)
+            try:
+                s.connect(addr)
+                for chunk in kinds[name]:
+                    s.sendall(chunk)
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(5)
+                s.recv(1)
+            except OSError:
+                pass
+            finally:
+                s.close()
+            sent[name] += 1
+
+    stallers = []
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        for _ in range(5):  # held open while the flood runs: half-sent maximum frames of verified connections
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(sock)
+            s.setblocking(False)
+            for chunk in kinds["max_announced_after_hello"]:
+                try:
+                    s.send(chunk)
+                except BlockingIOError:
+                    pass
+            stallers.append(s)
+        workers = [threading.Thread(target=client, args=(w,), daemon=True) for w in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(HANG_S)
+    finally:
+        for s in stallers:
+            s.close()
+        stop.set()
+        sampler.join(10)
+        sender = good.stop()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(HANG_S)
+    top = max(peak)
+    print(f"bad-frame flood: {sum(sent.values())} connections {dict(sent)}; rss0={rss0 >> 20} MiB "
+          f"peak={top >> 20} MiB (+{(top - rss0) / 2**20:.1f}); good sent={sender.sent} delivered={sender.delivered}")
+    assert sum(sent.values()) == 3000 and set(sent) == set(names)
+    assert top - rss0 <= 64 << 20, (rss0 >> 20, top >> 20)
+    assert sender.lost == 0 and sender.delivered == sender.sent > 0 and good.not_sent == 0
+    assert _count_steps(db) == sender.sent  # the legitimate probe's stream, whole
 
 
 @pytest.mark.slow
