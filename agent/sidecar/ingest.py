@@ -50,7 +50,7 @@ class Ingest:
         self.addresses, self.store, self.stats, self.limits = addresses, store, stats, limits
         self.sessions = Sessions(store, stats, writer, token)
         self._budget = budget
-        self._partial = Budget(limits.partial_budget_bytes)
+        self._partial = Budget(limits.partial_bytes)
         self._unverified: dict[Conn, None] = {}  # connections without a completed handshake, oldest first
         self._loop: asyncio.AbstractEventLoop | None = None
         self._servers: list[asyncio.base_events.Server] = []

@@ -12,7 +12,8 @@ class SidecarLimits:
     """How much the sidecar holds and how long it waits; every field has a unit in its name.
 
     `memory_budget_bytes`: received-but-unwritten frames held at most (then backpressure);
-    `partial_budget_bytes`: bytes of frames still arriving held at most, over all verified connections;
+    `partial_budget_bytes`: bytes of frames still arriving held at most, over all verified connections
+    (None: half of `memory_budget_bytes`, at least 1 MiB: the agent's memory setting bounds both);
     `max_connections`: connections that completed their handshake held at most;
     `max_unverified`: connections that have not completed their handshake (first frame) held at most; when
     full the oldest is evicted, so such connections never take a verified sender's slot;
@@ -35,7 +36,7 @@ class SidecarLimits:
     `fold_budget_s`: a live fold round starts no slice after this long (the next round goes on)."""
 
     memory_budget_bytes: int = 32 << 20
-    partial_budget_bytes: int = 16 << 20
+    partial_budget_bytes: int | None = None
     max_connections: int = 256
     max_unverified: int = 64
     idle_timeout_s: float = 120.0
@@ -56,7 +57,7 @@ class SidecarLimits:
     def __post_init__(self) -> None:
         if self.batch_interval_s <= 0 or self.checkpoint_interval_s <= 0:
             raise ValueError("intervals must be > 0")
-        if self.memory_budget_bytes < (2 << 20) or self.partial_budget_bytes < (1 << 20) or self.max_connections < 1:
+        if self.memory_budget_bytes < (2 << 20) or self.partial_bytes < (1 << 20) or self.max_connections < 1:
             raise ValueError("memory_budget_bytes >= 2 MiB, partial_budget_bytes >= 1 MiB, max_connections >= 1")
         if self.idle_timeout_s <= 0 or self.frame_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
@@ -70,3 +71,10 @@ class SidecarLimits:
             raise ValueError("fold_interval_s >= 0 (0: off), fold_slice_rows >= 1 and fold_budget_s > 0")
         if self.write_start_rows < 1 or self.write_threshold_bytes < 1:
             raise ValueError("write_start_rows and write_threshold_bytes must be >= 1")
+
+    @property
+    def partial_bytes(self) -> int:
+        """The partial-frame budget in force, bytes: `partial_budget_bytes`, or half the memory budget."""
+        if self.partial_budget_bytes is not None:
+            return self.partial_budget_bytes
+        return max(1 << 20, self.memory_budget_bytes // 2)

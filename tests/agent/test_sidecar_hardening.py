@@ -474,7 +474,7 @@ def test_half_sent_maximum_frames_and_slow_senders_are_timed_out_with_bounded_me
     # decoder: 16-19 MiB measured with the good probe alone). Before 2026-12-03 a lost connection still took
     # the budget and a whole frame's buffer, left in a reference cycle: 67-156 MiB here (131 MiB in CI)
     stored = sum(os.path.getsize(f) for f in (db, db + ".wal") if os.path.exists(f))
-    bound = SidecarLimits().partial_budget_bytes + 250 * LOOKAHEAD_BYTES + (40 << 20) + stored
+    bound = SidecarLimits().partial_bytes + 250 * LOOKAHEAD_BYTES + (40 << 20) + stored
     assert peak - rss0 < bound, (rss0 >> 20, peak >> 20, stored >> 20, bound >> 20)
     assert sender.delivered == sender.sent - sender.lost and sender.delivered > 0
     assert sender.delivered == _count_steps(db)
@@ -724,3 +724,16 @@ def test_a_declared_pod_shared_folder_is_accepted_by_probe_and_agent(short_tmp, 
     make_private_folder(folder)  # the agent leaves the pod's mode alone
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o777
     assert check_private_folder(os.path.join(folder, "missing")) is not None  # still a real folder
+
+
+def test_the_partial_frame_budget_derives_from_the_memory_budget():
+    import dataclasses
+
+    assert SidecarLimits().partial_bytes == SidecarLimits().memory_budget_bytes // 2 == 16 << 20
+    assert SidecarLimits(memory_budget_bytes=8 << 20).partial_bytes == 4 << 20
+    # how the agent applies its flags: replace() on the defaults
+    assert dataclasses.replace(SidecarLimits(), memory_budget_bytes=8 << 20).partial_bytes == 4 << 20
+    assert SidecarLimits(memory_budget_bytes=2 << 20).partial_bytes == 1 << 20  # its floor
+    assert SidecarLimits(memory_budget_bytes=8 << 20, partial_budget_bytes=3 << 20).partial_bytes == 3 << 20
+    with pytest.raises(ValueError):
+        SidecarLimits(partial_budget_bytes=1024)
