@@ -439,8 +439,9 @@ class SidecarStatsCollector(SourceCollector):
 
     def more(self, st: SidecarStats) -> Iterator[Metric]:
         closed = CounterMetricFamily("phasescope_sidecar_connections_closed",
-                                     "Probe connections closed, by reason (end, timeout, handshake_timeout, bad_frame, "
-                                     "auth, evicted, lost, shutdown, error, refused).", labels=["reason"])
+                                     "Probe connections closed, by reason (end, timeout, handshake_timeout, "
+                                     "partial_budget, bad_frame, auth, evicted, lost, shutdown, error, refused).",
+                                     labels=["reason"])
         for reason, n in sorted(dict(st.connections_closed_total).items()):
             closed.add_metric([reason], n)
         yield closed

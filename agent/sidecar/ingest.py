@@ -39,7 +39,11 @@ BACKLOG = 4096  # pending connects the kernel holds (capped by net.core.somaxcon
 
 
 class _Timeout(Exception):
-    pass
+    """A read deadline passed; `reason` names the close when it is not the plain frame/handshake deadline."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Ingest:
@@ -202,9 +206,9 @@ class Ingest:
             st.bad_frames_total += 1
             reason = "bad_frame"
             log.warning("rejected frame from a probe connection (closing it): %s", exc)
-        except _Timeout:
+        except _Timeout as exc:
             st.timeouts_total += 1
-            reason = "timeout" if conn.verified else "handshake_timeout"
+            reason = exc.reason or ("timeout" if conn.verified else "handshake_timeout")
             log.info("closing a probe connection: read deadline passed (%s)", reason)
         except PermissionError as exc:
             st.auth_failures_total += 1
@@ -259,7 +263,7 @@ class Ingest:
         try:  # the frame's deadline covers the wait for room too: a crowd of half-sent frames ends
             await asyncio.wait_for(self._partial.take(part), max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
-            raise _Timeout() from None
+            raise _Timeout("partial_budget") from None  # refused: no room for it before its deadline
         try:
             payload = await self._read(reader, length, deadline)
             await self._budget.take(length)

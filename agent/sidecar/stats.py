@@ -14,8 +14,8 @@ class SidecarStats:
         self.open_connections = 0  # gauge
         self.connections_refused_total = 0  # over max_connections
         self.connections_closed_total: dict[str, int] = {}  # by reason: end, timeout, handshake_timeout,
-        # bad_frame, auth, evicted (unverified pool full), replaced (its sender connected again), lost,
-        # shutdown, error, refused
+        # partial_budget (no room for a frame before its deadline), bad_frame, auth, evicted (unverified pool
+        # full), replaced (its sender connected again), lost, shutdown, error, refused
         self.auth_failures_total = 0  # wrong or missing token
         self.timeouts_total = 0  # idle or per-frame read deadline passed
         self.frames_total = 0

@@ -737,3 +737,27 @@ def test_the_partial_frame_budget_derives_from_the_memory_budget():
     assert SidecarLimits(memory_budget_bytes=8 << 20, partial_budget_bytes=3 << 20).partial_bytes == 3 << 20
     with pytest.raises(ValueError):
         SidecarLimits(partial_budget_bytes=1024)
+
+
+def test_a_frame_with_no_room_in_the_partial_budget_is_refused_and_counted(short_tmp):
+    """With the partial-frame budget spent (held here directly: a crowd's frames would hold it, but which of
+    them waits past its deadline depends on the loop's wake order), a verified connection's frame finds no
+    room before its deadline: it is closed and counted under `partial_budget`, not as a plain timeout; with the
+    budget back, a probe stores everything."""
+    with Sidecar(os.path.join(short_tmp, "b.duckdb"), listen=[f"unix:{short_tmp}/a.sock"],
+                 partial_budget_bytes=1 << 20, frame_timeout_s=1.0) as sc:
+        path = sc.bound[0].path
+        assert sc.ingest._partial.try_take(1 << 20)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        s.sendall(_hello_frame("stall")())
+        s.sendall(ev.HEADER.pack(ev.MAGIC, 1, 0, 100, 64 << 10) + b"\x05" * 1024)
+        assert sc.wait_rows(lambda: sum(sc.stats.connections_closed_total.values()) >= 1, HANG_S)
+        assert sc.stats.connections_closed_total == {"partial_budget": 1}
+        s.close()
+        sc.ingest._partial.give(1 << 20)
+        sender = Sender(parse_address(f"unix:{path}"), _hello_frame())
+        for k in range(5):
+            assert sender.send(ev.encode_frame(_steps(k * 100, 100)))
+        sender.close()
+        assert (sender.delivered, sender.lost) == (500, 0)
