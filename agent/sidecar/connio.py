@@ -117,7 +117,6 @@ class Reader(asyncio.BufferedProtocol):
             self._exc = exc
         self._eof = True
         self._wake(exc or self._incomplete())
-        self._buf = bytearray()  # a lost connection's look-ahead goes now, whoever still holds this Reader
         # asyncio's selector transport keeps its read callback as a bound method of itself (CPython 3.11-3.13):
         # a transport <-> method cycle, with the socket objects and a dict in it, that only the cyclic collector
         # frees (~1 KiB a closed connection). Its reader is off the selector by now: the callback is never called.
