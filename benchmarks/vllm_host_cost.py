@@ -155,7 +155,8 @@ def parent(args: argparse.Namespace) -> None:
         env = dict(os.environ, PYTHONPATH=site, PHASESCOPE_AGENT=sock, VLLM_CACHE_ROOT=f"{tmp}/vllm-cache",
                    PHASESCOPE_RUN_ID="hostcost")  # the defaults; --env PHASESCOPE_VLLM_BUDGET=1: full detail
         env.update({k: v for k, v in (kv.split("=", 1) for kv in args.env)})
-        cmd = [exe, __file__, "--child"] + (["--profile"] if args.profile else []) + [ "--batches", args.batches, "--rounds", str(args.rounds),
+        cmd = [exe, __file__, "--child"] + (["--profile"] if args.profile else []) + [
+               "--armed-parts", args.armed_parts, "--batches", args.batches, "--rounds", str(args.rounds),
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("HOSTCOST ")]
@@ -234,11 +235,17 @@ def child(args: argparse.Namespace) -> None:
         stats = cond == "stats"
         if cond == "armed":
             adapter.install()  # one-shot catchers: the next OutputProcessor and Scheduler get the hooks
+            for part, cls in (("frontend", OutputProcessor), ("engine", Scheduler)):
+                if part not in args.armed_parts:  # an ablation: this side's catcher put back, left unhooked
+                    init = cls.__dict__["__init__"]
+                    cls.__init__ = getattr(init, "__wrapped__", init)
+            if "frontend" not in args.armed_parts:  # the engine still leaves token times to a frontend
+                os.environ["PHASESCOPE_VLLM_TOKENS_AT"] = "frontend"
         proc = OutputProcessor(None, log_stats=stats)
         sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
                           block_size=PAGE, log_stats=stats)
         worker = _stub_worker(cfg)
-        if cond == "armed":
+        if cond == "armed" and "worker" in args.armed_parts:
             worker_hooks = adapter.WorkerHooks(worker)  # TP=1 on a GPU: the worker lives in the EngineCore process
             worker.hooks = worker_hooks
         return sched, proc, worker
@@ -418,6 +425,8 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment for the child")
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of the armed engine (stderr)")
+    ap.add_argument("--armed-parts", default="engine,frontend,worker",
+                    help="an ablation: which of the adapter's hooks the armed engine gets (comma-separated)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:

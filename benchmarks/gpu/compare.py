@@ -214,7 +214,7 @@ def cost(child: dict) -> dict:
             if r["bs"] == bs:
                 by.setdefault(r["round"], {})[r["cond"]] = r
         row: dict = {}
-        for cond, name in (("A", "armed_vs_plain"), ("C", "stats_vs_plain"), ("D", "armed_host_timed_vs_plain")):
+        for cond, name in (("A", "armed_vs_plain"), ("C", "stats_vs_plain"), ("D", "cond_d_vs_plain")):
             pairs = [v for v in by.values() if cond in v and "B" in v]
             if pairs:
                 row[name] = _pair(pairs, cond, "B")

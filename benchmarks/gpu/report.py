@@ -48,7 +48,8 @@ def cost_rows(c: dict) -> list[str]:
     """One row per batch and pair (armed vs plain, vLLM's stats vs plain)."""
     rows = []
     for bs in sorted((k for k in c if k.startswith("bs")), key=lambda k: int(k[2:])):
-        for name, label in (("armed_vs_plain", "phasescope armed"), ("stats_vs_plain", "vLLM's own stats")):
+        for name, label in (("armed_vs_plain", "phasescope armed"), ("stats_vs_plain", "vLLM's own stats"),
+                            ("cond_d_vs_plain", "D: armed, made last (PHASESCOPE_BENCH_COND_D)")):
             s = c[bs].get(name)
             if s:
                 tok = s["throughput_tok_s_median"]

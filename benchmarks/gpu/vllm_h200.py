@@ -181,17 +181,31 @@ def _cpu_s() -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
+def cond_d_env(value: str) -> dict[str, str] | None:
+    """The environment condition D adds to A's (PHASESCOPE_BENCH_COND_D; None: no condition D)."""
+    value = value.strip()
+    if not value or value == "0":
+        return None
+    named = {"1": {"PHASESCOPE_CUDA_TIMING": "0"}, "same": {},
+             "nosidecar": {"PHASESCOPE_AGENT": "unix:/tmp/phasescope-bench-nobody.sock"}}
+    if value in named:
+        return named[value]
+    return dict(kv.split("=", 1) for kv in value.split(",") if "=" in kv)
+
+
 def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_tokens: int,
                checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Three engines of one setup: phasescope armed (A, vLLM's stats off), plain (B, both off) and vLLM's own
     stats (C, `disable_log_stats=False`, the `vllm serve` default; phasescope off); identical blocks, the order
-    A B C / C B A alternating by round. PHASESCOPE_BENCH_COND_D=1 adds D: armed as A with PHASESCOPE_CUDA_TIMING=0
-    (its own run id), order A B C D / D C B A."""
+    A B C / C B A alternating by round. PHASESCOPE_BENCH_COND_D adds D, an armed engine made last (its own run id),
+    order A B C D / D C B A: `1` armed as A with PHASESCOPE_CUDA_TIMING=0 (what the CUDA events cost), `same` armed
+    exactly as A (what being made first costs A: a control of the order of creation), `nosidecar` armed with
+    PHASESCOPE_AGENT at a socket no one serves (what the sidecar and the sends cost), or `K=V,K=V` (any env)."""
     import vllm_ref
     from vllm import LLM
 
-    cond_d = os.environ.get("PHASESCOPE_BENCH_COND_D", "") == "1"
-    util = {} if cpu else dict(gpu_memory_utilization=0.2 if cond_d else 0.25)
+    cond_d = cond_d_env(os.environ.get("PHASESCOPE_BENCH_COND_D", ""))
+    util = {} if cpu else dict(gpu_memory_utilization=0.2 if cond_d is not None else 0.25)
     t0 = time.monotonic()
     cores: dict[str, int | None] = {}
     seen = _engine_cores(set())
@@ -203,17 +217,19 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
     llm_c = LLM(**_engine_args(model, cpu, disable_log_stats=False, **util))
     cores["C"], seen = _new_core(seen)
     engines = {"A": llm_a, "B": llm_b, "C": llm_c}
-    if cond_d:  # D: armed as A, the worker's steps timed on the host only (no CUDA event, no poll): what they cost
+    if cond_d is not None:  # D: armed as A, made last, with the ablation's environment on top
         rid = os.environ.get("PHASESCOPE_RUN_ID")
-        os.environ.update(PHASESCOPE_AGENT=agent, PHASESCOPE_CUDA_TIMING="0", PHASESCOPE_RUN_ID="bench-cond-d")
+        env_d = dict({"PHASESCOPE_AGENT": agent, "PHASESCOPE_RUN_ID": "bench-cond-d"}, **cond_d)
+        os.environ.update(env_d)
+        res_d = {"cond_d_env": cond_d}
         try:
             engines["D"] = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))
             cores["D"], seen = _new_core(seen)
         finally:
-            for k in ("PHASESCOPE_AGENT", "PHASESCOPE_CUDA_TIMING"):
+            for k in env_d:
                 os.environ.pop(k, None)
             os.environ.update({"PHASESCOPE_RUN_ID": rid} if rid else {})
-    res: dict = {"engine_start_s": round(time.monotonic() - t0, 1),
+    res: dict = {"engine_start_s": round(time.monotonic() - t0, 1), **(res_d if cond_d is not None else {}),
                  "armed": {k: _rpc(v, vllm_ref.armed) for k, v in engines.items()}}
     rng = random.Random(2)
     for bs in batches:  # warm-up: one block of each size on each
@@ -386,7 +402,7 @@ def run_phase(phase: str, a: argparse.Namespace, timeout_s: float, out: pathlib.
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # engine B of `cost` must not inherit A's hooks
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the reference's functions (cloudpickle)
     # the child's engine starts, warm-up and exit, s (a fourth engine: +60; an H100 start of 4 took ~180 s)
-    reserve = 230 if os.environ.get("PHASESCOPE_BENCH_COND_D") == "1" else 170
+    reserve = 230 if cond_d_env(os.environ.get("PHASESCOPE_BENCH_COND_D", "")) is not None else 170
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", phase, "--model", a.model,
            "--result", result, "--cost-budget-s", str(min(a.cost_budget_s, max(30.0, timeout_s - reserve))), "--batches", a.batches,
            "--max-tokens", str(a.max_tokens)] + (["--cpu"] if a.cpu else [])
