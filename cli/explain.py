@@ -6,7 +6,7 @@ the store converts its monotonic stamps with `sources.wall_minus_mono_ns`; a vLL
 its client's span when that ran on the store's host, `refine_windows`), copies each window into a run of its own
 labelled `sweep_id`, `sweep_point`, `sweep_rate_per_s`, `sweep_knob`, `sweep_report_kind` and `window_of`
 (agent/sidecar/windows.py; the source run stays whole), then reports the points, the knee and the binding
-constraint exactly as `sweep` does (cli/sweep.py `measure`). Writes into FILE, so FILE must be one no agent
+constraint exactly as `sweep` does (cli/sweep_result.py `measure`). Writes into FILE, so FILE must be one no agent
 holds (stop the agent first).
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 from .errors import CliError, UsageError
 from .options import add_command
 from .reports import KINDS, KINDS_TEXT, read_guidellm, read_report  # noqa: F401 (read_guidellm: its old home)
+from .sweep_result import measure
 
 SAME_CLOCK_SLACK_S = 2.0  # a client span further than this outside its `date` window is another host's clock
 
@@ -108,7 +109,6 @@ def explain_report(db: str, report: str, slo: Any, target: float = 0.9, run_id: 
 
     from phasescope.agent.sidecar.windows import split_run, window_runs
 
-    from .sweep import measure
 
     kind, points = read_report(report, kind)
     if any(p["rate_per_s"] is None for p in points):
@@ -161,7 +161,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     from phasescope.analyzers.sweep import Slo
 
-    from .sweep import print_summary, write_outputs
+    from .sweep_result import print_summary, write_outputs
 
     import duckdb
 

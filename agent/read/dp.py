@@ -40,7 +40,7 @@ from typing import Any
 import duckdb
 
 from ..records.kvmath import kv_imbalance  # max / mean - 1, the TP index
-from .queries import run_labels as _labels  # the run's labels ({} without a run_info table)
+from .base import run_labels as _labels  # the run's labels ({} without a run_info table)
 from .thresholds import T
 
 KV_GAUGE = "vllm:kv_cache_usage_perc"

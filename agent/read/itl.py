@@ -23,7 +23,7 @@ from typing import Any
 import duckdb
 
 from ..records import derived
-from .queries import STEP_MS, _dicts, _one, latest_run, sql_text
+from .base import STEP_MS, _dicts, _one, latest_run, sql_text
 from .thresholds import T
 
 # steps of one run on its lowest rank, with `ms` the step time (GPU time when timed, else host time)

@@ -13,34 +13,14 @@ from typing import Any
 
 import duckdb
 
-from ..records import derived
 from ..records.events import VLLM_OUTPUT_ITERATIONS
 from . import kvreads, phases
+from . import base, dp, sweep
+from .base import (  # noqa: F401 (the named queries and helpers other modules and tests read from here)
+    STEP_MS, _dicts, _one, _run_filter, latest_run, request_summary, run_labels, runs, sql_text,
+)
+from .itl import attribution
 from .thresholds import T
-
-STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
-
-
-def _run_filter(run_id: str | None, alias: str = "s") -> tuple[str, list[Any]]:
-    if run_id is None:
-        return "", []
-    return f" AND {alias}.run_id = ?", [run_id]
-
-
-def runs(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
-    """Runs in the store, newest first."""
-    rows = con.execute(
-        """SELECT run_id, any_value(model), any_value(runtime), count(*) AS sources,
-                  max(world_size), min(connected_ns)
-           FROM sources WHERE runtime != 'sidecar' GROUP BY run_id ORDER BY min(connected_ns) DESC"""
-    ).fetchall()
-    keys = ("run_id", "model", "runtime", "sources", "world_size", "connected_ns")
-    return [dict(zip(keys, r)) for r in rows]
-
-
-def latest_run(con: duckdb.DuckDBPyConnection) -> str | None:
-    r = runs(con)
-    return r[0]["run_id"] if r else None
 
 
 def _approx(quantiles: str) -> bool:
@@ -72,34 +52,6 @@ def phase_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     ).fetchall()
     keys = ("phase", "steps", "p50_ms", "p95_ms", "p99_ms", "prefill_tokens", "decode_tokens", "gpu_timed")
     return [dict(zip(keys, (r[0], r[1], *r[2], *r[3:]))) for r in rows]
-
-
-def request_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
-    """Request counts and TTFT / TPOT / queue / E2E percentiles (seconds)."""
-    where = "" if run_id is None else "WHERE run_id = ?"
-    params = [] if run_id is None else [run_id]
-    row = con.execute(
-        f"""SELECT count(*),
-                   count(*) FILTER (WHERE status = 'finished'),
-                   quantile_cont(ttft_s, [0.5, 0.95, 0.99]), quantile_cont(tpot_s, [0.5, 0.95, 0.99]),
-                   quantile_cont(queue_s, [0.5, 0.95]), quantile_cont(e2e_s, [0.5, 0.95, 0.99]),
-                   sum(output_tokens), sum(prompt_tokens),
-                   (max(last_token_ns) - min(arrival_ns)) / 1e9,
-                   count(*) FILTER (WHERE status = 'aborted'), sum(preemptions)
-            FROM {_requests(con)} {where}""",
-        params,
-    ).fetchone()
-    n, fin, ttft, tpot, queue, e2e, out_tok, in_tok, span, aborted, pre = row
-    ttft, tpot, queue, e2e = (q or [None] * 3 for q in (ttft, tpot, queue, e2e))
-    row = (n, fin, ttft[0], ttft[1], tpot[0], tpot[1], queue[0], queue[1], e2e[0], e2e[1], out_tok, in_tok, span,
-           ttft[2], tpot[2], e2e[2], aborted, pre)
-    keys = ("requests", "finished", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s",
-            "queue_p50_s", "queue_p95_s", "e2e_p50_s", "e2e_p95_s", "output_tokens", "prompt_tokens", "span_s",
-            "ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "aborted", "preemptions")
-    out = dict(zip(keys, row))
-    span = out.get("span_s") or 0
-    out["output_tokens_per_s"] = (out["output_tokens"] or 0) / span if span > 0 else None
-    return out
 
 
 def probe_health(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
@@ -157,7 +109,7 @@ def prefix_summary(con: duckdb.DuckDBPyConnection, run_id: str | None = None) ->
     ).fetchone()
     queried, hit, recomputed, evicted = (int(v) if v is not None else None for v in row)
     preempted = con.execute(
-        f"""SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) FROM {_requests(con)} s WHERE true {where}""",
+        f"""SELECT CAST(coalesce(sum(preemptions), 0) AS BIGINT) FROM {base._requests(con)} s WHERE true {where}""",
         params).fetchone()[0]
     return {"queried_tokens": queried, "hit_tokens": hit,
             "hit_rate": hit / queried if queried else None,
@@ -255,20 +207,6 @@ def interference(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
 LATENCY_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": "queue_s"}
 
 
-def _stored(con: duckdb.DuckDBPyConnection) -> dict[str, str] | None:
-    """The `requests` and `itl` views' rows read from the stored tables when nothing is left to derive
-    (derived.stored: the same rows)."""
-    try:
-        return derived.stored(con)
-    except duckdb.Error:  # a store without the derived tables (an older build's, or Parquet exports)
-        return None
-
-
-def _requests(con: duckdb.DuckDBPyConnection) -> str:
-    """What to read the `requests` view's rows from: the stored rows when nothing is left to derive, else the view."""
-    return (_stored(con) or {}).get("requests", "requests")
-
-
 def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None, metric: str = "ttft",
                       bins: int = 30) -> list[dict[str, Any]]:
     """Log-spaced histogram of a per-request latency (ttft, tpot, e2e, queue) or of ITL (itl: one count per
@@ -284,7 +222,7 @@ def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         raise ValueError(f"metric must be one of {sorted(LATENCY_METRICS) + ['itl']}")
     where = "" if run_id is None else " AND run_id = $run_id"
     named: dict[str, Any] = {"bins": bins} if run_id is None else {"bins": bins, "run_id": run_id}
-    src = (_stored(con) or {}).get(src, src)
+    src = (base._stored(con) or {}).get(src, src)
     return _rows(con, f"""
         WITH v AS MATERIALIZED (SELECT {col} AS x, {weight} AS w FROM {src} WHERE {col} > 0{where}),
              b AS (SELECT ln(min(x)) AS lo, greatest(ln(max(x)) - ln(min(x)), 1e-9) AS span FROM v),
@@ -304,7 +242,7 @@ def slo_attainment(con: duckdb.DuckDBPyConnection, run_id: str | None = None, tt
                count(*) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
                sum(output_tokens) FILTER (WHERE ttft_s <= ? AND coalesce(tpot_s, 0) <= ?),
                (max(last_token_ns) - min(arrival_ns)) / 1e9
-        FROM {_requests(con)} WHERE status = 'finished'{where}""",
+        FROM {base._requests(con)} WHERE status = 'finished'{where}""",
         [ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s, ttft_slo_s, tpot_slo_s] + params).fetchone()
     n, ttft_ok, tpot_ok, both, tokens, span = row
     span = span or 0
@@ -354,7 +292,7 @@ def page_size_whatif(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     where = "" if run_id is None else " AND run_id = ?"
     params = [] if run_id is None else [run_id]
     return _rows(con, f"""
-        WITH n AS (SELECT prompt_tokens + output_tokens AS n FROM {_requests(con)}
+        WITH n AS (SELECT prompt_tokens + output_tokens AS n FROM {base._requests(con)}
                    WHERE prompt_tokens IS NOT NULL{where}),
              p AS (SELECT unnest(?::INTEGER[]) AS page_size)
         SELECT page_size, 1 - sum(n) / sum(ceil(n / page_size) * page_size), sum(ceil(n / page_size))
@@ -553,13 +491,6 @@ def memory_budget(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> 
             "gpu_total_bytes": max((g["mem_total_bytes"] for g in gpu), default=None)}
 
 
-def run_labels(con: duckdb.DuckDBPyConnection, run_id: str) -> dict[str, str]:
-    """The run's labels (table run_info): config key/values, model geometry, GPU; {} when the file has none."""
-    if not con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'run_info'").fetchone()[0]:
-        return {}
-    return dict(con.execute("SELECT key, value FROM run_info WHERE run_id = ? ORDER BY key", [run_id]).fetchall())
-
-
 def verifications(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
     """`phasescope verify`'s results for the run's findings, newest first: finding_id, verdict, created_ns, and
     `result` (prediction, each arm's measured values and run ids, effect with its 95% interval, error); [] when
@@ -583,7 +514,6 @@ def run_compare(con: duckdb.DuckDBPyConnection, run_a: str, run_b: str) -> list[
 
 
 # --- issue 27 item 6: forward passes vs the iterations vLLM counts ---
-
 
 
 def vllm_iterations(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> dict[str, Any]:
@@ -750,8 +680,6 @@ def itl_attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     """The ITL tail of a run (default: the latest) and its causes, ms: p50 / p99 ITL; per cause the tail
     samples (>= p99) and their share of the tail's excess over the median; TPOT-SLO violations and how many
     each cause explains alone (`itl.attribution`)."""
-    from .itl import attribution
-
     return attribution(con, run_id, long_prefill_tokens, host_stall_ratio, tpot_slo_s, quantile)
 
 
@@ -760,18 +688,14 @@ def itl_attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
 def sweeps(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     """The sweeps in the store, newest first: sweep_id, points, lowest / highest offered rate (requests/s),
     runtime, model, started_ns (`sweep.sweeps`)."""
-    from .sweep import sweeps as _sweeps
-
-    return _sweeps(con)
+    return sweep.sweeps(con)
 
 
 def sweep_points(con: duckdb.DuckDBPyConnection, sweep_id: str, ttft_slo_s: float | None = None,
                  tpot_slo_s: float | None = None, e2e_slo_s: float | None = None) -> list[dict[str, Any]]:
     """One sweep's points by offered rate: run_id, requests, good/finished, goodput (req/s), SLO attainment,
     survival, TTFT/TPOT/ITL/E2E percentiles (s) at the SLOs given in seconds (none: no SLO) (`sweep.sweep_points`)."""
-    from .sweep import sweep_points as _points
-
-    return _points(con, sweep_id, ttft_slo_s, tpot_slo_s, e2e_slo_s)
+    return sweep.sweep_points(con, sweep_id, ttft_slo_s, tpot_slo_s, e2e_slo_s)
 
 
 # --- data-parallel engines: KV usage and queue spread (agent/read/dp.py) ---
@@ -782,30 +706,8 @@ def dp_balance(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
     per engine time-weighted mean KV usage and waiting requests; kv_imbalance and waiting_imbalance (max/mean - 1);
     the hottest engine; stranded_share, the share of the time it was at `near_cap` or queueing while another
     engine had headroom (`dp.dp_balance`)."""
-    from .dp import dp_balance as _dp
-
     run_id = run_id or latest_run(con)
-    return _dp(con, run_id, near_cap) if run_id else {"engines": 0}
-
-
-def _one(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> dict[str, Any]:
-    cur = con.execute(sql, params)
-    names = [d[0] for d in cur.description]
-    row = cur.fetchone()
-    return dict(zip(names, row)) if row else {n: None for n in names}
-
-
-def _dicts(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    cur = con.execute(sql, params)
-    names = [d[0] for d in cur.description]
-    return [dict(zip(names, r)) for r in cur.fetchall()]
-
-
-def sql_text(text: str, params: dict[str, Any]) -> str:
-    """`text` with its $parameters written in (longest names first), for a finding to cite."""
-    for k, v in sorted(params.items(), key=lambda kv: -len(kv[0])):
-        text = text.replace("$" + k, str(v))
-    return text
+    return dp.dp_balance(con, run_id, near_cap) if run_id else {"engines": 0}
 
 
 QUERIES: dict[str, Any] = {

@@ -14,7 +14,7 @@ from typing import Any
 import duckdb
 
 from .itl import attribution
-from .queries import _dicts, _one, request_summary
+from .base import _dicts, _one, request_summary
 
 GOOD_SQL = """SELECT count(*) AS requests, count(*) FILTER (WHERE status = 'finished') AS finished,
            count(*) FILTER (WHERE status = 'finished' AND ttft_s <= $ttft AND coalesce(tpot_s, 0) <= $tpot

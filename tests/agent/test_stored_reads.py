@@ -10,7 +10,7 @@ import duckdb
 import pytest
 
 from builders.scenarios import DATA_DIR, load
-from phasescope.agent.read import queries
+from phasescope.agent.read import base, queries
 from phasescope.agent.records import derived
 
 FIXTURES = sorted(n for n in os.listdir(DATA_DIR) if os.path.exists(os.path.join(DATA_DIR, n, "request_events.parquet")))
@@ -25,12 +25,12 @@ def reads(con, run):
 
 
 def through_views(con, run):
-    saved = queries._stored
-    queries._stored = lambda c: None
+    saved = base._stored  # where the reads look up the stored rows (agent/read/base.py)
+    base._stored = lambda c: None
     try:
         return reads(con, run)
     finally:
-        queries._stored = saved
+        base._stored = saved
 
 
 @pytest.mark.parametrize("name", FIXTURES[::2])
