@@ -30,6 +30,11 @@ class Finding:
     reference: str
     run_id: str | None = None
     thresholds: dict[str, Any] = field(default_factory=dict)
+    # what a person reads first (`diagnose`'s default view, the dashboard's first line): one sentence each.
+    # summary: what is wrong, with its numbers; action: what to change -> what it gains. "" (an analyzer that
+    # gives none): the first sentence of expected_effect and of suggestion (`brief`)
+    summary: str = ""
+    action: str = ""
 
     def __post_init__(self) -> None:
         if self.severity not in _RANK:
@@ -37,9 +42,30 @@ class Finding:
         if "query" not in self.evidence:
             raise ValueError(f"finding {self.id!r}: evidence must carry the 'query' that produced it")
 
+    def brief(self) -> tuple[str, str]:
+        """(what is wrong, with its numbers; what to change -> what it gains), one sentence each."""
+        return (self.summary or first_sentence(self.expected_effect),
+                self.action or first_sentence(self.suggestion))
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (NaN/inf become None)."""
-        return _clean(asdict(self))
+        """JSON-ready dict (NaN/inf become None); summary and action filled in (`brief`)."""
+        d = asdict(self)
+        d["summary"], d["action"] = self.brief()
+        return _clean(d)
+
+
+def first_sentence(text: str) -> str:
+    """`text` up to the end of its first sentence: a '.', '!' or '?' followed by a space or the end, outside
+    brackets (so '(p95 1.2 s. now)' and '3.5 ms' do not end it)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+        elif ch in ".!?" and depth == 0 and (i + 1 == len(text) or text[i + 1] == " "):
+            return text[:i + 1]
+    return text
 
 
 def _clean(v: Any) -> Any:

@@ -156,7 +156,19 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
         share = max(wait or 0.0, throttled or 0.0)
         effect = (f"The engine lost ~{share:.0%} of its runnable time waiting for a CPU; with CPU of its own the "
                   f"median step ({_num(step_ms)} ms) and TPOT drop by up to ~{share:.0%}.")
+    said = [f"Host time is {ratio:.1f}x GPU time per step ({g['host_ms_p50']:.2f} vs {g['gpu_ms_p50']:.2f} ms)."
+            if launch_bound else "",
+            f"The engine's busiest thread waited for a CPU {wait:.0%} of its runnable time (host CPU "
+            f"{_pct(h['host_cpu_util_pct_p50'])} busy)." if starved else "",
+            f"The container was CPU-throttled in {throttled:.0%} of its CFS periods." if is_throttled else ""]
+    todo = [t for t, on in (("cut per-step host work (CUDA graphs, async scheduling)", launch_bound),
+                            ("give the engine whole cores of its own (pod CPU, pinning, OMP_NUM_THREADS)", starved),
+                            ("raise or remove the container's CPU limit", is_throttled)) if on]
+    gain = (f"up to {ratio:.1f}x lower step time and TPOT" if launch_bound else
+            f"median step ({_num(step_ms)} ms) and TPOT down by up to ~{max(wait or 0.0, throttled or 0.0):.0%}")
     return [Finding(
+        summary=" ".join(x for x in said if x),
+        action=(lambda t: t[:1].upper() + t[1:])("; ".join(todo) + ": " + gain + "."),
         id="host-bound",
         title="Steps are bound by the host CPU: " + "; ".join(
             n for n, on in (("launch-bound engine thread", launch_bound), ("engine starved of CPU", starved),

@@ -44,7 +44,7 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .constraints import vllm_limits
 from .predictions import KNOWN_ERROR
-from .prefill import STALL_SQL, chunk_plan, chunk_suggestion, chunked_prefill
+from .prefill import STALL_SQL, chunk_action, chunk_plan, chunk_suggestion, chunked_prefill
 from .runinfo import runtime_of
 from .sql import RUN_STEPS, one
 
@@ -129,8 +129,10 @@ def itl_spikes(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefi
     slo = (f" {expl} of {viol} requests over the {tpot_slo_s * 1e3:.0f} ms TPOT SLO would meet it without them."
            if viol else "")
     severity = "critical" if viol and expl else "warning"
+    summary = (f"p99 ITL {e['itl_p99_ms']:.1f} ms is {ratio:.1f}x the {e['itl_p50_ms']:.1f} ms median; "
+               f"{share:.0%} of the tail's excess " + SHORT_WHY[cause] + ".")
     if cause == "prefill":
-        return [_prefill_finding(con, run_id, e, th, head, slo, severity, labels)]
+        return [_prefill_finding(con, run_id, e, th, head, slo, severity, labels, summary)]
     texts = {
         "preemption": ("ITL spikes come from preemptions",
                        "span a preemption and the recompute that followed.",
@@ -152,11 +154,24 @@ def itl_spikes(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefi
     }
     title, why, suggestion, section = texts[cause]
     return [Finding(id=f"itl-spikes-{cause}", title=title, severity=severity, evidence=e, suggestion=suggestion,
-                    expected_effect=head + why + slo, reference=ref(section), run_id=run_id, thresholds=th)]
+                    expected_effect=head + why + slo, reference=ref(section), run_id=run_id, thresholds=th,
+                    summary=summary, action=SHORT_ACTION[cause])]
+
+
+SHORT_WHY = {"prefill": "ran beside a long prefill", "preemption": "spans preemptions and their recompute",
+             "queueing": "is requests sitting out steps", "host": "is host stalls, not compute"}
+SHORT_ACTION = {
+    "preemption": "Admit fewer concurrent sequences than the KV cache holds at peak and shed load near its cap: no "
+                  "mid-stream recompute.",
+    "queueing": "Cap concurrent sequences at what one step holds (vLLM --max-num-seqs): every running request "
+                "decodes every step.",
+    "host": "Free the engine's host thread (own cores, async scheduling, CUDA graphs): the spikes go with the "
+            "stalls.",
+}
 
 
 def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, severity: str,
-                     labels: dict | None) -> Finding:
+                     labels: dict | None, summary: str = "") -> Finding:
     long = th["long_prefill_tokens"]
     fit = prefill_fit(con, run_id, th["fit_min_prefill_tokens"])
     stall = one(con, STALL_SQL, run_id, long=long)
@@ -191,4 +206,7 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
         severity=severity, evidence=e,
         suggestion=chunk_suggestion(chunk, chunked, budget, runtime_of(labels),
                                     vllm_limits(labels) if runtime_of(labels) == "vllm" else None),
-        expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th)
+        expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th, summary=summary,
+        action=chunk_action(chunk, chunked, budget, runtime_of(labels))
+        + (f": p99 ITL ~{predicted:.1f} ms, from {e['itl_p99_ms']:.1f} (a prediction: --evidence gives its error)."
+           if predicted is not None else "."))

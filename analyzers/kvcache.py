@@ -355,6 +355,10 @@ def kv_headroom_low(con, run_id: str, *, headroom_usage: float = 0.7, **_: objec
                   + SEQ_LEN_SQL)
     cur = _dtype_bytes(e["kv_dtype"]) or 2.0
     return [Finding(
+        summary=(f"KV pages peaked at {e['block_usage_max']:.0%}; the cache holds only {fit} sequences of the p95 "
+                 f"length ({seq['seq_tokens_p95']} tokens)."),
+        action=(f"Cap concurrent sequences near {fit} and shed load past ~{headroom_usage:.0%} KV use: a burst "
+                "stays out of preemption."),
         id="kv-headroom-low",
         title="Little KV headroom left at peak (no preemptions yet)",
         severity="info",

@@ -107,6 +107,11 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
             "$long", str(long_prefill_tokens)),
     }
     return [Finding(
+        summary=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran beside a prefill of >= "
+                 f"{long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x a pure "
+                 f"decode step ({e['pure_decode_p50_ms']:.1f} ms)."),
+        action=(f"{chunk_action(chunk, *chunked_prefill(labels), runtime_of(labels))}: those steps fall to "
+                f"~{expected_ms:.1f} ms, at slightly lower prefill efficiency."),
         id="prefill-stalls-decode",
         title="Long prefills stall decode steps",
         severity="critical" if ratio >= critical_ratio else "warning",
@@ -134,6 +139,18 @@ def vllm_budget_flags(chunk: int, limits: VllmLimits | None) -> str:
     if limits is not None and limits.max_num_seqs and chunk < limits.max_num_seqs:
         flags += f" --max-num-seqs {chunk}; vLLM refuses a budget below max-num-seqs"
     return flags
+
+
+def chunk_action(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "") -> str:
+    """`chunk_suggestion` in a few words (the finding's `action`, before its gain)."""
+    if runtime == "hf-generate":
+        return f"Serve with continuous batching at ~{chunk} tokens per step"
+    if chunked and budget is not None and budget <= chunk:
+        return "Separate prefill from decode (disaggregation) or cap the prefills per step"
+    if chunked:
+        now = f" from {budget}" if budget is not None else ""
+        return f"Lower the per-step token budget{now} to ~{chunk} ({budget_knob(runtime, chunk)})"
+    return f"Enable chunked prefill at ~{chunk} tokens per step ({budget_knob(runtime, chunk)})"
 
 
 def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "",

@@ -68,7 +68,13 @@ def ttft_queueing(con, run_id: str, *, queue_share: float = 0.5, min_queue_p50_s
             f"{e['demand_window_s']:.1f} s from the first arrival to the last first token (arrivals spanned "
             f"{e['arrival_span_s']:.1f} s), against a measured prefill rate of "
             f"{cap['prefill_capacity_tokens_per_s']:.0f} tokens/s ({util:.0%})." if util else "")
+    prefill_cap = "more replicas or disaggregated prefill" if e["runtime"] != "hf-generate" else \
+        "continuous batching"
     return [Finding(
+        summary=(f"Queueing is {e['queue_share_of_ttft']:.0%} of TTFT: a median {e['queue_p50_s'] * 1e3:.0f} ms "
+                 f"wait in a {e['ttft_p50_s'] * 1e3:.0f} ms median TTFT."),
+        action=(f"Add prefill capacity ({prefill_cap}) and shed load at the door: TTFT falls toward the prefill "
+                f"time (median {e['prefill_p50_s'] * 1e3:.0f} ms)."),
         id="ttft-queueing",
         title="TTFT is dominated by queueing",
         severity="critical" if e["queue_p50_s"] >= critical_queue_p50_s else "warning",

@@ -24,23 +24,35 @@ def _num(v: Any) -> str:
 
 
 def print_findings(findings: list[Finding], run_id: str | None, console: Console | None = None,
-                   show_queries: bool = False) -> None:
+                   show_queries: bool = False, evidence: bool = False) -> None:
+    """One block per finding, most severe first, for a person: severity and title, what is wrong with its
+    numbers, then what to change -> what it gains and the guide's section (a few lines at 80 columns).
+    `evidence`: also the full suggestion and expected effect and the raw figures (their keys as stored)."""
     console = console or Console()
     if not findings:
         console.print(f"[green]run {run_id}: no findings[/] (every rule within its thresholds)")
         return
-    t = Table(title=f"phasescope diagnose · run {run_id} · {len(findings)} findings", show_lines=True,
-              expand=True)
-    t.add_column("severity", min_width=8)
-    t.add_column("finding", ratio=2)
-    t.add_column("evidence", ratio=2)
-    t.add_column("suggestion → expected effect", ratio=3)
+    counts = ", ".join(f"{n} {s}" for s in ("critical", "warning", "info")
+                       if (n := sum(f.severity == s for f in findings)))
+    console.print(f"[bold]phasescope diagnose[/] · run {run_id} · {counts}")
     for f in findings:
-        ev = "\n".join(f"{k}: {_num(v)}" for k, v in f.evidence.items()
-                       if k != "query" and not isinstance(v, (list,)) and v is not None)
-        t.add_row(f"[{_STYLE[f.severity]}]{f.severity}[/]", f"[bold]{f.title}[/]\n[dim]{f.id}\n{f.reference}[/]",
-                  ev, f"{f.suggestion}\n\n[green]→[/] {f.expected_effect}")
-    console.print(fold(t))
+        summary, action = f.brief()
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(width=8, no_wrap=True)
+        grid.add_column(ratio=1, overflow="fold")
+        grid.add_row(f"[{_STYLE[f.severity]}]{f.severity.upper()}[/]", f"[bold]{f.title}[/] [dim]{f.id}[/]")
+        grid.add_row("", summary)
+        grid.add_row("", f"[green]→[/] {action} [dim]{f.reference}[/]")
+        if evidence:
+            grid.add_row("", f"[bold]suggestion[/]: {f.suggestion}")
+            grid.add_row("", f"[bold]expected effect[/]: {f.expected_effect}")
+            grid.add_row("", "[dim]" + " · ".join(f"{k}: {_num(v)}" for k, v in f.evidence.items()
+                                                  if k != "query" and not isinstance(v, list) and v is not None)
+                         + "[/]")
+        console.print()
+        console.print(grid)
+    if not evidence:
+        console.print("\n[dim]--evidence: each finding's full suggestion and its figures; --json: everything[/]")
     if show_queries:
         for f in findings:
             console.rule(f.id)

@@ -124,7 +124,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        print_findings(findings, run_id, show_queries=args.queries)
+        print_findings(findings, run_id, show_queries=args.queries, evidence=args.evidence)
         Console().print(read, style="dim", markup=False, highlight=False)
     return 0
 
@@ -262,6 +262,8 @@ def add_commands(sub: Any) -> None:
     d.add_argument("--model-config", help="HF config.json of the served model (rooflines, planner rules)")
     d.add_argument("--gpu", help="GPU name: a table key (H100-SXM, A100-SXM-80GB, ...) or an NVML name")
     d.add_argument("--set", action="append", metavar="NAME=VALUE", help="override a named threshold; repeatable")
+    d.add_argument("--evidence", action="store_true",
+                   help="also print each finding's full suggestion, expected effect and raw figures")
     d.add_argument("--queries", action="store_true", help="also print the SQL behind each finding")
     d.add_argument("--list-thresholds", action="store_true", help="print every threshold, its default and unit")
     d.add_argument("--fleet", metavar="GLOB", help="compare hosts over Parquet exports (host=/date=/table=), "
