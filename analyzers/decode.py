@@ -81,7 +81,13 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
     th = {"min_mbu": min_mbu, "min_busy": min_busy, "target_mbu": target_mbu, "min_steps": min_steps}
     busy = e["busy_fraction"]
     if busy is not None and busy < min_busy:
+        graphs_on = (labels or {}).get("runtime") == "vllm" and str((labels or {}).get("enforce_eager", "")) == "False"
         out.append(Finding(
+            summary=(f"The GPU is busy {busy:.0%} of decode time; the median decode step takes "
+                     f"{e['decode_ms_p50']:.2f} ms at a mean batch of {e['batch_mean']:.1f}."),
+            action=(("CUDA graphs are on: cut the host work between steps (see host-bound)" if graphs_on else
+                     "Capture decode in CUDA graphs and batch more sequences per step")
+                    + f": the step falls toward ~{e['decode_ms_p50'] * busy:.2f} ms."),
             id="decode-launch-bound",
             title="Decode is launch-bound: the GPU idles between kernels",
             severity="warning",
@@ -96,6 +102,10 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
     if e["mbu_p50"] < min_mbu:
         target_ms = e["decode_floor_ms"] / target_mbu
         out.append(Finding(
+            summary=(f"The median decode step takes {e['decode_ms_p50']:.2f} ms against a bandwidth floor of "
+                     f"{e['decode_floor_ms']:.2f} ms (MBU {e['mbu_p50']:.0%}, mean batch {e['batch_mean']:.1f})."),
+            action=(f"Batch more sequences per step so one weight read serves more tokens: at {target_mbu:.0%} MBU "
+                    f"the step takes ~{target_ms:.2f} ms."),
             id="decode-below-roofline",
             title=f"Decode runs at {e['mbu_p50']:.0%} of {gpu.name} memory bandwidth",
             severity="warning",

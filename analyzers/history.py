@@ -32,6 +32,10 @@ def history_rolled(con, run_id: str, **_: object) -> list[Finding]:
                       "--retention-days to keep whole runs.")
         gone = "not exported (deleted; the per-minute rollups keep their sums)"
     return [Finding(
+        summary=(f"{e['rolled_steps']} steps and {e['rolled_request_events']} request events of this run were rolled "
+                 "out by retention: a missing finding here is not a healthy run."),
+        action=(f"Read the whole run from its exports ({where})." if where else
+                "Give the agent --export-dir or a longer --retention-days to keep whole runs."),
         id="history-rolled",
         title="Part of this run was rolled out of the store: the figures here cover only what is left",
         severity="warning" if where else "critical",

@@ -206,6 +206,10 @@ def process_memory_growth(con, run_id: str, *, min_rss_growth_mib_per_min: float
             continue
         hours_to_double = r["rss_last_mib"] / slope / 60 if slope > 0 else None
         out.append(Finding(
+            summary=(f"Process {r['pid']}'s resident memory rose {r['rss_first_mib']:.0f} -> {r['rss_last_mib']:.0f} "
+                     f"MiB over {r['span_s'] / 60:.1f} min, steadily (R^2 {r2:.2f})."),
+            action=("Look for per-request state that is never freed: at this rate the process doubles in "
+                    f"~{_num(hours_to_double)} h."),
             id="process-memory-growth",
             title=f"Server process {r['pid']} grows {slope:.1f} MiB/min (leak suspicion)",
             severity="warning",

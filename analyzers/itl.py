@@ -208,5 +208,5 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
                                     vllm_limits(labels) if runtime_of(labels) == "vllm" else None),
         expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th, summary=summary,
         action=chunk_action(chunk, chunked, budget, runtime_of(labels))
-        + (f": p99 ITL ~{predicted:.1f} ms, from {e['itl_p99_ms']:.1f} (a prediction: --evidence gives its error)."
+        + (f": p99 ITL ~{predicted:.0f} ms, from {e['itl_p99_ms']:.0f} (predicted)."
            if predicted is not None else "."))

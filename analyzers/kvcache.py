@@ -136,6 +136,12 @@ def kv_near_cap(con, run_id: str, *, near_cap: float = T["near_cap"], min_preemp
     share = pre["preempted_requests"] / seq["requests"] if seq["requests"] else 0.0
     e["preempted_request_share"] = share
     return [Finding(
+        summary=(f"KV pages peaked at {e['block_usage_max']:.0%}: {pre['preemptions']} preemptions of "
+                 f"{pre['preempted_requests']} requests ({share:.0%}) recomputed {px['recomputed_tokens'] or 0} "
+                 "tokens."),
+        action=((f"Cap concurrent sequences at ~{fit_now}" if fit_now else "Cap the context length")
+                + (" or quantize the KV cache to fp8" if gains and not (limits is not None and fp8 is None) else "")
+                + ": preemptions stop once the peak working set fits."),
         id="kv-near-cap",
         title="KV cache at its cap: requests preempted",
         severity="critical" if share >= critical_preempt_share else "warning",
@@ -232,6 +238,9 @@ def kv_internal_fragmentation(con, run_id: str, *, max_internal_fragmentation: f
     e["used_pages_saved_share"] = saved
     e["query"] = INTERNAL_SQL + ";\n" + LENGTHS_SQL
     return [Finding(
+        summary=f"Used KV pages are {x:.1%} empty on average at {page} tokens per page.",
+        action=(f"Use {choice}-token pages: the same tokens need ~{saved:.0%} fewer pages." if choice != page else
+                "Shorter pages are not available here: --evidence says what else holds the slack."),
         id="kv-internal-fragmentation",
         title="KV pages are mostly empty (internal fragmentation)",
         severity="warning",
@@ -319,6 +328,11 @@ def kv_external_fragmentation(con, run_id: str, *, max_external_fragmentation: f
         effect = ("An allocator that needs contiguous runs fails (or waits on) those allocations; compaction would "
                   "let them succeed.")
     return [Finding(
+        summary=(f"Free KV pages are {e['external_fragmentation_mean']:.0%} scattered, turning over {turnover:.2f}x a "
+                 f"second; {blocked:.0%} of snapshots had no contiguous run for a p95 request."),
+        action=(f"Nothing to change: {name} maps pages through a page table, so no allocation waited."
+                if runtime in PAGED_RUNTIMES else
+                "If the allocator needs contiguous runs: larger fixed-size units and periodic compaction."),
         id="kv-external-fragmentation",
         title="Free KV pages are scattered under churn (external fragmentation)",
         severity="info",

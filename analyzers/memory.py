@@ -44,6 +44,9 @@ def gpu_memory_near_full(con, run_id: str, *, max_used_share: float = T["max_use
     e["query"] = GPU_SQL
     free = (e["mem_total_bytes"] - e["mem_used_max_bytes"]) / GIB
     return [Finding(
+        summary=(f"Peak use is {e['mem_used_share_max']:.1%} of {e['mem_total_bytes'] / GIB:.1f} GiB, leaving "
+                 f"{free:.2f} GiB for activation spikes."),
+        action="Lower the KV budget or the batch / context limits, keeping ~5% free: an activation spike is no OOM.",
         id="gpu-memory-near-full",
         title=f"GPU {e['fullest_gpu']} memory near full",
         severity="critical" if e["mem_used_share_max"] >= critical_used_share else "warning",
@@ -67,6 +70,9 @@ def gpu_xid_errors(con, run_id: str, *, max_xid_errors: int = 0, **_: object) ->
         return []
     e["query"] = GPU_SQL
     return [Finding(
+        summary=f"GPU {e['xid_gpu']} reported {e['xid_errors_max']} XID errors ({e['xid_errors_delta']} during the run).",
+        action="Read the XID codes (dmesg | grep -i xid) and drain the node if they repeat: a failing GPU crashes and "
+               "straggles.",
         id="gpu-xid-errors",
         title=f"GPU {e['xid_gpu']} reported XID errors",
         severity="critical",
@@ -117,6 +123,10 @@ def kv_budget_oom_risk(con, run_id: str, *, max_kv_share_of_remaining: float = 0
     new_pages = int(pages * target / budget) if pages else None
     split_txt = ", ".join(f"{k} {v:.0%} (start {SPLIT[k]:.0%})" for k, v in split.items())
     return [Finding(
+        summary=(f"KV takes {share:.0%} of the {remaining / GIB:.1f} GiB the weights leave on each GPU"
+                 + (f", {margin:.0%} of memory stayed free." if margin is not None else ".")),
+        action=(f"Cap the KV budget at {target / GIB:.1f} GiB per GPU (fp8 KV keeps its capacity): activations "
+                f"get {(remaining - target) / GIB:.1f} GiB."),
         id="kv-budget-oom-risk",
         title="KV budget leaves too little memory for activations: OOM risk",
         severity="critical" if share > 0.9 or (margin is not None and margin < min_margin) else "warning",

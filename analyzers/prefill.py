@@ -111,7 +111,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
                  f"{long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x a pure "
                  f"decode step ({e['pure_decode_p50_ms']:.1f} ms)."),
         action=(f"{chunk_action(chunk, *chunked_prefill(labels), runtime_of(labels))}: those steps fall to "
-                f"~{expected_ms:.1f} ms, at slightly lower prefill efficiency."),
+                f"~{expected_ms:.1f} ms (prefill a little slower)."),
         id="prefill-stalls-decode",
         title="Long prefills stall decode steps",
         severity="critical" if ratio >= critical_ratio else "warning",
@@ -149,8 +149,14 @@ def chunk_action(chunk: int, chunked: bool | None, budget: int | None, runtime: 
         return "Separate prefill from decode (disaggregation) or cap the prefills per step"
     if chunked:
         now = f" from {budget}" if budget is not None else ""
-        return f"Lower the per-step token budget{now} to ~{chunk} ({budget_knob(runtime, chunk)})"
-    return f"Enable chunked prefill at ~{chunk} tokens per step ({budget_knob(runtime, chunk)})"
+        return f"Lower the per-step token budget{now} to ~{chunk} ({_short_knob(runtime, chunk)})"
+    return f"Enable chunked prefill at ~{chunk} tokens per step ({_short_knob(runtime, chunk)})"
+
+
+def _short_knob(runtime: str, chunk: int) -> str:
+    """The per-step budget's setting in the runtime's own words, short (`budget_knob` names the runtime too)."""
+    return {"vllm": f"--max-num-batched-tokens {chunk}", "hf-cb": f"max_batch_tokens={chunk}"}.get(
+        runtime, budget_knob(runtime, chunk))
 
 
 def chunk_suggestion(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "",

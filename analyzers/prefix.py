@@ -82,7 +82,17 @@ def prefix_hit_collapse(con, run_id: str, *, min_achievable_hit_rate: float = 0.
     else:
         effect = (f"Hit rate fell from {e['hit_rate_first_half']:.1%} to {e['hit_rate_second_half']:.1%} between the "
                   "halves of the run; restoring it saves the re-prefill of the lost prefixes.")
+    short = [t for t, on in (("put the fixed part of every prompt first", position == "last" or (
+        "shared" in reasons and hit_rate < 0.05)), ("give the prefix cache more room", (tot["evicted_blocks"] or 0) > 0),
+        ("keep prompts byte-identical up to the shared part", True)) if on]
     return [Finding(
+        summary=(f"Prefix hit rate is {request_hit_rate:.1%} where the {int(shared)}-token shared prefix allows "
+                 f"{achievable:.1%}." if achievable is not None else
+                 f"Prefix hit rate fell from {e['hit_rate_first_half']:.1%} to {e['hit_rate_second_half']:.1%} "
+                 "between the halves of the run."),
+        action=("; ".join(short)[:1].upper() + "; ".join(short)[1:]
+                + (f": ~{e['prefill_tokens_saved']} prefill tokens skipped, lower TTFT." if achievable is not None
+                   else ": the lost prefixes are not prefilled again.")),
         id="prefix-hit-collapse",
         title="Prefix cache hit rate far below what the prompts allow",
         severity="warning",

@@ -28,7 +28,7 @@ from typing import Any
 from phasescope.agent.read.queries import MISS_CAUSES, MISS_CAUSES_SQL, smaller_page_savings
 from phasescope.agent.read.queries import prefix_miss_causes as prefix_miss_causes_query
 from phasescope.agent.read.thresholds import T
-from .findings import Finding, ref
+from .findings import Finding, first_sentence, ref
 from .constraints import vllm_limits
 from .runinfo import runtime_of
 from .sql import PREFIX_TOTALS, one
@@ -80,8 +80,15 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
     share = lambda k: c[k] / total  # noqa: E731
     out: list[Finding] = []
 
-    def add(cause: str, severity: str, title: str, suggestion: str, effect: str, extra: dict | None = None) -> None:
-        out.append(Finding(id=f"prefix-miss-{cause}", title=title, severity=severity,
+    def add(cause: str, severity: str, title: str, suggestion: str, effect: str, extra: dict | None = None,
+            short: tuple[str, str] = ("", "")) -> None:
+        """`short`: (summary, action) for a person (Finding.brief); by default the suggestion's opening
+        sentence (its evidence) and the next (what to change) with the effect."""
+        said = first_sentence(suggestion)
+        todo = first_sentence(suggestion[len(said):].strip()) or suggestion
+        both = todo.rstrip(".") + ": " + effect[:1].lower() + effect[1:]
+        out.append(Finding(id=f"prefix-miss-{cause}", title=title, severity=severity, summary=short[0] or said,
+                           action=short[1] or (both if len(both) <= 160 else todo),
                            evidence={**e, "cause": cause, "cause_tokens": c[cause], "cause_share": share(cause),
                                      **(extra or {})},
                            suggestion=suggestion, expected_effect=effect, reference=ref("Prefix cache"),
@@ -111,7 +118,11 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
             + ("lengthen" if limits and not best else "or lengthen") + " the common part (put more of the fixed instructions first) so it covers whole pages.",
             f"A page of {best} tokens would have served ~{saved} more prompt tokens from the cache."
             if best else "Shared tokens inside partly shared pages become hits.",
-            {"suggested_page_size_tokens": best, "smaller_page_saved_tokens": saved})
+            {"suggested_page_size_tokens": best, "smaller_page_saved_tokens": saved},
+            (f"{c['sub-page']} missed tokens ({share('sub-page'):.0%}) were shared with an earlier prompt but short "
+             f"of a whole {page}-token page.",
+             (f"Use {best}-token pages (--evidence: the flag) or lengthen the shared part: ~{saved} more tokens hit."
+              if best else "Lengthen the shared part of the prompts so it covers whole pages.")))
     if c["evicted"] and share("evicted") >= prefix_miss_cause_share:
         add("evicted", "warning", "Shared prefixes evicted before they were reused",
             f"{c['evicted']} missed tokens ({share('evicted'):.0%}) were in pages another prompt had cached, evicted "
@@ -119,13 +130,19 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
             f"{c['evict_gap_ms_p90'] or 0:.0f} ms). Give the cache more pages (vLLM --gpu-memory-utilization or "
             "--num-gpu-blocks-override, HF num_blocks), or an eviction policy that keeps hot prefixes; see "
             "kv-evicted-before-reuse for how many pages.",
-            f"Up to {c['evicted']} prompt tokens a run become hits instead of prefill.")
+            f"Up to {c['evicted']} prompt tokens a run become hits instead of prefill.", None,
+            (f"{c['evicted']} missed tokens ({share('evicted'):.0%}) were in cached pages evicted before this prompt "
+             f"came (gap p50 {c['evict_gap_ms_p50'] or 0:.0f} ms).",
+             f"Give the cache more pages (see kv-evicted-before-reuse): up to {c['evicted']} tokens hit."))
     if c["in-flight"] and share("in-flight") >= prefix_miss_cause_share:
         add("in-flight", "info", "Requests sharing a prefix arrive before it is cached",
             f"{c['in-flight']} missed tokens ({share('in-flight'):.0%}) were shared whole pages an earlier request "
             "was still computing. Send one request of a burst first (warm the prefix), or route requests with the "
             "same prefix to the replica that already holds it (prefix-aware routing).",
-            f"Up to {c['in-flight']} prompt tokens become hits.")
+            f"Up to {c['in-flight']} prompt tokens become hits.", None,
+            (f"{c['in-flight']} missed tokens ({share('in-flight'):.0%}) were in pages an earlier request was still "
+             "computing.",
+             f"Warm the prefix with one request of a burst, or route by prefix: up to {c['in-flight']} tokens hit."))
     if c["readmission"] and share("readmission") >= prefix_miss_cause_share:
         add("readmission", "warning", "Preempted requests recompute their prompts on re-admission",
             f"{c['readmission']} tokens ({share('readmission'):.0%} of all missed) were computed again by "
@@ -133,7 +150,10 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
             "first admissions' misses). "
             "Give the cache room for the running batch (more KV pages, a lower max batch / --max-num-seqs), or swap "
             "to CPU instead of recomputing (HF cpu_offload_space).",
-            f"{c['readmission']} recomputed tokens saved.")
+            f"{c['readmission']} recomputed tokens saved.", None,
+            (f"{c['readmission']} tokens ({share('readmission'):.0%} of all missed) were computed again by "
+             f"{c['readmissions']} re-admissions after preemption.",
+             f"Give the running batch room (more KV pages, fewer sequences): {c['readmission']} tokens not recomputed."))
     if c["cache-disabled"] and share("cache-disabled") >= prefix_miss_cause_share:
         add("cache-disabled", "warning", "Prompts admitted with the prefix cache off",
             f"{c['disabled_lookups']} prompts ({c['cache-disabled']} tokens) were admitted with prefix caching "
@@ -149,5 +169,8 @@ def prefix_miss_causes(con, run_id: str, *, prefix_miss_min_tokens: int = T["pre
             f"{c['no-shared-prefix']} missed tokens ({share('no-shared-prefix'):.0%}) begin differently from every "
             f"earlier prompt this replica saw; hit rate {hit_rate:.1%}. If prompts carry common content, put it "
             "first and the variable part last; with several replicas, route by prefix so prompts that share one "
-            "meet in the same cache.", "Only prompts that really share a beginning can hit.")
+            "meet in the same cache.", "Only prompts that really share a beginning can hit.", None,
+            (f"{c['no-shared-prefix']} missed tokens ({share('no-shared-prefix'):.0%}) share no beginning with an "
+             f"earlier prompt; hit rate {hit_rate:.1%}.",
+             "Put common content first; with replicas, route by prefix so shared prompts meet in one cache."))
     return out

@@ -31,6 +31,10 @@ def preemption_recompute(con, run_id: str, *, min_preemptions: int = 1, critical
          "ms_per_prefill_token": cost["ms_per_prefill_token"], "recompute_cost_s": seconds, **lat,
          "query": PREEMPTIONS + ";\n" + PREFIX_TOTALS + ";\n" + PREEMPT_SQL + ";\n" + PREEMPTED_LATENCY_SQL}
     return [Finding(
+        summary=(f"{pre['preemptions']} preemptions recomputed {recomputed} tokens, {share:.0%} of all prefill work "
+                 f"(~{seconds:.2f} s of step time)."),
+        action="Admit fewer sequences than the KV cache holds at peak and shed load early: that time goes back to "
+               "useful work.",
         id="preemption-recompute",
         title="Preempted requests are recomputed",
         severity="critical" if share >= critical_recompute_share else "warning",
@@ -104,6 +108,9 @@ def survival_rate(con, run_id: str, *, min_survival: float = 0.99, critical_surv
     never = (f"{e['unfinished']} never finished" if not live else
              f"{in_flight} still in flight (the run is live: not judged)")
     return [Finding(
+        summary=(f"{e['finished']} of {judged} requests finished ({rate:.1%}); {e['aborted']} aborted by the server, "
+                 f"{never}."),
+        action=f"Find what kills requests (OOM, timeouts, KV exhaustion) and shed load early: target >= {min_survival:.0%}.",
         id="survival-rate-low",
         title="Requests fail under load",
         severity="critical" if rate < critical_survival else "warning",
@@ -143,6 +150,9 @@ def probe_dropping(con, run_id: str, *, max_drop_share: float = 0.0, critical_dr
     e["drop_share"] = share
     e["query"] = PROBE_SQL
     return [Finding(
+        summary=(f"The probe dropped {e['dropped_total']} of {total} records ({share:.2%}) with {e['errors_total']} "
+                 "errors: the figures here are incomplete."),
+        action="Check that the sidecar runs and keeps up (socket, CPU, disk), or enlarge the probe's ring.",
         id="probe-dropping",
         title="The probe is dropping records: findings may be incomplete",
         severity="critical" if share >= critical_drop_share else "warning",

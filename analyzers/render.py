@@ -40,9 +40,9 @@ def print_findings(findings: list[Finding], run_id: str | None, console: Console
         grid = Table.grid(padding=(0, 1))
         grid.add_column(width=8, no_wrap=True)
         grid.add_column(ratio=1, overflow="fold")
-        grid.add_row(f"[{_STYLE[f.severity]}]{f.severity.upper()}[/]", f"[bold]{f.title}[/] [dim]{f.id}[/]")
+        grid.add_row(f"[{_STYLE[f.severity]}]{f.severity.upper()}[/]", f"[bold]{f.title}[/]")
         grid.add_row("", summary)
-        grid.add_row("", f"[green]→[/] {action} [dim]{f.reference}[/]")
+        grid.add_row("", f"[green]→[/] {action} [dim]{f.reference} · {f.id}[/]")
         if evidence:
             grid.add_row("", f"[bold]suggestion[/]: {f.suggestion}")
             grid.add_row("", f"[bold]expected effect[/]: {f.expected_effect}")

@@ -46,6 +46,9 @@ def kv_evicted_before_reuse(con, run_id: str, *, evicted_reuse_share: float = T[
     blocks = (labels or {}).get("num_gpu_blocks")  # vLLM's pool as it ran (its null block included)
     override = f" {int(float(blocks)) + extra}" if blocks and str(blocks).replace(".", "", 1).isdigit() else ""
     return [Finding(
+        summary=(f"{r['evicted_reuse_tokens']} prompt tokens ({share:.1%} of those queried) missed because their "
+                 "pages were evicted before they were asked for again."),
+        action=f"Add {extra} KV pages{grow}: those tokens come from the cache instead of a prefill.",
         id="kv-evicted-before-reuse",
         title="Cached prefixes are evicted before they are reused",
         severity="warning",

@@ -187,11 +187,11 @@ def _stopped(row: dict, last_key: str, sql: str, stale_s: float, min_steps: int)
 
 
 def _warning(run_id: str, thresholds: dict, *, id: str, title: str, evidence: dict, suggestion: str,
-             expected_effect: str, severity: str = "warning") -> Finding:
+             expected_effect: str, severity: str = "warning", summary: str = "", action: str = "") -> Finding:
     """Every reason's finding: a warning on the probe's health (info where it is the probe's own choice)."""
     return Finding(id=id, title=title, severity=severity, evidence=evidence, suggestion=suggestion,
                    expected_effect=expected_effect, reference=ref("Probe health"), run_id=run_id,
-                   thresholds=thresholds)
+                   thresholds=thresholds, summary=summary, action=action)
 
 
 def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["telemetry_stale_s"],
@@ -208,6 +208,9 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
         out.append(_warning(
             run_id, th, id="telemetry-kv-snapshots-stopped",
             title="KV snapshots stopped while steps went on: KV figures are stale", evidence=e,
+            summary=(f"{e['steps_after']} steps over {e['silent_s']:.1f} s ran after the last KV snapshot: every KV "
+                     "figure since is missing."),
+            action="Check the probe's log for adapter errors, then restart the adapter or the server.",
             suggestion=("The runtime adapter stopped reporting the KV cache: check the probe's log (adapter "
                         "errors, a runtime upgrade), restart the adapter or the server; until then KV usage, "
                         "fragmentation and headroom on the dashboard describe the past."),
@@ -223,6 +226,9 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
             out.append(_warning(
                 run_id, th, id="telemetry-prefix-counters-stuck",
                 title="Prefix-cache counters stopped moving while new requests were admitted",
+                summary=(f"The prefix counters last moved {stuck:.1f} s before the last admission: "
+                         f"{px['admissions_after']} requests went uncounted."),
+                action="Check the adapter's log and the server's prefix-caching setting: hit rates shown are old.",
                 evidence={**px, "stuck_s": stuck, "query": PREFIX_STUCK_SQL},
                 suggestion=("The prefix-cache counters are no longer wired (adapter lost its hook, cache disabled "
                             "at runtime): hit rates shown are those of the past. Check the adapter's log and the "
@@ -238,6 +244,9 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
         out.append(_warning(
             run_id, th, id="telemetry-gpu-timing-stopped",
             title="GPU step times stopped: CUDA-event sampling fell to zero", evidence=e,
+            summary=(f"{e['steps_after']} steps over {e['silent_s']:.1f} s after the last GPU-timed step carry host "
+                     "time only."),
+            action="Check the probe's GPU sample rate, unsampled steps and errors; raise gpu_budget at its floor.",
             suggestion=("Look at the probe's health: its GPU sample rate (phasescope_probe_gpu_sample_ratio), "
                         "unsampled steps (event pool exhausted: the poller is stuck or the GPU never completes) "
                         "and errors; raise gpu_budget if the rate is at its floor."),
@@ -249,6 +258,8 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
         out.append(_warning(
             run_id, {"max_clock_skew_s": max_clock_skew_s}, id="telemetry-clock-skew",
             title="A probe's clock disagrees with the sidecar's", evidence={**skew, "query": SKEW_SQL},
+            summary=f"Source {skew['source_id']} (pid {skew['pid']}) is {skew['skew_s']:+.3f} s off the sidecar's clock.",
+            action="Synchronize the hosts' clocks (NTP/chrony): this source's timestamps line up again.",
             suggestion=("Synchronize the clocks of the probe's and the sidecar's hosts (NTP/chrony); timestamps of "
                         "this source are shifted by the skew when compared with other sources or the server."),
             expected_effect=f"source {skew['source_id']} (pid {skew['pid']}) is {skew['skew_s']:+.3f} s off."))
@@ -260,6 +271,8 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
             run_id, {}, id="telemetry-adapter-partial",
             title="The runtime adapter understands this runtime only in part",
             evidence={"adapter_missing": missing, "query": ADAPTER_SQL}, suggestion=SUGGEST_ADAPTER,
+            summary=f"Hooks missing: {missing}; what they measure is absent, not zero.",
+            action="Check the probe's log and the runtime's version; read those figures from the server meanwhile.",
             expected_effect=f"missing: {missing}; the figures those hooks produce are absent, not zero."))
     fold = _fold_health(con, run_id)
     if fold:
@@ -269,6 +282,9 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
             title=("The sidecar's live fold of request events is failing" if now else
                    "The sidecar's live fold of request events failed, then recovered"),
             evidence={**fold, "query": FOLD_SQL},
+            summary=(f"The live fold failed {fold['failures']} time(s)" + (", and still fails." if now else
+                                                                          ", then caught up.")),
+            action="Figures stay exact (reads fold what is missing): give the fold memory or CPU (--evidence).",
             suggestion=("Every figure is still exact: reads fold the events the derived tables miss themselves, "
                         "at a cost that grows with them. Read the error: out of memory means a larger "
                         "--read-memory-mib or a smaller --fold-slice-rows; behind means the host's CPU cannot "
@@ -284,6 +300,9 @@ def telemetry_degraded(con, run_id: str, *, telemetry_stale_s: float = T["teleme
             run_id, {}, id="telemetry-detail-lowered", severity="info",
             title="The probe lowered its detail to stay inside its budget",
             evidence={"detail_lowered": lowered, "budget_share": budget, "query": LOWERED_SQL},
+            summary=f"Detail lowered: {lowered}.",
+            action="Read those figures as absent from then on (/metrics counters stay exact), or raise "
+                   "PHASESCOPE_VLLM_BUDGET.",
             suggestion=("Read the lowered figures (page lifecycles, KV walks: shared pages and the free run, "
                         "per-lookup prefix miss causes, by level) as absent from then on; every counter vLLM's own "
                         "/metrics has is still exact. To keep them, raise PHASESCOPE_VLLM_BUDGET (the share of "

@@ -57,6 +57,9 @@ def tp_kv_imbalance(con, run_id: str, *, max_imbalance: float = T["max_imbalance
     if len(groups) > 1 or world_size(con, run_id) > mp:
         e["replica"] = replica
     return [Finding(
+        summary=f"TP rank {hot['rank']} holds {imb:.0%} more KV than the mean of {len(ranks)} ranks: it fills first.",
+        action=(f"Check how heads are split across ranks and size the KV budget for the hottest rank: balanced "
+                f"ranks admit ~{imb / (1 + imb):.0%} more tokens."),
         id="tp-kv-imbalance",
         title=f"KV cache unbalanced across TP ranks (rank {hot['rank']} holds {imb:.0%} above the mean)",
         severity="critical" if imb >= critical_imbalance else "warning",
@@ -138,6 +141,10 @@ def tp_straggler(con, run_id: str, *, max_skew: float = T["max_skew"], min_strag
         return []
     e["query"] = sql
     return [Finding(
+        summary=(f"TP rank {e['straggler_rank']} is the slowest in {e['straggler_share']:.0%} of {e['steps']} steps; "
+                 f"the median step waits {e['step_skew_p50']:.0%} for it."),
+        action=(f"Inspect that GPU (throttling, ECC/XID, placement, neighbours): steps "
+                f"~{e['step_skew_p50'] / (1 + e['step_skew_p50']):.0%} shorter."),
         id="tp-straggler",
         title=f"TP rank {e['straggler_rank']} is a straggler",
         severity="warning",
@@ -169,6 +176,9 @@ def tp_kv_head_replication(con, run_id: str, *, model: ModelGeometry | None = No
          "query": "SELECT value FROM run_info WHERE run_id = $run AND key = 'tp' "
                   "(else SELECT max(world_size) FROM sources WHERE run_id = $run)"}
     return [Finding(
+        summary=(f"{model.kv_heads} KV heads over {tp} TP ranks: each head is held by {factor:g} ranks, "
+                 f"{per_rank * tp - total:.0f} extra KV bytes per token across ranks."),
+        action=f"Prefer TP <= {model.kv_heads} with data parallelism across the rest, or budget KV with it counted.",
         id="tp-kv-head-replication",
         title=f"KV heads replicated {factor:g}x across {tp} TP ranks",
         severity="info",

@@ -30,6 +30,7 @@ from phasescope.agent.read.thresholds import T
 from phasescope.analyzers.compare import describe, workload_differs
 from phasescope.dashboard.charts import human_table, label, line, melt, time_x
 from phasescope.analyzers.diagnose import diagnose
+from phasescope.analyzers.findings import first_sentence
 from phasescope.analyzers.fleet import HOST_SQL, diagnose_fleet
 
 PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments", "Sweep")
@@ -148,13 +149,23 @@ def page_overview(reader: Any, run: str, win: dict[str, Any]) -> None:
         sev = str(f.get("severity", "info"))
         with st.expander(f"{badge(sev)} · {f.get('title', f.get('id'))}",
                          expanded=f.get("severity") == "critical"):
-            st.markdown(f"**Suggestion:** {f.get('suggestion', '')}")
-            if f.get("expected_effect"):
-                st.markdown(f"**Expected effect:** {f['expected_effect']}")
-            for v in (v for v in checked if v["finding_id"] == f.get("id")):
-                st.markdown(verified_line(v["result"]))
-            st.markdown(f"`{f.get('id')}` · severity {f.get('severity')} · {f.get('reference', '')}")
-            st.json(f.get("evidence", {}), expanded=False)
+            finding_body(f, [v for v in checked if v["finding_id"] == f.get("id")])
+
+
+def finding_body(f: dict[str, Any], checked: list[dict[str, Any]] = ()) -> None:
+    """One finding as `diagnose` prints it: what is wrong with its numbers, what to change -> what it gains, the
+    guide's section; then the full suggestion and effect, and the raw figures (collapsed) last."""
+    summary = f.get("summary") or first_sentence(f.get("expected_effect", ""))
+    action = f.get("action") or first_sentence(f.get("suggestion", ""))
+    st.markdown(summary)
+    st.markdown(f"→ **{action}**")
+    for v in checked:
+        st.markdown(verified_line(v["result"]))
+    st.caption(f"`{f.get('id')}` · severity {f.get('severity')} · {f.get('reference', '')}")
+    st.markdown(f"**Full suggestion:** {f.get('suggestion', '')}")
+    if f.get("expected_effect"):
+        st.markdown(f"**Expected effect:** {f['expected_effect']}")
+    st.json(f.get("evidence", {}), expanded=False)
 
 
 def verified_line(r: dict[str, Any]) -> str:
@@ -760,9 +771,7 @@ def page_fleet(pattern: str) -> None:
         st.success("No host stands out from the fleet.")
     for f in report["findings"]:
         with st.expander(f"{badge(f['severity'])} · {f['title']}", expanded=True):
-            st.markdown(f"**Suggestion:** {f['suggestion']}")
-            st.markdown(f"**Expected effect:** {f['expected_effect']}")
-            st.json(f["evidence"], expanded=False)
+            finding_body(f)
 
 
 RENDER = dict(zip(PAGES, (page_overview, page_phases, page_requests, page_kv, page_prefix, page_ranks, page_hardware,

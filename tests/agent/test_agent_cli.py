@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -58,3 +59,9 @@ def test_demo_writes_both_phases_and_prints_the_summary(tmp_path):
     slack = prefilled - (prefix["queried_tokens"] - prefix["hit_tokens"] + prefix["recomputed_tokens"])
     assert 0 <= slack <= prefix["preemptions"]
     assert prefix["hit_tokens"] > 0  # the shared system prompt is reused
+    # the demo's diagnosis on one screen at 80 columns (issue 50), its raw figures only with --evidence
+    env80 = dict(os.environ, COLUMNS="80")
+    text = subprocess.run([sys.executable, "-m", "phasescope.cli", "diagnose", str(db)], capture_output=True,
+                          text=True, timeout=120, env=env80).stdout
+    assert 0 < len(text.splitlines()) <= 60 and max(len(ln) for ln in text.splitlines()) <= 80, text
+    assert not re.search(r"\b[a-z0-9]+(_[a-z0-9]+)+: ", text), text

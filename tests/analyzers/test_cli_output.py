@@ -4,6 +4,7 @@ fold onto the next line instead), and a run with steps but no requests says what
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -57,3 +58,33 @@ def test_a_run_without_requests_says_how_to_get_them(tmp_path):
     assert "output tokens: 0" in text
     js = json.loads(_cli("summary", path, "--json").stdout)
     assert "GenerateRequests" in js["hint"]
+
+
+RAW_KEY = re.compile(r"\b[a-z0-9]+(_[a-z0-9]+)+: ")  # an evidence key as stored ("busy_share: 0.96")
+
+
+@pytest.mark.parametrize("name", ["service-mix", "kv-pressure-vllm-h200", "prefix-miss-causes", "telemetry-silent",
+                                  "gpu-memory", "tp-imbalance", "itl-spikes-vllm", "healthy-vllm-h100"])
+def test_diagnose_reads_as_sentences_at_80_columns(scenario_db, name):
+    """Issue 50: each finding in at most 6 lines at 80 columns (severity and title, what is wrong with its
+    numbers, what to change -> what it gains and the guide's section), no raw evidence key; --evidence adds the
+    full texts and the raw figures."""
+    path, _ = scenario_db(name)
+    out = _cli("diagnose", path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(ln) for ln in lines) <= 80
+    blocks = out.stdout.strip("\n").split("\n\n")[1:-1]  # the header, then one block per finding, then the footer
+    found = json.loads(_cli("diagnose", path, "--json").stdout)["findings"]
+    assert len(blocks) == len(found) > 0
+    for block, f in zip(blocks, found):
+        rows = block.splitlines()
+        assert len(rows) <= 6, block
+        assert rows[0].split()[0] == f["severity"].upper() and f["id"] in " ".join(block.split()), block
+        assert "→" in block and f["reference"] in " ".join(block.split())
+        assert f["summary"] and f["action"]  # the JSON carries the same sentences
+    assert not RAW_KEY.search(out.stdout), [ln for ln in lines if RAW_KEY.search(ln)][:3]
+    full = _cli("diagnose", path, "--evidence", columns=200).stdout
+    assert RAW_KEY.search(full) and "suggestion:" in full
+    for f in found:
+        assert " ".join(f["suggestion"].split()) in " ".join(full.split())
