@@ -1,6 +1,6 @@
 """Per-request latency bookkeeping shared by the exporters (bounded state).
 
-Exact definitions (README.md, "Definitions"), all on the producer's monotonic clock:
+Exact definitions (docs/definitions.md), all on the producer's monotonic clock:
 
 - queue   = scheduled - arrival
 - TTFT    = first token - arrival

@@ -5,7 +5,7 @@ too) and checked against the layer table below: a module may import only from
 its own layer or the layers it names. The folders' import graph has no circle.
 Importing the analyzers or the dashboard loads neither the probe nor the sidecar,
 and importing the probe loads nothing heavy (checked on sys.modules of a fresh
-interpreter). See README.md "Layout".
+interpreter). See docs/design.md "Layout".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ITL tail attribution: which step made each inter-token gap long, over the store's `itl` gap rows.
 
 Each row of the `itl` view is a token event after a request's first: the gap since its previous token
-event, standing for `tokens` ITL samples of gap / tokens (README.md's ITL, "Definitions"). It is tied to the steps of
+event, standing for `tokens` ITL samples of gap / tokens (docs/definitions.md's ITL). It is tied to the steps of
 the run's lowest rank that ended at or before it and at or before the previous token (ASOF joins; a
 token is handed out after the step that computed it ends), and gets one cause (analyzers/itl.py says
 which). Nothing here expands a gap into its samples: quantiles weight the gaps by their tokens and are

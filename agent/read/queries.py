@@ -210,7 +210,7 @@ LATENCY_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": 
 def latency_histogram(con: duckdb.DuckDBPyConnection, run_id: str | None = None, metric: str = "ttft",
                       bins: int = 30) -> list[dict[str, Any]]:
     """Log-spaced histogram of a per-request latency (ttft, tpot, e2e, queue) or of ITL (itl: one count per
-    output token after a request's first, README.md's ITL), seconds."""
+    output token after a request's first, docs/definitions.md's ITL), seconds."""
     weight = "1"
     if metric == "itl":
         # one row per gap, standing for `tokens` samples of itl_s (the `itl` view): counted by weight, never

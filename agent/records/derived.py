@@ -296,7 +296,7 @@ OK_CTE = """ok AS (SELECT CASE WHEN count(*) = {n} AND {state_wm} IS NOT DISTINC
                                   || '(phasescope agent, or Store(path).close()) to rebuild them') END AS ok
                   FROM request_events WHERE rowid <= {wm})"""
 
-# per request, exactly as README.md ("Definitions") defines; seconds (the columns and order of the view it replaces)
+# per request, exactly as docs/definitions.md defines; seconds (the columns and order of the view it replaces)
 REQUESTS_SELECT = """SELECT run_id, request_id, runtime_request_id, arrival_ns, scheduled_ns, first_token_ns,
            last_token_ns, coalesce(output_tokens, 0) AS output_tokens, prompt_tokens, cached_tokens,
            coalesce(scheduled_cached_sum, 0) - coalesce(cached_tokens, 0) AS readmit_cached_tokens,

@@ -1,4 +1,4 @@
-"""Paged-KV and prefix-cache arithmetic: pure functions, exact definitions (README.md, "Definitions").
+"""Paged-KV and prefix-cache arithmetic: pure functions, exact definitions (docs/definitions.md).
 
 Inputs are plain page tables, so the same code serves every runtime adapter, the
 exporters, the analyzers and the tests that check them against a runtime's own

@@ -2,7 +2,7 @@
 
 Raw tables are append-only and hold what the records say (timestamps in
 monotonic ns of the producing host; `sources.wall_minus_mono_ns` converts them).
-Views derive the per-request metrics exactly as README.md ("Definitions") defines them: `requests` and
+Views derive the per-request metrics exactly as docs/definitions.md defines them: `requests` and
 `itl` over the derived tables kept incrementally (`derived.py`), `request_log` over the raw events.
 """
 

@@ -116,7 +116,7 @@ def test_kv_figures_equal_the_cache_ledger_under_preemption_and_sharing():
                 got.largest_free_run, got.shared_pages) == (
             want["total"], want["used"], want["free"], want["cached"], want["live"], want["run"], want["shared"])
         assert got.used_pages + got.free_pages + got.cached_pages == got.total_pages
-        # derived figures, exactly as README.md ("Definitions") defines them
+        # derived figures, exactly as docs/definitions.md defines them
         assert kvmath.block_usage(got.used_pages, got.total_pages) == want["used"] / want["total"]
         if want["used"]:
             assert kvmath.internal_fragmentation(got.live_tokens, got.used_pages, PAGE) == \

@@ -1,6 +1,6 @@
 """The figures users read (phase, request, SLO, latency-histogram and KV summaries), from stated records.
 
-Every expected value is computed here from README.md's definitions over the records written, never read
+Every expected value is computed here from docs/definitions.md over the records written, never read
 back from a run: TTFT = first token - arrival, queue = scheduled - arrival, TPOT = decode time / (output
 tokens - 1) when more than one, E2E = last token - arrival, ITL one sample per token; block usage, token
 usage, internal and external fragmentation per snapshot; step time = gpu_ms where timed, else host_ms.
@@ -133,7 +133,7 @@ def _span(reqs: list[Req]) -> float:
 
 
 def _per_request() -> dict[str, dict]:
-    """README.md's definitions over each request's records (None where a figure has no times)."""
+    """docs/definitions.md over each request's records (None where a figure has no times)."""
     out = {}
     for q in REQUESTS:
         n = sum(k for _, k in q.tokens)

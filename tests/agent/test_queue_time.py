@@ -1,6 +1,6 @@
 """Queue time as the runtime defines it (issue 27 item 2): vLLM's queue starts at the engine's QUEUED event, and
 the frontend's part before it (arrival -> engine queue: tokenization, hand-off) is stored apart as frontend_s.
-Runtimes without a queued event queue from the arrival (README, Definitions)."""
+Runtimes without a queued event queue from the arrival (docs/definitions.md)."""
 
 from __future__ import annotations
 

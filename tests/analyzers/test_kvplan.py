@@ -1,4 +1,4 @@
-"""KV planner and geometry: exact figures of the KV arithmetic (README.md, "Definitions"; docs/tuning.md)."""
+"""KV planner and geometry: exact figures of the KV arithmetic (docs/definitions.md; docs/tuning.md)."""
 
 from __future__ import annotations
 

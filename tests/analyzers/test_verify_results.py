@@ -22,7 +22,7 @@ def _results() -> list[dict]:
 
 
 def value_from_rows(metric: str, rows: dict[str, list]) -> float:
-    """One run's metric from its raw rows (cli/verify.py RAW_SQL), by the README's definitions."""
+    """One run's metric from its raw rows (cli/verify.py RAW_SQL), by docs/definitions.md."""
     if metric == "preemptions":
         return float(sum(int(x) for x in rows["preemptions"]))
     if metric == "kv_internal_fragmentation":

@@ -81,8 +81,8 @@ def itl_gaps(con, run_id: str, long: int = int(T["long_prefill_tokens"]),
     assert steps["gpu_ms"].isna().all()  # CPU: host time is the step's time
     ends = (steps["ts_ns"] + (steps["host_ms"] * 1e6).round().astype("int64")).to_numpy()
     assert (np.diff(ends) > 0).all()  # one step after another
-    # a token's time is the engine's output stamp, which leads the event's ts_ns by cached_tokens us (README
-    # Definitions: ITL on the engine's clock); 0 when the runtime gives none
+    # a token's time is the engine's output stamp, which leads the event's ts_ns by cached_tokens us
+    # (docs/definitions.md: ITL on the engine's clock); 0 when the runtime gives none
     tok = frame(con, """SELECT request_id, ts_ns - 1000 * cached_tokens AS ts_ns, tokens FROM request_log
                         WHERE run_id = $run AND event = 'token' AND tokens > 0 ORDER BY request_id, ts_ns""", run_id)
     tok["step"] = np.searchsorted(ends, tok["ts_ns"].to_numpy(), side="right") - 1

@@ -39,7 +39,7 @@ class PrefixLedger:
             return
         q, h = int(request.num_tokens), int(num_hits)
         resumed = getattr(request, "num_preemptions", 0) > 0
-        # recomputed (README Definitions): positions whose KV the preemption dropped (vLLM's num_computed_tokens
+        # recomputed (docs/definitions.md): positions whose KV the preemption dropped (vLLM's num_computed_tokens
         # then: after a decode, 1 short of num_tokens, as the latest sampled token was never computed) and the
         # cache did not give back, counted at the first lookup after the preemption (vLLM 0.24 looks a waiting
         # request up again every step until its pages fit; each of those lookups is still one for vLLM's
