@@ -1,0 +1,1 @@
+"""One module per page of the app (dashboard/app.py routes to them)."""
