@@ -5,7 +5,10 @@ to phasescope.<folder>), so a new subpackage missing from the list would install
 from __future__ import annotations
 
 import pathlib
-import tomllib
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (CI's)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
