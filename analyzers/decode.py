@@ -11,7 +11,7 @@ from .geometry import ModelGeometry
 from .gpus import GpuSpec
 from .kvplan import kv_bytes_per_token_per_rank
 from .memory import GPU_SQL
-from .sql import model_parallel_size, one
+from .sql import model_parallel_size, one, probe_share
 from .roofline import attention_flops, mfu
 
 DECODE_SQL = """WITH st AS (
@@ -82,9 +82,11 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
     busy = e["busy_fraction"]
     if busy is not None and busy < min_busy:
         graphs_on = (labels or {}).get("runtime") == "vllm" and str((labels or {}).get("enforce_eager", "")) == "False"
+        e["probe_cost_share"] = own = probe_share(con, run_id)
+        mine = f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""
         out.append(Finding(
             summary=(f"The GPU is busy {busy:.0%} of decode time; the median decode step takes "
-                     f"{e['decode_ms_p50']:.2f} ms at a mean batch of {e['batch_mean']:.1f}."),
+                     f"{e['decode_ms_p50']:.2f} ms at a mean batch of {e['batch_mean']:.1f}." + mine),
             action=(("CUDA graphs are on: cut the host work between steps (see host-bound)" if graphs_on else
                      "Capture decode in CUDA graphs and batch more sequences per step")
                     + f": the step falls toward ~{e['decode_ms_p50'] * busy:.2f} ms."),
@@ -92,9 +94,13 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
             title="Decode is launch-bound: the GPU idles between kernels",
             severity="warning",
             evidence=e,
-            suggestion=("Capture decode in CUDA graphs (vLLM does by default unless --enforce-eager; torch.compile "
-                        "mode='reduce-overhead'; HF static cache + compile) to remove per-kernel launch cost, and "
-                        f"batch more sequences per step (mean batch now {e['batch_mean']:.1f})."),
+            suggestion=((f"CUDA graphs are on (--enforce-eager is off), so the GPU waits on the host between steps: "
+                         "scheduling, sampling, detokenization and the probe's own hooks. Find which (see host-bound; "
+                         "vLLM --async-scheduling overlaps the host's work with the GPU) and batch more sequences per "
+                         f"step (mean batch now {e['batch_mean']:.1f})." if graphs_on else
+                         "Capture decode in CUDA graphs (vLLM does by default unless --enforce-eager; torch.compile "
+                         "mode='reduce-overhead'; HF static cache + compile) to remove per-kernel launch cost, and "
+                         f"batch more sequences per step (mean batch now {e['batch_mean']:.1f}).") + mine),
             expected_effect=(f"The GPU is busy {busy:.0%} of the time during decode; removing launch gaps brings a "
                              f"{e['decode_ms_p50']:.2f} ms decode step toward ~{e['decode_ms_p50'] * busy:.2f} ms."),
             reference=ref("Decode"),

@@ -31,7 +31,7 @@ from phasescope.agent.read.thresholds import T
 
 from .findings import Finding, ref
 from .runinfo import runtime_of
-from .sql import one, rows
+from .sql import one, probe_share, rows
 
 _SPAN = """span AS (SELECT min(t.ts_ns + s.wall_minus_mono_ns) AS lo, max(t.ts_ns + s.wall_minus_mono_ns) AS hi
                      FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = $run)"""
@@ -156,6 +156,10 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
         share = max(wait or 0.0, throttled or 0.0)
         effect = (f"The engine lost ~{share:.0%} of its runnable time waiting for a CPU; with CPU of its own the "
                   f"median step ({_num(step_ms)} ms) and TPOT drop by up to ~{share:.0%}.")
+    e["probe_cost_share"] = own = probe_share(con, run_id)
+    mine = f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""
+    if own is not None:
+        effect += mine
     said = [f"Host time is {ratio:.1f}x GPU time per step ({g['host_ms_p50']:.2f} vs {g['gpu_ms_p50']:.2f} ms)."
             if launch_bound else "",
             f"The engine's busiest thread waited for a CPU {wait:.0%} of its runnable time (host CPU "
@@ -167,7 +171,7 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
     gain = (f"up to {ratio:.1f}x lower step time and TPOT" if launch_bound else
             f"median step ({_num(step_ms)} ms) and TPOT down by up to ~{max(wait or 0.0, throttled or 0.0):.0%}")
     return [Finding(
-        summary=" ".join(x for x in said if x),
+        summary=" ".join(x for x in said if x) + mine,
         action=(lambda t: t[:1].upper() + t[1:])("; ".join(todo) + ": " + gain + "."),
         id="host-bound",
         title="Steps are bound by the host CPU: " + "; ".join(

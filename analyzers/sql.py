@@ -133,6 +133,25 @@ PREFIX_TOTALS = """WITH last AS (
     FROM last"""
 
 
+# the probe's own share of the engine's time (its self-measurement, agent/probe/cost.py): per process the last
+# health record's cost_share of every probe in it (a vLLM EngineCore at TP=1 holds the engine's and the worker's),
+# summed; the busiest process's. The frontend (vLLM's API server, another process) and the sidecar are not the engine
+PROBE_SHARE_SQL = """WITH last AS (
+        SELECT s.pid, arg_max(h.cost_share, h.ts_ns) AS share
+        FROM probe_health h JOIN sources s USING (source_id)
+        WHERE s.run_id = $run AND s.runtime NOT IN ('vllm-frontend', 'sidecar') GROUP BY h.source_id, s.pid)
+    SELECT max(share) AS probe_cost_share FROM (SELECT pid, sum(share) AS share FROM last GROUP BY pid)"""
+
+
+def probe_share(con: duckdb.DuckDBPyConnection, run_id: str) -> float | None:
+    """The probe's own share of the engine's step time (0.012: 1.2%), None where it has no health record."""
+    try:
+        v = one(con, PROBE_SHARE_SQL, run_id)["probe_cost_share"]
+    except duckdb.Error:  # a store of a build without cost_share
+        return None
+    return None if v is None else float(v)
+
+
 def world_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
     """Ranks of the run, all engines together (a vLLM server's world is TP x PP x DP)."""
     r = con.execute("SELECT max(world_size) FROM sources WHERE run_id = ?", [run_id]).fetchone()[0]

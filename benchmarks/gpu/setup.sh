@@ -28,6 +28,9 @@ download)
         --dest "$dest" --python "${PYTHON_VERSION:-3.12}" || status=$?
     # phasescope itself (pure Python; its plugin entry points are what vLLM loads)
     rm -f "$dest"/phasescope-*.whl
+    # --no-build-isolation builds with this environment's setuptools and wheel: a fresh machine may lack `wheel`
+    # ("invalid command 'bdist_wheel'"), so take it first (this step runs where an index is reachable)
+    "$PY" -c "import wheel" 2>/dev/null || "$PY" -m pip install -q wheel
     "$PY" -m pip wheel -q --no-deps --no-build-isolation "$REPO" -w "$dest"
     ls -la "$dest"
     exit "${status:-0}"
