@@ -200,7 +200,9 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
     A B C / C B A alternating by round. PHASESCOPE_BENCH_COND_D adds D, an armed engine made last (its own run id),
     order A B C D / D C B A: `1` armed as A with PHASESCOPE_CUDA_TIMING=0 (what the CUDA events cost), `same` armed
     exactly as A (what being made first costs A: a control of the order of creation), `nosidecar` armed with
-    PHASESCOPE_AGENT at a socket no one serves (what the sidecar and the sends cost), or `K=V,K=V` (any env)."""
+    PHASESCOPE_AGENT at a socket no one serves (what the sidecar and the sends cost), or `K=V,K=V` (any env).
+    D's frontend is never hooked: the plugin's catchers arm the first OutputProcessor of a process only, and every
+    engine's frontend lives in this process; so D - B is the engine side's cost (EngineCore and worker) alone."""
     import vllm_ref
     from vllm import LLM
 
