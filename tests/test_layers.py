@@ -229,6 +229,47 @@ def test_no_import_circle_between_folders() -> None:
     assert not any("agent/__init__" in targets for targets in edges.values())
 
 
+def module_edges() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (lazy imports too). `from pkg import name` counts `pkg.name`
+    where that is a module, else `pkg`; an import of a module's own package (__init__) is not an edge."""
+    files = {module_name(p): p for p in sources()}
+    edges: dict[str, set[str]] = {}
+    for me, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            for a in node.names:  # imports_of gives `pkg` alone for these: a submodule named here is an edge too
+                sub = f"{_absolute(me, path, node)}.{a.name}"
+                if sub in files:
+                    edges.setdefault(me, set()).add(sub)
+        for _, mod in imports_of(path):
+            while mod and mod not in files:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != me and not me.startswith(mod + "."):
+                edges.setdefault(me, set()).add(mod)
+    return edges
+
+
+def _absolute(me: str, path: Path, node: ast.ImportFrom) -> str:
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    return ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+
+
+def test_no_import_circle_between_modules() -> None:
+    """Issue 50: inside a folder too, imports run one way (agent/read had queries -> itl -> queries, cli had
+    explain -> sweep -> sweep_server -> explain)."""
+    edges = module_edges()
+    assert "phasescope.agent.read.base" in edges["phasescope.agent.read.itl"]  # relative imports resolve
+    assert "phasescope.analyzers.sweep" in edges["phasescope.cli.sweep_result"]  # `from pkg import module` too
+    assert circles(edges) == []
+    planted = {**edges, "phasescope.agent.read.base": edges.get("phasescope.agent.read.base", set())
+               | {"phasescope.agent.read.itl"}}
+    assert ["phasescope.agent.read.base", "phasescope.agent.read.itl"] in circles(planted)
+
+
 def run_and_list_modules(imports: list[str]) -> list[str]:
     """sys.modules of a fresh interpreter after importing `imports`."""
     code = "import importlib, json, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in imports) + \
@@ -243,10 +284,11 @@ def module_names(folder: str) -> list[str]:
 
 
 def test_analyzers_and_dashboard_load_neither_the_probe_nor_the_sidecar() -> None:
-    """Every analyzer module, the dashboard package and every phasescope module the dashboard app imports
-    (read from app.py: running it would start Streamlit) load no probe, sidecar, exporter, CLI or torch."""
-    app = ROOT / "dashboard" / "app.py"
-    app_imports = sorted({mod for _, mod in imports_of(app) if mod.startswith("phasescope.")})
+    """Every analyzer module, the dashboard package and every phasescope module the dashboard's modules import
+    (read from their source: running app.py would start Streamlit) load no probe, sidecar, exporter, CLI or
+    torch."""
+    app_imports = sorted({mod for path in (ROOT / "dashboard").rglob("*.py") for _, mod in imports_of(path)
+                          if mod.startswith("phasescope.") and not mod.startswith("phasescope.dashboard")})
     assert "phasescope.analyzers.diagnose" in app_imports  # the reader above works
     loaded = run_and_list_modules(module_names("analyzers") + ["phasescope.dashboard"] + app_imports)
     assert "phasescope.analyzers.diagnose" in loaded
