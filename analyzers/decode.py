@@ -85,8 +85,9 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
         e["probe_cost_share"] = own = probe_share(con, run_id)
         mine = f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""
         out.append(Finding(
-            summary=(f"The GPU is busy {busy:.0%} of decode time; the median decode step takes "
-                     f"{e['decode_ms_p50']:.2f} ms at a mean batch of {e['batch_mean']:.1f}." + mine),
+            summary=(f"The GPU is busy {busy:.0%} of decode time; a decode step's median GPU time is "
+                     f"{e['decode_ms_p50']:.2f} ms ({e['decode_steps']} CUDA-event-timed steps), mean batch "
+                     f"{e['batch_mean']:.1f}." + mine),
             action=(("CUDA graphs are on: cut the host work between steps (see host-bound)" if graphs_on else
                      "Capture decode in CUDA graphs and batch more sequences per step")
                     + f": the step falls toward ~{e['decode_ms_p50'] * busy:.2f} ms."),
@@ -108,8 +109,9 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
     if e["mbu_p50"] < min_mbu:
         target_ms = e["decode_floor_ms"] / target_mbu
         out.append(Finding(
-            summary=(f"The median decode step takes {e['decode_ms_p50']:.2f} ms against a bandwidth floor of "
-                     f"{e['decode_floor_ms']:.2f} ms (MBU {e['mbu_p50']:.0%}, mean batch {e['batch_mean']:.1f})."),
+            summary=(f"A decode step's median GPU time is {e['decode_ms_p50']:.2f} ms ({e['decode_steps']} "
+                     f"CUDA-event-timed steps) against a bandwidth floor of {e['decode_floor_ms']:.2f} ms (MBU "
+                     f"{e['mbu_p50']:.0%})."),
             action=(f"Batch more sequences per step so one weight read serves more tokens: at {target_mbu:.0%} MBU "
                     f"the step takes ~{target_ms:.2f} ms."),
             id="decode-below-roofline",

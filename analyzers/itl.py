@@ -44,7 +44,8 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .constraints import vllm_limits
 from .predictions import KNOWN_ERROR
-from .prefill import STALL_SQL, chunk_action, chunk_plan, chunk_suggestion, chunked_prefill
+from .prefill import (STALL_SQL, chunk_action, chunk_plan, chunk_suggestion, chunked_prefill, prefill_trade,
+                      trade_text)
 from .runinfo import runtime_of
 from .sql import RUN_STEPS, one
 
@@ -195,11 +196,16 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
         "quantile": 0.99, "budgets": str(sorted(set(rungs + [chunk]))), "bmin": min(rungs + [chunk]),
         "slope": slope, "base_ms": base, "top": "<the most samples above any budget's p99>",
         "r_lo": "<ranks from the top>", "r_hi": "<ranks from the top>"})
+    trade = prefill_trade(base, slope, chunk, min(budget or stall["max_prefill_tokens_per_step"] or 0,
+                                                   stall["max_prefill_tokens_per_step"] or 0) or budget)
+    e.update(trade or {})
     effect = (head + f"ran next to a prefill of >= {long} tokens (the largest {e['tail_max_prefill_tokens']})." + slo
               + f" Fit from {fit['fit_steps']} steps: {slope:.3f} ms per prefill token over a "
               f"{base:.1f} ms pure decode step; with at most {chunk} tokens per step the p99 ITL would have been "
               f"~{predicted:.1f} ms ({e['predicted_saving_ms']:.1f} ms saved). Known error of this prediction: "
-              + KNOWN_ERROR["itl_p99_ms"] + ".")
+              + KNOWN_ERROR["itl_p99_ms"] + "."
+              + (f" The other side, from the same fit: {trade_text(trade)} while prompts are prefilled." if trade
+                 else ""))
     return Finding(
         id="itl-spikes-prefill",
         title="ITL spikes come from prefills sharing the step",
@@ -208,5 +214,5 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
                                     vllm_limits(labels) if runtime_of(labels) == "vllm" else None),
         expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th, summary=summary,
         action=chunk_action(chunk, chunked, budget, runtime_of(labels))
-        + (f": p99 ITL ~{predicted:.0f} ms, from {e['itl_p99_ms']:.0f} (predicted)."
-           if predicted is not None else "."))
+        + (f": p99 ITL ~{predicted:.0f} ms from {e['itl_p99_ms']:.0f} (predicted)" if predicted is not None else "")
+        + (f", prefill throughput -{trade['prefill_rate_loss']:.0%}." if trade else "."))

@@ -42,6 +42,27 @@ def suggest_chunk(pure_decode_ms: float, ms_per_token: float | None, target_rati
     return max(page, min(chunk, max(page, (max_prefill - 1) // page * page)))
 
 
+def prefill_trade(pure_decode_ms: float, ms_per_token: float, chunk: int, budget: int | None) -> dict | None:
+    """The other side of a smaller per-step budget, from the run's own step-time fit (a step with c prefill
+    tokens takes pure_decode_ms + ms_per_token x c): prefill tokens per second of step time at the budget now
+    (`budget`: the run's, else its largest prefill step) and at `chunk`, and the share lost. None without a fit
+    or when `chunk` is no smaller than the budget."""
+    if not ms_per_token or ms_per_token <= 0 or not budget or chunk >= budget or pure_decode_ms is None:
+        return None
+    rate = lambda c: c / ((pure_decode_ms + ms_per_token * c) / 1e3)  # noqa: E731 - tokens per second
+    now, then = rate(budget), rate(chunk)
+    return {"prefill_tokens_per_s_now": now, "prefill_tokens_per_s_at_chunk": then,
+            "prefill_rate_loss": 1 - then / now, "budget_now_tokens": budget}
+
+
+def trade_text(t: dict | None) -> str:
+    """The trade in words ("" without one): what the smaller budget costs prefill."""
+    if t is None:
+        return ""
+    return (f"prefill throughput {t['prefill_tokens_per_s_now']:,.0f} -> {t['prefill_tokens_per_s_at_chunk']:,.0f} "
+            f"tokens/s (-{t['prefill_rate_loss']:.0%})")
+
+
 def _limits(labels: dict | None) -> VllmLimits | None:
     return vllm_limits(labels) if runtime_of(labels) == "vllm" else None
 
@@ -99,10 +120,14 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
     slope, page, chunk = chunk_plan(con, run_id, e, long_prefill_tokens, target_ratio, min_chunk_tokens)
     expected_ms = e["pure_decode_p50_ms"] + slope * chunk
     tpot = one(con, TPOT_SQL, run_id)
+    chunked, budget = chunked_prefill(labels)
+    trade = prefill_trade(e["pure_decode_p50_ms"], slope, chunk,
+                          min(budget or e["max_prefill_tokens_per_step"], e["max_prefill_tokens_per_step"] or 0)
+                          or budget)
     evidence = {
         **e, "stall_ratio": ratio, "cosched_share": e["cosched_steps"] / e["decode_steps"],
         "ms_per_prefill_token": slope, "page_size": page,
-        "suggested_chunk_tokens": chunk, **tpot,
+        "suggested_chunk_tokens": chunk, **tpot, **(trade or {}),
         "query": (STALL_SQL + ";\n" + EXTRA_SQL.replace("$decode_ms", "<pure_decode_p50_ms>")).replace(
             "$long", str(long_prefill_tokens)),
     }
@@ -110,8 +135,8 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
         summary=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran beside a prefill of >= "
                  f"{long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x a pure "
                  f"decode step ({e['pure_decode_p50_ms']:.1f} ms)."),
-        action=(f"{chunk_action(chunk, *chunked_prefill(labels), runtime_of(labels))}: those steps fall to "
-                f"~{expected_ms:.1f} ms (prefill a little slower)."),
+        action=(f"{chunk_action(chunk, chunked, budget, runtime_of(labels))}: those steps ~{expected_ms:.1f} ms"
+                + (f", prefill throughput -{trade['prefill_rate_loss']:.0%}." if trade else ".")),
         id="prefill-stalls-decode",
         title="Long prefills stall decode steps",
         severity="critical" if ratio >= critical_ratio else "warning",
@@ -122,7 +147,9 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
                          f"{e['pure_decode_p50_ms']:.1f} ms of a pure decode step; at {slope:.3f} ms per prefill "
                          f"token a {chunk}-token chunk keeps them near {expected_ms:.1f} ms "
                          f"(~{expected_ms / e['pure_decode_p50_ms']:.1f}x), cutting the TPOT tail "
-                         f"(p95 now {(tpot['tpot_p95_s'] or 0) * 1e3:.1f} ms)."),
+                         f"(p95 now {(tpot['tpot_p95_s'] or 0) * 1e3:.1f} ms)."
+                         + (f" The other side, from the same fit: {trade_text(trade)} while prompts are prefilled."
+                            if trade else "")),
         reference=ref("Prefill"),
         run_id=run_id,
         thresholds={"long_prefill_tokens": long_prefill_tokens, "stall_ratio": stall_ratio,
