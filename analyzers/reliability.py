@@ -25,14 +25,21 @@ def preemption_recompute(con, run_id: str, *, min_preemptions: int = 1, critical
     lat = one(con, PREEMPTED_LATENCY_SQL, run_id)
     cost = prefill_cost(con, run_id)
     recomputed = px["recomputed_tokens"] or 0
-    share = recomputed / tot["prefill_tokens_total"] if tot["prefill_tokens_total"] else 0.0
-    seconds = recomputed * max(cost["ms_per_prefill_token"] or 0.0, 0.0) / 1e3
-    e = {**pre, "recomputed_tokens": recomputed, **tot, "recomputed_share_of_prefill": share,
+    # never more recompute than the run's steps prefilled: a counter over that (a store whose steps were trimmed
+    # or rolled out while the counters kept their totals) is said and counted at that bound
+    prefilled = tot["prefill_tokens_total"] or 0
+    counted = min(recomputed, prefilled) if prefilled else recomputed
+    over = (f" (the recompute counter reads {recomputed} tokens, more than the {prefilled} prefill tokens the "
+            "run's steps computed: at most those are counted)") if counted < recomputed else ""
+    share = counted / prefilled if prefilled else 0.0
+    seconds = counted * max(cost["ms_per_prefill_token"] or 0.0, 0.0) / 1e3
+    e = {**pre, "recomputed_tokens": recomputed, "recomputed_tokens_counted": counted, **tot,
+         "recomputed_share_of_prefill": share,
          "ms_per_prefill_token": cost["ms_per_prefill_token"], "recompute_cost_s": seconds, **lat,
          "query": PREEMPTIONS + ";\n" + PREFIX_TOTALS + ";\n" + PREEMPT_SQL + ";\n" + PREEMPTED_LATENCY_SQL}
     return [Finding(
-        summary=(f"{pre['preemptions']} preemptions recomputed {recomputed} tokens, {share:.0%} of all prefill work "
-                 f"(~{seconds:.2f} s of step time)."),
+        summary=(f"{pre['preemptions']} preemptions recomputed {counted}{'+' if over else ''} tokens, {share:.0%} of "
+                 f"all prefill work (~{seconds:.2f} s of step time)."),
         action="Admit fewer sequences than the KV cache holds at peak and shed load early: that time goes back to "
                "useful work.",
         id="preemption-recompute",
@@ -43,7 +50,7 @@ def preemption_recompute(con, run_id: str, *, min_preemptions: int = 1, critical
                     "redirect new requests when KV usage passes a threshold, and preempt early or swap KV to host "
                     "memory for long-context requests rather than recompute them; CPU offload is a last resort."),
         expected_effect=(f"{pre['preemptions']} preemptions of {pre['preempted_requests']} requests recomputed "
-                         f"{recomputed} tokens, {share:.0%} of all prefill work (~{seconds:.2f} s of step time); "
+                         f"{counted} tokens{over}, {share:.0%} of all prefill work (~{seconds:.2f} s of step time); "
                          + (f"preempted requests took a median {lat['e2e_p50_preempted_s']:.2f} s end to end vs "
                             f"{lat['e2e_p50_other_s']:.2f} s for the others. " if lat['e2e_p50_preempted_s'] and
                             lat['e2e_p50_other_s'] else "")

@@ -320,3 +320,19 @@ def test_healthy_h100_run_block_starts_are_no_prefill_stall(scenario):
     (f,) = prefill_stalls_decode(con, run_id, min_cosched_share=0.0)
     assert (f.evidence["cosched_steps"], f.evidence["decode_steps"]) == (19, 3904)
     assert f.evidence["stall_ratio"] >= 3.0 and f.evidence["cosched_share"] < 0.01
+
+
+def test_recompute_is_never_more_than_the_steps_prefilled(scenario):
+    """The H200 KV-pressure fixture's recompute counter (248,215 tokens) is over the 38,368 prefill tokens its
+    steps hold (it was trimmed to whole blocks; the counters kept their totals): the finding counts at most what
+    the steps prefilled and says so, instead of "647% of all prefill work"."""
+    con, run_id = scenario("kv-pressure-vllm-h200")
+    r = by_id(diagnose(con, run_id))["preemption-recompute"]
+    prefilled = r.evidence["prefill_tokens_total"]
+    assert r.evidence["recomputed_tokens"] > prefilled  # the counter as stored
+    assert r.evidence["recomputed_tokens_counted"] == prefilled and r.evidence["recomputed_share_of_prefill"] == 1.0
+    assert "more than the" in r.expected_effect and f"{prefilled}+" in r.summary
+    con2, run2 = scenario("kv-pressure")  # a consistent store: counted as stored
+    r2 = by_id(diagnose(con2, run2))["preemption-recompute"]
+    assert r2.evidence["recomputed_tokens_counted"] == r2.evidence["recomputed_tokens"]
+    assert r2.evidence["recomputed_share_of_prefill"] <= 1 and "more than the" not in r2.expected_effect
