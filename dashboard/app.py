@@ -10,9 +10,9 @@ the hosts). Every figure comes from a named query aggregated in DuckDB
 
 from __future__ import annotations
 
-from typing import Any
 import sys
 import time
+from typing import Any
 
 import duckdb
 import streamlit as st

@@ -3,8 +3,8 @@ number formats."""
 
 from __future__ import annotations
 
-from typing import Any
 import os
+from typing import Any
 
 import pandas as pd
 import streamlit as st
@@ -16,8 +16,6 @@ from phasescope.analyzers.fleet import diagnose_fleet
 
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
-
-
 SEVERITY_COLOR = {"critical": "red", "warning": "orange", "info": "blue"}
 
 
