@@ -186,7 +186,7 @@ def cond_d_env(value: str) -> dict[str, str] | None:
     value = value.strip()
     if not value or value == "0":
         return None
-    named = {"1": {"PHASESCOPE_CUDA_TIMING": "0"}, "same": {},
+    named = {"1": {"PHASESCOPE_CUDA_TIMING": "0"}, "same": {}, "plain": {"PHASESCOPE_AGENT": ""},
              "nosidecar": {"PHASESCOPE_AGENT": "unix:/tmp/phasescope-bench-nobody.sock"}}
     if value in named:
         return named[value]
@@ -199,7 +199,8 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
     stats (C, `disable_log_stats=False`, the `vllm serve` default; phasescope off); identical blocks, the order
     A B C / C B A alternating by round. PHASESCOPE_BENCH_COND_D adds D, an armed engine made last (its own run id),
     order A B C D / D C B A: `1` armed as A with PHASESCOPE_CUDA_TIMING=0 (what the CUDA events cost), `same` armed
-    exactly as A (what being made first costs A: a control of the order of creation), `nosidecar` armed with
+    exactly as A (what being made first costs A: a control of the order of creation), `plain` not armed at all
+    (D - B is then the engines' position alone, both plain), `nosidecar` armed with
     PHASESCOPE_AGENT at a socket no one serves (what the sidecar and the sends cost), or `K=V,K=V` (any env).
     D's frontend is never hooked: the plugin's catchers arm the first OutputProcessor of a process only, and every
     engine's frontend lives in this process; so D - B is the engine side's cost (EngineCore and worker) alone."""
