@@ -213,6 +213,7 @@ def _prefill_finding(con, run_id: str, e: dict, th: dict, head: str, slo: str, s
         suggestion=chunk_suggestion(chunk, chunked, budget, runtime_of(labels),
                                     vllm_limits(labels) if runtime_of(labels) == "vllm" else None),
         expected_effect=effect, reference=ref("Prefill"), run_id=run_id, thresholds=th, summary=summary,
-        action=chunk_action(chunk, chunked, budget, runtime_of(labels))
+        action=chunk_action(chunk, chunked, budget, runtime_of(labels),
+                            vllm_limits(labels) if runtime_of(labels) == "vllm" else None)
         + (f": p99 ITL ~{predicted:.0f} ms from {e['itl_p99_ms']:.0f} (predicted)" if predicted is not None else "")
         + (f", prefill throughput -{trade['prefill_rate_loss']:.0%}." if trade else "."))

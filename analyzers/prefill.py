@@ -135,7 +135,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
         summary=(f"{e['cosched_steps']} of {e['decode_steps']} decode steps ran beside a prefill of >= "
                  f"{long_prefill_tokens} tokens at a median {e['cosched_p50_ms']:.1f} ms, {ratio:.1f}x a pure "
                  f"decode step ({e['pure_decode_p50_ms']:.1f} ms)."),
-        action=(f"{chunk_action(chunk, chunked, budget, runtime_of(labels))}: those steps ~{expected_ms:.1f} ms"
+        action=(f"{chunk_action(chunk, chunked, budget, runtime_of(labels), _limits(labels))}: those steps ~{expected_ms:.1f} ms"
                 + (f", prefill throughput -{trade['prefill_rate_loss']:.0%}." if trade else ".")),
         id="prefill-stalls-decode",
         title="Long prefills stall decode steps",
@@ -168,21 +168,23 @@ def vllm_budget_flags(chunk: int, limits: VllmLimits | None) -> str:
     return flags
 
 
-def chunk_action(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "") -> str:
-    """`chunk_suggestion` in a few words (the finding's `action`, before its gain)."""
+def chunk_action(chunk: int, chunked: bool | None, budget: int | None, runtime: str = "",
+                 limits: VllmLimits | None = None) -> str:
+    """`chunk_suggestion` in a few words (the finding's `action`, before its gain); on vLLM the flags it accepts
+    (`limits`: a budget below --max-num-seqs lowers that too)."""
     if runtime == "hf-generate":
         return f"Serve with continuous batching at ~{chunk} tokens per step"
     if chunked and budget is not None and budget <= chunk:
         return "Separate prefill from decode (disaggregation) or cap the prefills per step"
     if chunked:
         now = f" from {budget}" if budget is not None else ""
-        return f"Lower the per-step token budget{now} to ~{chunk} ({_short_knob(runtime, chunk)})"
-    return f"Enable chunked prefill at ~{chunk} tokens per step ({_short_knob(runtime, chunk)})"
+        return f"Lower the per-step token budget{now} to ~{chunk} ({_short_knob(runtime, chunk, limits)})"
+    return f"Enable chunked prefill at ~{chunk} tokens per step ({_short_knob(runtime, chunk, limits)})"
 
 
-def _short_knob(runtime: str, chunk: int) -> str:
+def _short_knob(runtime: str, chunk: int, limits: VllmLimits | None = None) -> str:
     """The per-step budget's setting in the runtime's own words, short (`budget_knob` names the runtime too)."""
-    return {"vllm": f"--max-num-batched-tokens {chunk}", "hf-cb": f"max_batch_tokens={chunk}"}.get(
+    return {"vllm": vllm_budget_flags(chunk, limits).split(";")[0], "hf-cb": f"max_batch_tokens={chunk}"}.get(
         runtime, budget_knob(runtime, chunk))
 
 
