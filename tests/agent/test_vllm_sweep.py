@@ -119,7 +119,7 @@ def _swept(vllm_env, model_dir, tmp_path, flags: list[str], expect: str, shown: 
     print(slo, {k: res[k] for k in ("knee_rate_per_s", "evidence_point", "binding")},
           [(p["rate_per_s"], p["attainment"], p["ttft_p99_s"], p[shown]) for p in res["points"]])
     b = res["binding"]
-    assert b is not None and b["name"] == expect, res["constraints"]
+    assert b is not None and b["name"] in ((expect,) if isinstance(expect, str) else expect), res["constraints"]
     return db, slo, res, b
 
 
@@ -196,7 +196,18 @@ def test_batch_ceiling(vllm_env, guidellm, model_dir, tmp_path):
     rates, n = RATES, N
     db, slo, res, b = _swept(vllm_env, model_dir, tmp_path, ["--max-num-seqs", "2", "--max-num-batched-tokens", "512",
                                                             "--num-gpu-blocks-override", "64", "--block-size", "32"],
-                             "batch-ceiling", "queue_p50_s")
+                             ("batch-ceiling", "host-bound"), "queue_p50_s")
+    if b["name"] == "host-bound":
+        # measured in this very run (a CI run of 2026-12-07 beside a second pytest worker): the engine was starved of
+        # CPU, and the requests that missed the SLO missed it on TPOT, not in the queue, so the cap cannot be why
+        # they missed and the answer is the host. Right only when the run's own figures say both.
+        from phasescope.agent.read.thresholds import T
+
+        assert b["figures"]["cpu_wait_ratio"] >= T["min_cpu_wait_ratio"], b
+        ceiling = next(c for c in res["constraints"] if c["name"] == "batch-ceiling")
+        assert ceiling["figures"]["missed"] and (ceiling["figures"]["missed_mostly_queued"]
+                                                 / ceiling["figures"]["missed"] < 0.5), ceiling
+        b = ceiling
     con = duckdb.connect(db, read_only=True)
     try:
         _check_points(con, res, rates, n)
