@@ -13,6 +13,8 @@ Targets (issue 30): every page <= 1 s and diagnose <= 3 s at 10M steps on 2 core
 tests/test_read_guard.py fails when a page exceeds 10x the scan or diagnose 30x.
 
     python benchmarks/dashboard_queries.py [--steps 10000000] [--db /tmp/ps-10m.duckdb] [--repeat 3]
+    python benchmarks/dashboard_queries.py --db STORE --run RUN_ID --no-fold   # a store a real agent wrote
+                                                                                # (gpu_rate.py --keep)
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def time_scan(reader: Any) -> float:
 
 def _kw(name: str, params: dict, run: str, bucket: float) -> dict:
     kw = dict(params) if name in NO_RUN_PARAM else {"run_id": run, **params}
-    return {k: bucket if v == "$bucket" else v for k, v in kw.items()}
+    return {k: bucket if v == "$bucket" else run if v == RUN else v for k, v in kw.items()}
 
 
 def time_page(reader: Any, queries: list[tuple[str, dict]], run: str = RUN,
@@ -219,6 +221,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10_000_000)
     ap.add_argument("--db", default="/tmp/phasescope-bench-10m.duckdb")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--run", default=RUN, help="the run the pages show (a store the benchmark did not build)")
+    ap.add_argument("--no-fold", action="store_true", help="skip the timed fold of a copy (a multi-GB store)")
     args = ap.parse_args()
     if not os.path.exists(args.db):
         t0 = time.perf_counter()
@@ -227,7 +231,7 @@ def main() -> None:
     reader = open_reader(args.db, findings=diagnose)
     n = reader._run(lambda con: con.execute("SELECT count(*) FROM steps").fetchone()[0])
     print(f"{n:,} steps · {os.cpu_count()} cores · median of {args.repeat} runs per page")
-    m = measure(reader, args.repeat)
+    m = measure(reader, args.repeat, run=args.run)
     print(f"one exact scan of the steps table (median of {len(m['scans'])}): {m['scan_s']:.3f} s\n")
     print(f"{'page':14} {'queries':>7} {'page s':>8} {'x scan':>7}  slowest query")
     for page, r in m["pages"].items():
@@ -241,7 +245,11 @@ def main() -> None:
     print(f"diagnose (Overview findings, cached 30 s by the app): {d['s']:.3f} s, {d['ratio']:.1f}x one scan, "
           f"{d['findings']} findings ({'under' if d['s'] < 3 else 'OVER'} the 3 s target; guard: 30x)")
     reader.close()
-    if derived is None:
+    import resource
+
+    print(f"peak RSS of this process (every page and diagnose, in-process): "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    if derived is None or args.no_fold:
         return
     n, fold, scan = time_fold(args.db)
     print(f"a read after 1 minute of new requests ({n:,} events) folds them in first: {fold:.3f} s, "
