@@ -46,16 +46,19 @@ def host_metrics(con: Any) -> dict[str, Any]:
 
 
 def fleet_findings(metrics: dict[str, dict[str, Any]], *, outlier_ratio: float = 1.5,
-                   min_hosts: int = 3) -> list[Finding]:
+                   min_hosts: int = 3, figures: dict[str, tuple[str, str, str]] | None = None,
+                   finding_id: str = "fleet-outlier-host", noun: str = "host",
+                   suggestion: str | None = None) -> list[Finding]:
     """A finding per (host, figure) at `outlier_ratio` x the fleet median or more; most severe first.
 
-    `metrics`: host -> `host_metrics(...)`. Severity: critical from 2x `outlier_ratio`, else warning."""
+    `metrics`: host -> `host_metrics(...)`. Severity: critical from 2x `outlier_ratio`, else warning. `figures`:
+    name -> (query, unit, what), HOST_SQL by default (the Prometheus path passes its PromQL, `noun` "pod")."""
     if outlier_ratio <= 1:
         raise ValueError("outlier_ratio must be > 1")
     if min_hosts < 3:
         raise ValueError("min_hosts must be >= 3: a median of two hosts names no outlier")
     findings = []
-    for name, (sql, unit, what) in HOST_SQL.items():
+    for name, (sql, unit, what) in (HOST_SQL if figures is None else figures).items():
         values = {h: m[name] for h, m in metrics.items() if m.get(name) is not None}
         if len(values) < min_hosts:
             continue
@@ -67,15 +70,15 @@ def fleet_findings(metrics: dict[str, dict[str, Any]], *, outlier_ratio: float =
             if ratio < outlier_ratio:
                 continue
             findings.append(Finding(
-                id="fleet-outlier-host",
-                title=f"host {host}: {what} is {ratio:.2f}x the fleet median",
+                id=finding_id,
+                title=f"{noun} {host}: {what} is {ratio:.2f}x the fleet median",
                 severity="critical" if ratio >= 2 * outlier_ratio else "warning",
                 evidence={"host": host, "figure": name, "value": v, "unit": unit, "fleet_median": median,
                           "ratio": ratio, "hosts": len(values),
                           "per_host": {h: values[h] for h in sorted(values)}, "query": sql},
-                suggestion=f"Compare {host} with the others: `phasescope diagnose` on its exports names the cause "
-                           "(GPU clocks or thermals, a different config or model revision, KV pressure, noisy "
-                           "neighbours); `phasescope compare` shows the labels that differ.",
+                suggestion=(suggestion or "Compare {host} with the others: `phasescope diagnose` on its exports names "
+                            "the cause (GPU clocks or thermals, a different config or model revision, KV pressure, "
+                            "noisy neighbours); `phasescope compare` shows the labels that differ.").format(host=host),
                 expected_effect=f"bringing {host} to the fleet median cuts its {what} by "
                                 f"{(1 - 1 / ratio) * 100:.0f}%",
                 reference=ref("Fleet"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -74,6 +75,22 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             print(json.dumps(thresholds(), indent=2))
         else:
             print_thresholds()
+        return 0
+    if args.prometheus:
+        from phasescope.analyzers.fleet_prom import PrometheusError, diagnose_prometheus, print_prometheus
+
+        if not args.prometheus.startswith(("http://", "https://")):
+            raise UsageError(f"--prometheus takes an http(s) URL, got {args.prometheus!r}")
+
+        try:
+            report = diagnose_prometheus(args.prometheus, selector=args.selector or "", range_=args.range,
+                                         by=args.by, token=args.prometheus_token
+                                         or os.environ.get("PHASESCOPE_PROMETHEUS_TOKEN"))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        except PrometheusError as exc:
+            raise CliError(str(exc)) from None
+        print(json.dumps(report, indent=2, default=str)) if args.json else print_prometheus(report)
         return 0
     if args.fleet:
         from phasescope.analyzers.fleet import diagnose_fleet, print_fleet
@@ -268,6 +285,16 @@ def add_commands(sub: Any) -> None:
     d.add_argument("--list-thresholds", action="store_true", help="print every threshold, its default and unit")
     d.add_argument("--fleet", metavar="GLOB", help="compare hosts over Parquet exports (host=/date=/table=), "
                                                   "e.g. 'exports/**/*.parquet' or 's3://bucket/phasescope/**/*.parquet'")
+    d.add_argument("--prometheus", metavar="URL",
+                   help="fleet findings from a Prometheus-compatible query API (Prometheus, Thanos, Mimir, "
+                        "VictoriaMetrics) that scrapes the sidecars: which pods stand out, and why")
+    d.add_argument("--selector", metavar="MATCHERS", help='with --prometheus: label matchers, e.g. \'{namespace="prod"}\'')
+    d.add_argument("--range", default="10m", metavar="DURATION", help="with --prometheus: the window (default: 10m)")
+    d.add_argument("--by", default="pod", metavar="LABEL",
+                   help="with --prometheus: the label that names a pod (default: pod; e.g. instance)")
+    d.add_argument("--prometheus-token", metavar="TOKEN",
+                   help="with --prometheus: a bearer token (or PHASESCOPE_PROMETHEUS_TOKEN; user:password@ in the "
+                        "URL for basic auth)")
 
     p = add_command(sub, cmd_plan_kv)
     p.add_argument("--config", help="HF config.json")

@@ -212,8 +212,9 @@ def demo_labels(cfg: DemoConfig) -> dict[str, Any]:
 
 def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], model: Any = None,
                     device: Any = None, console: Any = None, labels: dict[str, Any] | None = None,
-                    title: str | None = None) -> str:
-    """Serve `workload` with the probe attached and an in-process sidecar writing `db_path`.
+                    title: str | None = None, address: Address | None = None) -> str:
+    """Serve `workload` with the probe attached and an in-process sidecar writing `db_path`, or, with `address`,
+    the probe sending to the agent listening there (`db_path` unused: the agent writes its own store).
 
     Returns the run id. `labels` are added to (and override) `demo_labels(cfg)`; a rich
     `console` gets a progress bar (headed `title`, default "serving (RUNTIME)").
@@ -229,11 +230,13 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
     if model is None:
         model, device = build_model(cfg)
     tmp = tempfile.mkdtemp(prefix="phasescope-demo-")
-    addr = Address("unix", os.path.join(tmp, "agent.sock"), 0)
-    # the in-process sidecar samples the GPU like a real one (no GPU: no samples, quietly)
-    host = HostCollector()  # the served process and the host, like a real agent (pids from the Hello)
-    sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1, collectors=[NvmlCollector(), host],
-                      sinks=[host], sample_interval_s=0.5).start()
+    addr = address or Address("unix", os.path.join(tmp, "agent.sock"), 0)
+    sidecar = None
+    if address is None:
+        # the in-process sidecar samples the GPU like a real one (no GPU: no samples, quietly)
+        host = HostCollector()  # the served process and the host, like a real agent (pids from the Hello)
+        sidecar = Sidecar(db_path, listen=[addr], batch_interval_s=0.1, collectors=[NvmlCollector(), host],
+                          sinks=[host], sample_interval_s=0.5).start()
     probe = None
     try:
         runtime = "hf-cb" if cfg.runtime == "cb" else "hf-generate"
@@ -261,11 +264,13 @@ def record_workload(db_path: str, cfg: DemoConfig, workload: list[DemoRequest], 
                 serve(model, device, probe, workload, cfg.max_batch, progress=advance)
         run_id = probe.run_id
         probe.close()
-        sidecar.wait_rows(sidecar.drained, 10)
+        if sidecar is not None:
+            sidecar.wait_rows(sidecar.drained, 10)
     finally:
         if probe is not None:
             probe.close()
-        sidecar.stop()
+        if sidecar is not None:
+            sidecar.stop()
         try:
             os.rmdir(tmp)
         except OSError:

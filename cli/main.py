@@ -281,10 +281,13 @@ def _cmd_rules(args: argparse.Namespace) -> int:
     with a runbook naming the analyzer finding, on the analyzers' own thresholds. Save it and list it under
     rule_files in prometheus.yml.
     """
-    from phasescope.exporters.rules import dashboard_text, rules_text
+    from phasescope.exporters.rules import dashboard_text, fleet_rules_text, rules_text
 
     if args.grafana:
         sys.stdout.write(dashboard_text())
+        return 0
+    if args.fleet:
+        sys.stdout.write(fleet_rules_text())
         return 0
     slo = {k: v for k, v in (("ttft_slo_s", args.ttft_slo_s), ("tpot_slo_s", args.tpot_slo_s)) if v is not None}
     try:
@@ -441,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = add_command(sub, _cmd_rules)
     r.add_argument("--grafana", action="store_true", help="print the Grafana dashboard JSON instead")
+    r.add_argument("--fleet", action="store_true",
+                   help="print the fleet recording rules instead (per model, deployment and pod: step time by "
+                        "phase, TTFT/TPOT, KV use and fragmentation, prefix hits, DP imbalance, probe cost)")
     r.add_argument("--ttft-slo-s", type=float, metavar="S",
                    help="TTFT SLO in seconds, a bucket bound of the TTFT histogram (default 2.5)")
     r.add_argument("--tpot-slo-s", type=float, metavar="S",

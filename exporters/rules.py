@@ -16,6 +16,7 @@ from phasescope.agent.read.thresholds import T
 from . import buckets
 
 RULES_FILE = "alerts.yml"
+FLEET_RULES_FILE = "fleet_rules.yml"  # the rendering of agent/read/promfleet.py's recording rules, as shipped
 TEMPLATE_FILE = "alerts.tmpl.yml"
 DASHBOARD_FILE = "grafana_dashboard.json"
 
@@ -54,6 +55,12 @@ def rules_text(**overrides: float) -> str:
             raise ValueError(f"{name}={values[name]:g} is not a bucket bound of its histogram; "
                              f"choose one of {', '.join(_fmt(b) for b in bounds)}")
     return render(_read(TEMPLATE_FILE), values)
+
+
+def fleet_rules_text() -> str:
+    """The fleet recording rules, as shipped (`fleet_rules.yml`; tests check it equals
+    `agent/read/promfleet.py`'s rendering, the PromQL `diagnose --prometheus` reads)."""
+    return _read(FLEET_RULES_FILE)
 
 
 def dashboard_text() -> str:
