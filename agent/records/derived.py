@@ -129,21 +129,32 @@ STAGES: list[tuple[str, str]] = [
         FROM request_events r JOIN sources s USING (source_id) WHERE {new}"""),
     # keys (run, runtime id) touched, numbered (key_id) so the windows below partition by an integer
     # (and the keys `forced` names: recomputed from all their events, see `refresh`)
-    ("touched", """SELECT run_id, rid, min(first_new) AS first_new, row_number() OVER () AS key_id,
+    ("touched", """SELECT run_id, rid, min(first_new) AS first_new, min(first_other) AS first_other,
+               row_number() OVER () AS key_id,
                CAST(sum(arrivals) AS BIGINT) AS arrivals, min(arrival_ts) AS arrival_ts, bool_or(forced) AS forced
-        FROM (SELECT run_id, rid, min(ts_ns) AS first_new, count(*) FILTER (WHERE event = 'arrival') AS arrivals,
+        FROM (SELECT run_id, rid, min(ts_ns) AS first_new,
+                     min(ts_ns) FILTER (WHERE event NOT IN ('finished', 'aborted', 'cancelled')) AS first_other,
+                     count(*) FILTER (WHERE event = 'arrival') AS arrivals,
                      min(ts_ns) FILTER (WHERE event = 'arrival') AS arrival_ts, false AS forced
               FROM ev_new GROUP BY run_id, rid
-              UNION ALL SELECT run_id, rid, NULL, 0, NULL, true FROM forced)
+              UNION ALL SELECT run_id, rid, NULL, NULL, 0, NULL, true FROM forced)
         GROUP BY run_id, rid"""),
     # per key touched: the latest stored arrival; in order when its new events all follow everything stored
     # (base_no: the key's arrivals stored; its first request may have none: the tail of a life whose arrival a
     # retention roll deleted, or a slice ended before it; request_log numbers the events before a key's first
-    # arrival with it, so a new arrival continues that request)
+    # arrival with it, so a new arrival continues that request). An end (finished, aborted, cancelled) at the
+    # time of the stored last event is in order too, when nothing else new is and the stored request did not
+    # arrive at that time: an end only sets flags and counts, whatever its place among events of its time, and a
+    # runtime stamps a request's end with its last token's time (vLLM, the frontend hook), so a slice boundary
+    # between the two is common; read as late, it refolded the key from all the raw rows (O(history) a slice:
+    # the live fold fell minutes behind past ~70M events, benchmarks/gpu_rate.py)
     ("keys", """SELECT t.key_id, t.run_id, t.rid, t.arrivals, t.arrival_ts, coalesce(h.arrived, 0) AS base_no,
-               NOT t.forced AND (h.last_ts IS NULL OR t.first_new > h.last_ts) AS in_order
+               NOT t.forced AND (h.last_ts IS NULL OR t.first_new > h.last_ts
+                                 OR (t.first_new = h.last_ts AND coalesce(t.first_other > h.last_ts, true)
+                                     AND coalesce(h.last_arrival < h.last_ts, true))) AS in_order
         FROM touched t LEFT JOIN (
-            SELECT q.run_id, q.runtime_request_id AS rid, count(q.arrival_ns) AS arrived, max(q.last_ts) AS last_ts
+            SELECT q.run_id, q.runtime_request_id AS rid, count(q.arrival_ns) AS arrived, max(q.last_ts) AS last_ts,
+                   max(q.arrival_ns) AS last_arrival
             FROM request_rows q JOIN touched t ON q.run_id = t.run_id AND q.runtime_request_id = t.rid
             GROUP BY q.run_id, q.runtime_request_id) h ON h.run_id = t.run_id AND h.rid = t.rid"""),
     ("late", "SELECT key_id, run_id, rid FROM keys WHERE NOT in_order"),

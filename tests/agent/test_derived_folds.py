@@ -265,3 +265,50 @@ def test_folded_in_slices_equals_the_reference_after_every_slice(tmp_path, seed,
     stored_rows_hold_their_events(con)
     assert current(con) == reference(con)
     store.close()
+
+
+class _LateCount:
+    """A connection that counts the late keys each fold finds (temp table `late`, made by STAGES)."""
+
+    def __init__(self, con) -> None:
+        self.con, self.late = con, []
+
+    def execute(self, sql, *a):
+        out = self.con.execute(sql, *a)
+        if sql.startswith("CREATE OR REPLACE TEMP TABLE late AS"):
+            self.late.append(self.con.execute("SELECT count(*) FROM temp.late").fetchone()[0])
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.con, name)
+
+
+@pytest.mark.parametrize("end", ["finished", "aborted", "cancelled"])
+def test_an_end_at_the_last_tokens_instant_in_the_next_slice_continues_in_order(tmp_path, end):
+    """A runtime stamps a request's end with its last token's time; a slice boundary between the two must not
+    make the key late (a late key is refolded from all its raw rows: O(history) per slice, issue 54), and the
+    views still equal the reference. A new event other than an end at that instant, or an end at the instant the
+    stored request arrived, is still late."""
+    store, sid = _store(tmp_path)
+    con = _LateCount(store.cursor())
+    head = [RequestEvent(0, 0, E["arrival"], "a", 10, 0), RequestEvent(1 * MS, 0, E["scheduled"], "a", 0, 0),
+            RequestEvent(5 * MS, 0, E["token"], "a", 1, 0), RequestEvent(9 * MS, 0, E["token"], "a", 1, 0)]
+    store.append([(sid, head)])
+    derived.refresh(con)
+    store.append([(sid, [RequestEvent(9 * MS, 0, E[end], "a", 2, 0)])])
+    derived.refresh(con)
+    assert con.late[-1] == 0 and current(con) == reference(con)
+    # a token at that instant is not an end: late (a token sorts with the stored one; refolded, still exact)
+    store.append([(sid, [RequestEvent(12 * MS, 0, E["token"], "a", 1, 0)])])
+    derived.refresh(con)
+    store.append([(sid, [RequestEvent(12 * MS, 0, E["preempted"], "a", 0, 0)])])
+    derived.refresh(con)
+    assert con.late[-1] == 1 and current(con) == reference(con)
+    # a reused id arriving at an instant, then an end at that instant: the end belongs to the life before (an
+    # arrival sorts after an end of its time), so it is late
+    store.append([(sid, [RequestEvent(20 * MS, 0, E["arrival"], "a", 5, 0)])])
+    derived.refresh(con)
+    store.append([(sid, [RequestEvent(20 * MS, 0, E[end], "a", 0, 0)])])
+    derived.refresh(con)
+    assert con.late[-1] == 1 and current(con) == reference(con)
+    store.close()
