@@ -5,7 +5,8 @@ and while it runs scans /proc every `--poll-s` seconds for the processes the sui
 (by pid and start time): vLLM OpenAI servers, vLLM processes started by something that is not vLLM (servers,
 offline engines, workloads), Prometheus servers, Chromium browsers, buildah, guidellm and AIPerf runs, and
 `phasescope agent` processes. A process that lives less than a poll can be missed: the counts are lower bounds,
-exact for the vLLM servers (each lives >= 20 s). Then prints and writes (`--out PREFIX`: PREFIX.md, PREFIX.json):
+exact for the vLLM servers (each lives >= 20 s). Then prints and writes (`--out PREFIX`: the table as markdown
+and the figures as JSON beside PREFIX):
 
 - the install time (from the start to pytest's first line) and pytest's own wall time;
 - tests passed, failed, skipped;
@@ -201,7 +202,7 @@ def main() -> int:
     ap.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--fresh-cache", action="store_true", help="install the venvs again (PHASESCOPE_CI_CACHE empty)")
     ap.add_argument("--poll-s", type=float, default=0.5)
-    ap.add_argument("--out", help="path prefix: PREFIX.md, PREFIX.json and PREFIX.log")
+    ap.add_argument("--out", help="path prefix: the table (.md), the figures (.json) and the run's log (.log) beside it")
     ap.add_argument("--parse", help="only parse this .ci/run log (no run)")
     args = ap.parse_args()
     if args.parse:

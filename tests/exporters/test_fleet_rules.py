@@ -138,3 +138,23 @@ def test_prometheus_failures_are_one_line(status, body, said):
         stub.close()
     assert out.returncode == 1, out
     assert said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@needs_promtool
+def test_the_agent_mode_remote_write_config_is_valid(tmp_path):
+    """deploy/prometheus/agent-remote-write.yml passes `promtool check config --agent`. Debian's Prometheus is built
+    without Kubernetes service discovery, so the check runs on the file with its kubernetes_sd_configs swapped for
+    a static target: every other part (relabelling, remote_write, agent mode's restrictions) is checked as shipped."""
+    src = os.path.join(os.path.dirname(os.path.dirname(HERE)), "deploy", "prometheus", "agent-remote-write.yml")
+    with open(src, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    assert doc["scrape_configs"][0]["kubernetes_sd_configs"] == [{"role": "pod"}]
+    assert {r.get("target_label") for r in doc["scrape_configs"][0]["relabel_configs"]} >= {"pod", "deployment"}
+    for sc in doc["scrape_configs"]:
+        sc.pop("kubernetes_sd_configs")
+        sc["static_configs"] = [{"targets": ["127.0.0.1:9464"]}]
+    path = tmp_path / "agent.yml"
+    path.write_text(yaml.safe_dump(doc))
+    out = subprocess.run([PROMTOOL, "check", "config", "--agent", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
