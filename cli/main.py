@@ -76,6 +76,8 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         raise CliError("needs streamlit: pip install 'phasescope[dashboard]'")
     from phasescope.agent.read.exports import export_glob
 
+    if args.prometheus and not args.prometheus.startswith(("http://", "https://")):
+        raise UsageError(f"--prometheus takes an http(s) URL, got {args.prometheus!r}")
     if args.api and not args.api.startswith(("http://", "https://")):
         from .options import API_EXAMPLE
 
@@ -96,7 +98,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
            "--server.port", str(args.port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
            "--client.toolbarMode", "minimal",  # a viewer's app: no Deploy button, no developer menu
-           "--", "--target", target]
+           "--", "--target", target, *(("--prometheus", args.prometheus) if args.prometheus else ())]
     print(f"phasescope dashboard: http://{args.host}:{args.port} over {target}", flush=True)
     return _run_child(cmd)
 
@@ -459,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_url(db, "a running agent's read API")
     db.add_argument("--host", default="127.0.0.1", help="address to serve the app on (default: %(default)s)")
     db.add_argument("--port", type=_port, default=8501, help="port, 0-65535 (0: a free one; default: %(default)s)")
+    db.add_argument("--prometheus", metavar="URL",
+                    help="also a Fleet page from this Prometheus-compatible query API (Prometheus, Thanos, Mimir, "
+                         "VictoriaMetrics) that scrapes the sidecars: the pods that stand out, and why")
 
     d = add_command(sub, _cmd_demo)
     d.add_argument("--db", default="phasescope.duckdb", help="DuckDB file (default: %(default)s)")

@@ -19,7 +19,7 @@ import streamlit as st
 
 from phasescope.agent.records.errors import ReadError
 from phasescope.agent.read.exports import export_glob, hosts
-from phasescope.dashboard.common import target_from_argv, reader_for, q
+from phasescope.dashboard.common import prometheus_from_argv, q, reader_for, target_from_argv
 from phasescope.dashboard.views.overview import page_overview
 from phasescope.dashboard.views.phases import page_phases
 from phasescope.dashboard.views.requests import page_requests
@@ -29,7 +29,7 @@ from phasescope.dashboard.views.ranks import page_ranks
 from phasescope.dashboard.views.hardware import page_hardware
 from phasescope.dashboard.views.experiments import page_experiments
 from phasescope.dashboard.views.sweep import page_sweep
-from phasescope.dashboard.views.fleet import page_fleet
+from phasescope.dashboard.views.fleet import page_fleet, page_fleet_prometheus
 
 PAGES = ("Overview", "Phases", "Requests", "KV cache", "Prefix cache", "Ranks", "Hardware", "Experiments", "Sweep")
 
@@ -97,12 +97,18 @@ def main() -> None:
     except ReadError as exc:  # a missing, foreign, empty or held file; an agent that does not answer: one line
         st.error(str(exc))
         return
-    pages = PAGES + (("Fleet",) if pattern else ())
+    prom = prometheus_from_argv(sys.argv)
+    pages = PAGES + (("Fleet",) if pattern or prom else ())
     page = st.sidebar.radio("Page", pages, index=linked("page", pages), key="page")
     st.query_params["page"] = slug(page)  # every page has its own link: ?page=kv-cache&run=...
     if page == "Fleet":
         st.header(page)
-        page_fleet(pattern)
+        if prom:
+            rng = st.sidebar.text_input("Prometheus range", "10m", key="prom_range", help="a duration: 30s, 10m, 2h")
+            sel = st.sidebar.text_input("Selector", "", key="prom_selector", help='label matchers: {namespace="prod"}')
+            page_fleet_prometheus(prom, rng, sel)
+        if pattern:
+            page_fleet(pattern)
         return
     try:
         runs = q(reader, "runs")

@@ -48,6 +48,23 @@ def fleet_for(pattern: str) -> dict[str, Any]:
     return diagnose_fleet(pattern, per_host=False)
 
 
+@st.cache_data(ttl=30, show_spinner="asking Prometheus")
+def prometheus_fleet_for(url: str, range_: str, selector: str) -> dict[str, Any]:
+    """analyzers.fleet_prom over a Prometheus-compatible query API (figures per pod, outliers, causes)."""
+    from phasescope.analyzers.fleet_prom import diagnose_prometheus
+
+    return diagnose_prometheus(url, selector=selector, range_=range_)
+
+
+def prometheus_from_argv(argv: list[str]) -> str | None:
+    """`--prometheus URL` after `streamlit run app.py --`, else $PHASESCOPE_PROMETHEUS, else None."""
+    if "--prometheus" in argv:
+        i = argv.index("--prometheus")
+        if i + 1 < len(argv):
+            return argv[i + 1]
+    return os.environ.get("PHASESCOPE_PROMETHEUS") or None
+
+
 def q(reader: Any, name: str, **params: Any) -> Any:
     return reader.query(name, **params)
 

@@ -1,4 +1,5 @@
-"""The Fleet page (exports of several hosts): the same figures per host and the hosts that stand out."""
+"""The Fleet page: the same figures per host and the hosts that stand out, over several hosts' Parquet exports
+(`page_fleet`) or through a Prometheus-compatible query API that scrapes the sidecars (`page_fleet_prometheus`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from phasescope.analyzers.fleet import HOST_SQL
-from phasescope.dashboard.common import badge, fleet_for, explain
+from phasescope.agent.read.promfleet import FIGURES
+from phasescope.dashboard.common import badge, explain, fleet_for, prometheus_fleet_for
 from phasescope.dashboard.views.overview import finding_body
 
 
@@ -26,3 +28,33 @@ def page_fleet(pattern: str) -> None:
     for f in report["findings"]:
         with st.expander(f"{badge(f['severity'])} · {f['title']}", expanded=True):
             finding_body(f)
+
+
+def page_fleet_prometheus(url: str, range_: str = "10m", selector: str = "") -> None:
+    """The pods' figures from Prometheus (analyzers/fleet_prom.py), the pods that stand out and each pod's causes,
+    every finding with its PromQL."""
+    from phasescope.agent.read.promapi import PrometheusError
+
+    try:
+        report = prometheus_fleet_for(url, range_, selector)
+    except (PrometheusError, ValueError) as exc:
+        st.error(str(exc))
+        return
+    names = [f.name for f in FIGURES]
+    heads = [f"{f.what[0].upper()}{f.what[1:]} ({f.unit})" for f in FIGURES]
+    table = pd.DataFrame({pod: [m.get(k) for k in names] for pod, m in report["pods"].items()},
+                         index=heads).T.astype(float).round(4)
+    table.index.name = report["by"].capitalize()
+    st.dataframe(table)
+    explain(f"From {url}, the last {range_}: the same figures on every pod (more is worse for each); a pod at 1.5x "
+            "the fleet median or more is named below, with the causes its own series show.")
+    if report["missing"]:
+        st.caption(f"No series for: {', '.join(report['missing'])} (not judged).")
+    st.subheader(f"Fleet findings ({len(report['findings'])})")
+    if not report["findings"]:
+        st.success("No pod stands out from the fleet, and none shows a cause in its series.")
+    for f in report["findings"]:
+        with st.expander(f"{badge(f['severity'])} · {f['title']}", expanded=True):
+            finding_body(f)
+            q = f["evidence"].get("query") or "\n".join((f["evidence"].get("queries") or {}).values())
+            st.code(q, language="promql")
