@@ -33,6 +33,7 @@ _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # min_cosched_share: below it no percentile up to the p99 moves)
 MIN_LONG_PREFILL_SHARE = 0.01
 DEGRADE_RATIO = 1.5  # TTFT p90 of the last quarter of the range over the first quarter's
+MIN_BUSY_SHARE = 0.25  # host_bound's min_busy_share
 
 
 def range_seconds(range_: str) -> int:
@@ -98,9 +99,9 @@ def causes(signals: dict[str, float]) -> dict[str, dict[str, float]]:
     usage, pre = signals.get("kv_block_usage_max"), signals.get("preemptions")
     if (usage is not None and usage >= T["near_cap"]) or (pre or 0) > 0:
         out["kv-bound"] = {k: v for k, v in (("kv_block_usage_max", usage), ("preemptions", pre)) if v is not None}
-    wait = signals.get("cpu_wait_ratio")
-    if wait is not None and wait >= T["min_cpu_wait_ratio"]:
-        out["host-bound"] = {"cpu_wait_ratio": wait}
+    wait, busy = signals.get("cpu_wait_ratio"), signals.get("busy_share")
+    if wait is not None and wait >= T["min_cpu_wait_ratio"] and busy is not None and busy >= MIN_BUSY_SHARE:
+        out["host-bound"] = {"cpu_wait_ratio": wait, "busy_share": busy}
     share, p90, p50 = (signals.get(k) for k in ("long_prefill_itl_share", "long_prefill_itl_p90", "itl_p50"))
     if (share is not None and share >= MIN_LONG_PREFILL_SHARE and p90 is not None and p50
             and p90 >= T["itl_spike_ratio"] * p50):
@@ -119,7 +120,7 @@ _ADVICE = {
     "prefill-interference": "a smaller per-step token budget (max-num-batched-tokens) or a prefill pool apart",
     "degrading": "what changed on it over the range: load, a leak, KV filling; its own store's timeline shows which",
 }
-_SIGNAL_OF = {"kv-bound": ("kv_block_usage_max", "preemptions"), "host-bound": ("cpu_wait_ratio",),
+_SIGNAL_OF = {"kv-bound": ("kv_block_usage_max", "preemptions"), "host-bound": ("cpu_wait_ratio", "busy_share"),
               "prefill-interference": ("long_prefill_itl_share", "long_prefill_itl_p90", "itl_p50"),
               "degrading": ("ttft_p90_first_quarter", "ttft_p90_last_quarter")}
 
@@ -158,7 +159,8 @@ def prometheus_findings(pods: dict[str, Any], *, by: str = "pod", range_: str = 
                 id=f"fleet-{cause}", title=f"{by} {pod}: {cause}", severity="warning",
                 summary=f"{by} {pod}: {CAUSE_TEXT[cause]} ({shown}).",
                 action=f"On {pod}: {_ADVICE[cause]}; `phasescope diagnose` on its store gives the exact change.",
-                evidence={"host": pod, "cause": cause, **figs, "queries": qs, "range": range_},
+                evidence={"host": pod, "cause": cause, **figs, "queries": qs, "range": range_,
+                          "query": ";\n".join(qs.values())},
                 suggestion=f"{_ADVICE[cause][:1].upper()}{_ADVICE[cause][1:]}. Run `phasescope diagnose` against "
                            f"{pod}'s own store for the per-step evidence and the exact change.",
                 expected_effect=f"{pod} back in line with the fleet once its {cause} is gone.",

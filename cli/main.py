@@ -184,12 +184,15 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
         sinks.append(OtlpExporter(registry=registry, export_interval_s=args.otlp_interval_s))
     nvml = NvmlCollector()
-    host = HostCollector(pids=args.pid or (), batch=5)  # + every probe's Hello pid (it is a sink too)
+    host_batch = 5
+    host = HostCollector(pids=args.pid or (), batch=host_batch)  # + every probe's Hello pid (it is a sink too)
     sinks.append(host)
     if not args.no_metrics:
         from phasescope.exporters.host_metrics import HostMetricsExporter
 
-        sinks.append(HostMetricsExporter(registry))
+        # a process's gauges are renewed every handover (host_batch samples): two missed handovers and it is gone
+        # (its last CPU and wait figures, exposed for minutes, read as current in any sum or average over time)
+        sinks.append(HostMetricsExporter(registry, stale_after_s=(2 * host_batch + 1) * args.sample_s))
     scrapers = []
     if args.scrape:
         from phasescope.agent.sidecar.scrape import ScrapeCollector

@@ -64,9 +64,18 @@ SIGNALS: tuple[Figure, ...] = (
     Figure("preemptions", "phasescope_fleet:preemptions:increase",
            "sum by (BY) (increase(phasescope_request_preemptions_total{SEL}[RANGE]))",
            "preemptions", "preemptions in the window"),
-    Figure("cpu_wait_ratio", "phasescope_fleet:busiest_thread_cpu_wait:avg",
-           "max by (BY) (avg_over_time(phasescope_process_busiest_thread_cpu_wait_ratio{SEL}[RANGE]))",
-           "fraction", "share of the time the server's busiest thread waited for a CPU"),
+    # the host-bound analyzer's figure (analyzers/host.py): of the time the busiest thread wanted a CPU (ran or
+    # waited), the share it waited; idle samples add ~0 to both sums. And the share of samples in which it wanted
+    # one at least half the time (an engine idle most of the range is not limited by its host)
+    Figure("cpu_wait_ratio", "phasescope_fleet:busiest_thread_cpu_wait:ratio",
+           "max by (BY) (sum_over_time(phasescope_process_busiest_thread_cpu_wait_ratio{SEL}[RANGE])"
+           " / (sum_over_time(phasescope_process_busiest_thread_cpu_ratio{SEL}[RANGE])"
+           " + sum_over_time(phasescope_process_busiest_thread_cpu_wait_ratio{SEL}[RANGE])))",
+           "fraction", "of the time the server's busiest thread wanted a CPU, the share it waited"),
+    Figure("busy_share", "phasescope_fleet:busiest_thread_busy:share",
+           "max by (BY) (avg_over_time(((phasescope_process_busiest_thread_cpu_ratio{SEL}"
+           " + phasescope_process_busiest_thread_cpu_wait_ratio{SEL}) >= bool 0.5)[RANGE:]))",
+           "fraction", "share of samples in which the busiest thread wanted a CPU at least half the time"),
     Figure("long_prefill_itl_share", "phasescope_fleet:itl_long_prefill:share",
            "sum by (BY) (rate(phasescope_inter_token_latency_long_prefill_seconds_count{SEL}[RANGE]))"
            " / sum by (BY) (rate(phasescope_inter_token_latency_seconds_count{SEL}[RANGE]))",
@@ -92,7 +101,8 @@ SIGNALS: tuple[Figure, ...] = (
 # cause -> what shows it (thresholds: agent/read/thresholds.py, the analyzers' own)
 CAUSE_TEXT = {
     "kv-bound": f"KV cache at its cap (peak usage >= {T['near_cap']:g}) or requests preempted",
-    "host-bound": f"the server's busiest thread waited for a CPU >= {T['min_cpu_wait_ratio']:.0%} of the time",
+    "host-bound": f"the server's busiest thread waited for a CPU >= {T['min_cpu_wait_ratio']:.0%} of the time it "
+                  "wanted one, busy in >= 25% of the samples",
     "prefill-interference": "long prefills end a share of the inter-token gaps, and those gaps are "
                             f">= {T['itl_spike_ratio']:g}x the median",
     "degrading": "TTFT p90 over the last quarter of the range is >= 1.5x the first quarter's",

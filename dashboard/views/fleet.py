@@ -56,5 +56,5 @@ def page_fleet_prometheus(url: str, range_: str = "10m", selector: str = "") -> 
     for f in report["findings"]:
         with st.expander(f"{badge(f['severity'])} · {f['title']}", expanded=True):
             finding_body(f)
-            q = f["evidence"].get("query") or "\n".join((f["evidence"].get("queries") or {}).values())
+            q = f["evidence"]["query"]
             st.code(q, language="promql")
