@@ -21,6 +21,7 @@ import urllib.request
 import duckdb
 import pytest
 
+from conftest import T0, hello, send_workload
 from hang import HANG_S, HTTP_S
 
 PROMETHEUS = shutil.which("prometheus")
@@ -69,7 +70,6 @@ def _send_eviction_reuse(sock: str) -> None:
     second missed 64 shared tokens whose pages were evicted 250 ms before, what the eviction-to-reuse panel shows."""
     import socket
 
-    from conftest import T0, hello
     from phasescope.agent.records.events import PrefixLookup, encode_frame
 
     recs = [hello(0, 1)._replace(run_id="run-evict", pid=300),
@@ -134,8 +134,6 @@ def fleet(tmp_path_factory):
         while up() < len(PODS) + 1 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert up() == len(PODS) + 1, _query(base, "up")
-        from conftest import send_workload
-
         send_workload(agents["extras"][1])
         _send_eviction_reuse(agents["extras"][1])
         t0 = time.time()
