@@ -22,12 +22,19 @@ def page_fleet(pattern: str) -> None:
     st.dataframe(table)
     explain("The same figures on every host (more is worse for each); a host at 1.5x the fleet median or "
             "more is named below. Three hosts at least: two have no median to stand out from.")
-    st.subheader(f"Fleet findings ({len(report['findings'])})")
-    if not report["findings"]:
-        st.success("No host stands out from the fleet.")
-    for f in report["findings"]:
+    _findings(report["findings"], "No host stands out from the fleet.")
+
+
+def _findings(findings: list[dict], none: str, promql: bool = False) -> None:
+    """The fleet findings, one expander each (with its PromQL when `promql`); `none`: said when there are none."""
+    st.subheader(f"Fleet findings ({len(findings)})")
+    if not findings:
+        st.success(none)
+    for f in findings:
         with st.expander(f"{badge(f['severity'])} · {f['title']}", expanded=True):
             finding_body(f)
+            if promql:
+                st.code(f["evidence"]["query"], language="promql")
 
 
 def page_fleet_prometheus(url: str, range_: str = "10m", selector: str = "") -> None:
@@ -50,11 +57,4 @@ def page_fleet_prometheus(url: str, range_: str = "10m", selector: str = "") -> 
             "the fleet median or more is named below, with the causes its own series show.")
     if report["missing"]:
         st.caption(f"No series for: {', '.join(report['missing'])} (not judged).")
-    st.subheader(f"Fleet findings ({len(report['findings'])})")
-    if not report["findings"]:
-        st.success("No pod stands out from the fleet, and none shows a cause in its series.")
-    for f in report["findings"]:
-        with st.expander(f"{badge(f['severity'])} · {f['title']}", expanded=True):
-            finding_body(f)
-            q = f["evidence"]["query"]
-            st.code(q, language="promql")
+    _findings(report["findings"], "No pod stands out from the fleet, and none shows a cause in its series.", True)
