@@ -10,6 +10,7 @@ SLOWEST_FILES_FIRST = (
     "tests/agent/test_vllm_sweep.py", "tests/analyzers/test_verify.py", "tests/agent/test_vllm_integration.py",
     "tests/agent/test_vllm_explain.py", "tests/analyzers/test_vllm_issue13.py", "tests/agent/test_vllm_dp_skew.py",
     "tests/analyzers/test_scenarios.py", "tests/analyzers/test_vllm_advice.py", "tests/agent/test_probe_exit.py",
+    "tests/exporters/test_fleet_prometheus.py",
     "tests/analyzers/test_prefix_miss.py", "tests/deploy/test_image.py", "tests/agent/test_run_attach.py",
     "tests/agent/test_sidecar_hardening.py", "tests/dashboard/test_browser.py", "tests/dashboard/test_app.py",
     "tests/dashboard/test_exports.py",
