@@ -158,3 +158,46 @@ def test_the_agent_mode_remote_write_config_is_valid(tmp_path):
     out = subprocess.run([PROMTOOL, "check", "config", "--agent", str(path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_causes_at_their_thresholds():
+    """Each cause a pod's Prometheus series can show, just below and at its threshold (pure: no server)."""
+    from phasescope.agent.read.thresholds import T
+    from phasescope.analyzers.fleet_prom import DEGRADE_RATIO, MIN_BUSY_SHARE, MIN_LONG_PREFILL_SHARE, causes
+
+    near, wait, spike = T["near_cap"], T["min_cpu_wait_ratio"], T["itl_spike_ratio"]
+    assert causes({}) == {}
+    assert causes({"kv_block_usage_max": near - 0.01, "preemptions": 0}) == {}
+    assert set(causes({"kv_block_usage_max": near})) == {"kv-bound"}
+    assert set(causes({"kv_block_usage_max": 0.1, "preemptions": 1})) == {"kv-bound"}
+    assert causes({"cpu_wait_ratio": wait - 0.01, "busy_share": 1.0}) == {}
+    assert causes({"cpu_wait_ratio": wait, "busy_share": MIN_BUSY_SHARE - 0.01}) == {}  # an engine idle most of it
+    assert causes({"cpu_wait_ratio": wait}) == {}  # no busy figure: not judged
+    assert causes({"cpu_wait_ratio": wait, "busy_share": MIN_BUSY_SHARE})["host-bound"] == {
+        "cpu_wait_ratio": wait, "busy_share": MIN_BUSY_SHARE}
+    itl = {"itl_p50": 0.01, "long_prefill_itl_p90": spike * 0.01}
+    assert causes({**itl, "long_prefill_itl_share": MIN_LONG_PREFILL_SHARE * 0.99}) == {}
+    assert set(causes({**itl, "long_prefill_itl_share": MIN_LONG_PREFILL_SHARE})) == {"prefill-interference"}
+    assert causes({**itl, "long_prefill_itl_share": 0.5, "long_prefill_itl_p90": spike * 0.01 * 0.99}) == {}
+    assert causes({"ttft_p90_first_quarter": 1.0, "ttft_p90_last_quarter": DEGRADE_RATIO * 0.99}) == {}
+    assert set(causes({"ttft_p90_first_quarter": 1.0, "ttft_p90_last_quarter": DEGRADE_RATIO})) == {"degrading"}
+    assert causes({"ttft_p90_last_quarter": 9.0}) == {}  # nothing in the first quarter: no trend to judge
+
+
+def test_findings_name_outliers_with_their_causes_and_carry_promql():
+    """prometheus_findings on stated per-pod figures: the outlier pod named with its cause, one cause finding per
+    pod and cause, each query filtered to its pod and the selector."""
+    from phasescope.agent.read.promfleet import FIGURES, SIGNALS, render
+    from phasescope.analyzers.fleet_prom import prometheus_findings
+
+    pods = {"figures": {"a": {"ttft_s_p90": 0.5}, "b": {"ttft_s_p90": 0.6}, "c": {"ttft_s_p90": 3.0}},
+            "signals": {"a": {}, "b": {}, "c": {"kv_block_usage_max": 1.0, "preemptions": 12.0}},
+            "queries": {f.name: render(f.expr, "pod", "10m", 'ns="x"') for f in FIGURES + SIGNALS}, "missing": []}
+    found = prometheus_findings(pods, range_="10m", selector='{ns="x"}')
+    assert sorted((f.id, f.evidence["host"]) for f in found) == [("fleet-kv-bound", "c"), ("fleet-outlier-pod", "c")]
+    out = next(f for f in found if f.id == "fleet-outlier-pod")
+    assert out.evidence["figure"] == "ttft_s_p90" and out.evidence["ratio"] == 5.0 and "kv-bound" in out.title
+    assert 'ns="x", pod="c"' in out.evidence["query"]
+    kv = next(f for f in found if f.id == "fleet-kv-bound")
+    assert all('ns="x", pod="c"' in q for q in kv.evidence["queries"].values())
+    assert kv.evidence["preemptions"] == 12.0 and kv.summary and kv.action
