@@ -173,6 +173,8 @@ def run(repo: str, fresh_cache: bool, poll_s: float, log_path: str) -> dict:
     shutil.rmtree(clone, ignore_errors=True)
     if cache:
         shutil.rmtree(cache, ignore_errors=True)
+    if figures["pytest_s"] is not None:  # what came before pytest's own wall time (its first line may be late)
+        first_pytest_line = wall - figures["pytest_s"]
     return {"commit": commit, "rc": rc, "wall_s": wall, "installs_s": first_pytest_line, "fresh_cache": fresh_cache,
             "nproc": os.cpu_count(), "load_at_end": os.getloadavg()[0], "processes": processes, **figures}
 

@@ -95,11 +95,11 @@ def fleet(tmp_path_factory):
         # dashboard's panels about those have series too
         for pod in list(PODS) + ["extras"]:
             sock = os.path.join(short, f"{pod}.sock")
-            extra = ["--otlp", "--otlp-interval-s", "1"] if pod == "extras" else []
+            otlp_args = ["--otlp", "--otlp-interval-s", "1"] if pod == "extras" else []
             env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9") if pod == "extras" else None
             p = subprocess.Popen(CLI + ["agent", "--db", os.path.join(tmp, f"{pod}.duckdb"), "--listen",
                                         f"unix:{sock}", "--metrics-addr", "127.0.0.1:0", "--no-api",
-                                        "--sample-s", "0.5", "--no-retention", *extra],
+                                        "--sample-s", "0.5", "--no-retention", *otlp_args],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(p)
             line = p.stdout.readline()

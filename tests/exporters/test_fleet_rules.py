@@ -152,7 +152,7 @@ def test_the_agent_mode_remote_write_config_is_valid(tmp_path):
     assert {r.get("target_label") for r in doc["scrape_configs"][0]["relabel_configs"]} >= {"pod", "deployment"}
     for sc in doc["scrape_configs"]:
         sc.pop("kubernetes_sd_configs")
-        sc["static_configs"] = [{"targets": ["127.0.0.1:9464"]}]
+        sc["static_configs"] = [{"targets": ["127.0.0.1:1"]}]
     path = tmp_path / "agent.yml"
     path.write_text(yaml.safe_dump(doc))
     out = subprocess.run([PROMTOOL, "check", "config", "--agent", str(path)], capture_output=True, text=True,
