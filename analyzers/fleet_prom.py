@@ -48,11 +48,21 @@ def _quarter(range_: str) -> str:
     return f"{max(1, range_seconds(range_) // 4)}s"
 
 
-def _pod_query(expr: str, by: str, pod: str, range_: str, selector: str) -> str:
-    """`expr` over one pod: the selector plus `by="pod"`, to paste into Grafana."""
+def _query(f: Figure, by: str, range_: str, selector: str) -> str:
+    """Figure `f`'s PromQL over `range_` (the TTFT quarters over a quarter of it, the first one offset to its start)."""
+    if f.name == "ttft_p90_first_quarter":
+        quarter = _quarter(range_)
+        return offset(f.expr, by, quarter, f"{range_seconds(range_) - range_seconds(quarter)}s", selector)
+    if f.name == "ttft_p90_last_quarter":
+        return render(f.expr, by, _quarter(range_), selector)
+    return render(f.expr, by, range_, selector)
+
+
+def _pod_query(f: Figure, by: str, pod: str, range_: str, selector: str) -> str:
+    """`f`'s PromQL over one pod: the selector plus `by="pod"`, to paste into Grafana."""
     inner = selector.strip().strip("{}").strip()
     matcher = f'{by}="{pod}"'
-    return render(expr, by, range_, f"{inner}, {matcher}" if inner else matcher)
+    return _query(f, by, range_, f"{inner}, {matcher}" if inner else matcher)
 
 
 def read_pods(api: PromApi, *, by: str = "pod", range_: str = "10m", selector: str = "",
@@ -64,16 +74,9 @@ def read_pods(api: PromApi, *, by: str = "pod", range_: str = "10m", selector: s
     signals: dict[str, dict[str, float]] = {}
     queries: dict[str, str] = {}
     missing: list[str] = []
-    quarter = _quarter(range_)
     for table, out in ((FIGURES, figures), (SIGNALS, signals)):
         for f in table:
-            if f.name == "ttft_p90_first_quarter":
-                q = offset(f.expr, by, quarter, f"{range_seconds(range_) - range_seconds(quarter)}s", selector)
-            elif f.name == "ttft_p90_last_quarter":
-                q = render(f.expr, by, quarter, selector)
-            else:
-                q = render(f.expr, by, range_, selector)
-            queries[f.name] = q
+            queries[f.name] = q = _query(f, by, range_, selector)
             rows = api.query(q, at)
             if not rows:
                 missing.append(f.name)
@@ -140,7 +143,7 @@ def prometheus_findings(pods: dict[str, Any], *, by: str = "pod", range_: str = 
         pod = f.evidence["host"]
         why = per_pod_causes.get(pod) or {}
         e = {**f.evidence, "causes": sorted(why), "query": _pod_query(
-            next(x.expr for x in FIGURES if x.name == f.evidence["figure"]), by, pod, range_, selector)}
+            next(x for x in FIGURES if x.name == f.evidence["figure"]), by, pod, range_, selector)}
         said = "; ".join(CAUSE_TEXT[c] for c in sorted(why)) if why else "no cause among the fleet's series"
         named.append(Finding(
             id=f.id, title=f.title + (f" ({', '.join(sorted(why))})" if why else ""), severity=f.severity,
@@ -151,8 +154,7 @@ def prometheus_findings(pods: dict[str, Any], *, by: str = "pod", range_: str = 
             thresholds=f.thresholds))
     for pod in sorted(per_pod_causes):
         for cause, figs in sorted(per_pod_causes[pod].items()):
-            qs = {name: _pod_query(next(x.expr for x in SIGNALS if x.name == name), by, pod,
-                                   _quarter(range_) if name.startswith("ttft_p90_") else range_, selector)
+            qs = {name: _pod_query(next(x for x in SIGNALS if x.name == name), by, pod, range_, selector)
                   for name in _SIGNAL_OF[cause]}
             shown = ", ".join(f"{k} {v:.3g}" for k, v in figs.items())
             named.append(Finding(

@@ -201,3 +201,18 @@ def test_findings_name_outliers_with_their_causes_and_carry_promql():
     kv = next(f for f in found if f.id == "fleet-kv-bound")
     assert all('ns="x", pod="c"' in q for q in kv.evidence["queries"].values())
     assert kv.evidence["preemptions"] == 12.0 and kv.summary and kv.action
+
+
+def test_a_degrading_pods_promql_reads_both_quarters():
+    """The evidence of `fleet-degrading` is the two queries its figures came from: the first quarter offset to the
+    range's start, the last quarter ending now."""
+    from phasescope.analyzers.fleet_prom import prometheus_findings
+
+    pods = {"figures": {"a": {}, "b": {}, "c": {}},
+            "signals": {"a": {}, "b": {}, "c": {"ttft_p90_first_quarter": 1.0, "ttft_p90_last_quarter": 2.0}},
+            "queries": {f.name: render(f.expr, "pod", "40m") for f in FIGURES + SIGNALS}, "missing": []}
+    (f,) = prometheus_findings(pods, range_="40m")
+    assert f.id == "fleet-degrading"
+    q = f.evidence["queries"]
+    assert '[600s] offset 1800s)' in q["ttft_p90_first_quarter"] and 'pod="c"' in q["ttft_p90_first_quarter"]
+    assert '[600s])' in q["ttft_p90_last_quarter"] and "offset" not in q["ttft_p90_last_quarter"]
