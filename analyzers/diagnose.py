@@ -19,7 +19,7 @@ from phasescope.agent.read.queries import latest_run
 from phasescope.agent.records import derived
 
 from .decode import decode_roofline
-from .findings import Finding, sort_findings
+from .findings import Finding, sort_findings, weigh
 from .geometry import ModelGeometry, geometry_from_labels
 from .gpus import GpuSpec, lookup
 from .history import history_rolled
@@ -94,7 +94,7 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
         params = inspect.signature(fn).parameters
         kw = {k: v for k, v in {**overrides, **context}.items() if k in params}
         findings.extend(fn(once, run_id, **kw))
-    findings = reconcile(findings)
+    findings = [weigh(f) for f in reconcile(findings)]
     if labels.get("runtime") == "vllm":  # name vLLM's flags with this run's values
         findings = [dataclasses.replace(f, suggestion=with_flag_values(f.suggestion, labels)) for f in findings]
     return sort_findings(findings)

@@ -78,6 +78,28 @@ def _clean(v: Any) -> Any:
     return v
 
 
+# severity weighted by the share of the run a finding covers (its evidence's `affected_share`, 0..1, of what
+# `affected_of` names: decode steps, prefill tokens, prompt tokens, busy samples): a cause that touched under
+# MIN_SHARE_WARNING of it is info at most, under MIN_SHARE_CRITICAL a warning at most, whatever its size per case
+MIN_SHARE_WARNING = 0.01
+MIN_SHARE_CRITICAL = 0.10
+
+
+def weigh(f: Finding) -> Finding:
+    """`f` with its severity capped by the share of steps or tokens it covers (`MIN_SHARE_*`); a finding
+    without `affected_share` in its evidence, or one the cap leaves as it is, is returned unchanged. A capped
+    finding's evidence keeps the severity its analyzer gave (`severity_unweighted`)."""
+    share = f.evidence.get("affected_share")
+    if not isinstance(share, (int, float)) or not math.isfinite(share):
+        return f
+    cap = "info" if share < MIN_SHARE_WARNING else "warning" if share < MIN_SHARE_CRITICAL else "critical"
+    if _RANK[f.severity] >= _RANK[cap]:
+        return f
+    from dataclasses import replace
+
+    return replace(f, severity=cap, evidence={**f.evidence, "severity_unweighted": f.severity})
+
+
 def severity_rank(severity: str) -> int:
     """0 for critical, 1 warning, 2 info (sort key)."""
     return _RANK[severity]

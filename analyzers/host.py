@@ -8,6 +8,9 @@ collector, or an offline file of steps only).
 - the steps are launch-bound on the host: GPU-timed steps whose host time is >= `min_host_gpu_ratio`
   x their GPU time (medians) while the server's busiest thread runs >= `min_busy_thread_cores` of a
   core (it cannot go faster: one Python thread drives the GPU); or
+- the GPU idles between steps: NVML reads it busy < `min_gpu_busy` of the seconds the engine decodes while
+  the server's busiest thread runs >= `min_busy_thread_cores` of a core (CUDA graphs on or not: a graph step
+  waits on the host's scheduling, sampling and output work between launches); or
 - the engine is starved of CPU (any run, GPU or CPU): its busiest thread waited on the run queue for
   >= `min_cpu_wait_ratio` of the time it wanted a CPU (schedstat: runnable, no CPU: other processes or
   threads took it), or the container was throttled in >= `min_throttled_ratio` of its CFS periods.
@@ -29,6 +32,7 @@ import math
 
 from phasescope.agent.read.thresholds import T
 
+from .decode import ACTIVE_GPU_SQL
 from .findings import Finding, ref
 from .runinfo import runtime_of
 from .sql import one, probe_share, rows
@@ -94,7 +98,26 @@ def _f(v: object) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
+def _levers(labels: dict | None, own: float | None, vllm: bool) -> tuple[list[str], list[str]]:
+    """(what the run already has on that cuts host work per step, what it could still turn on or down)."""
+    lab = labels or {}
+    on, off = [], []
+    if vllm and "enforce_eager" in lab:
+        (on if str(lab["enforce_eager"]) == "False" else off).append(
+            "CUDA graphs" if str(lab["enforce_eager"]) == "False" else "CUDA graphs (drop --enforce-eager)")
+    if vllm and "async_scheduling" in lab:
+        (on if str(lab["async_scheduling"]) == "True" else off).append(
+            "async scheduling" if str(lab["async_scheduling"]) == "True" else "async scheduling (--async-scheduling)")
+    if own is not None and own >= PROBE_LEVER_SHARE:
+        off.append(f"the probe's own {own:.1%} (a smaller PHASESCOPE_VLLM_BUDGET)")
+    return on, off
+
+
+PROBE_LEVER_SHARE = 0.02  # the probe's own share of the engine's time from which lowering it is advice
+
+
 def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_thread_cores: float = 0.9,
+               min_gpu_busy: float = 0.6,
                min_cpu_wait_ratio: float = T["min_cpu_wait_ratio"],
                min_throttled_ratio: float = T["min_throttled_ratio"], min_busy_share: float = 0.25,
                min_host_samples: int = 5, labels: dict | None = None, **_: object) -> list[Finding]:
@@ -116,14 +139,34 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
     enough_busy = (p["busy_samples"] or 0) >= min_host_samples and busy_share >= min_busy_share
     launch_bound = (ratio is not None and ratio >= min_host_gpu_ratio and enough_busy
                     and busy_cores is not None and busy_cores >= min_busy_thread_cores)
+    a = one(con, ACTIVE_GPU_SQL.replace("$active_span", "0.9"), run_id)
+    gpu_busy = _f(a["active_util_pct_mean"]) / 100 if a["active_samples"] and a["active_util_pct_mean"] is not None \
+        else None
+    gpu_idle = (not launch_bound and gpu_busy is not None and gpu_busy < min_gpu_busy
+                and a["active_samples"] >= min_host_samples and enough_busy
+                and busy_cores is not None and busy_cores >= min_busy_thread_cores)
     starved = enough_busy and wait is not None and wait >= min_cpu_wait_ratio
     is_throttled = throttled is not None and throttled >= min_throttled_ratio
-    if not (launch_bound or starved or is_throttled):
+    if not (launch_bound or gpu_idle or starved or is_throttled):
         return []
-    e = {**{k: v for k, v in p.items()}, **h, **g, **c,
-         "busy_share": busy_share, "launch_bound": launch_bound, "cpu_starved": starved, "cpu_throttled": is_throttled,
-         "query": PROCESS_SQL + ";\n" + HOST_SQL + ";\n" + STEPS_SQL + ";\n" + CPU_STEPS_SQL}
+    e = {**{k: v for k, v in p.items()}, **h, **g, **c, **a, "gpu_busy_while_decoding": gpu_busy,
+         "gpu_idle_between_steps": gpu_idle,
+         "busy_share": busy_share, "affected_share": busy_share, "affected_of": "the engine's host samples",
+         "launch_bound": launch_bound, "cpu_starved": starved, "cpu_throttled": is_throttled,
+         "query": PROCESS_SQL + ";\n" + HOST_SQL + ";\n" + STEPS_SQL + ";\n" + CPU_STEPS_SQL + ";\n"
+                  + ACTIVE_GPU_SQL.replace("$active_span", "0.9")}
+    own = probe_share(con, run_id)
+    on, off = _levers(labels, own, vllm)
     why, advice = [], []
+    if gpu_idle:
+        why.append(f"the GPU was busy {gpu_busy:.0%} of {a['active_samples']} NVML samples taken while the engine "
+                   f"decoded, while the busiest server thread ran {busy_cores:.2f} of a core")
+        advice.append("The GPU waits on the engine's Python between steps (scheduling, input preparation, sampling, "
+                      "output processing" + (", the probe's hooks" if own is not None else "") + "). "
+                      + (f"Already on: {', '.join(on)}. " if on else "")
+                      + (f"Still to use: {'; '.join(off)}. " if off else "")
+                      + "Fewer, fuller steps also spread that fixed host time over more tokens: a larger model per "
+                      "engine, or more requests per step where the latency budget allows.")
     if launch_bound:
         why.append(f"host time is {ratio:.1f}x GPU time per step (median {g['host_ms_p50']:.2f} ms vs "
                    f"{g['gpu_ms_p50']:.2f} ms) while the busiest server thread runs {busy_cores:.2f} of a core")
@@ -148,34 +191,47 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
         advice.append("Raise or remove the container's CPU limit (cpu.max / resources.limits.cpu): a CFS quota "
                       "stalls every thread of the engine at once, mid-step.")
     severity = "critical" if (wait or 0) >= 0.5 or (throttled or 0) >= 0.5 else "warning"
+    if gpu_idle and not (starved or is_throttled) and not off:
+        severity = "info"  # every lever of the host's own work is on already: the engine's floor at this size
     step_ms = g["host_ms_p50"] if launch_bound else c["step_host_ms_p50"]
-    if launch_bound:
+    if gpu_idle and not (starved or is_throttled):
+        effect = (f"The GPU idles {1 - gpu_busy:.0%} of decode time waiting on the host; a step of "
+                  f"{_num(step_ms)} ms (host median) falls toward the GPU's share, ~{_num((step_ms or 0) * gpu_busy)} ms, "
+                  "only as far as the host's work per step shrinks.")
+    elif launch_bound:
         effect = (f"A step that waits on the host takes ~{g['host_ms_p50']:.2f} ms where the GPU needs "
                   f"~{g['gpu_ms_p50']:.2f} ms: up to {ratio:.1f}x lower step time and TPOT once the host keeps up.")
     else:
         share = max(wait or 0.0, throttled or 0.0)
         effect = (f"The engine lost ~{share:.0%} of its runnable time waiting for a CPU; with CPU of its own the "
                   f"median step ({_num(step_ms)} ms) and TPOT drop by up to ~{share:.0%}.")
-    e["probe_cost_share"] = own = probe_share(con, run_id)
+    e["probe_cost_share"] = own
     mine = f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""
     if own is not None:
         effect += mine
     said = [f"Host time is {ratio:.1f}x GPU time per step ({g['host_ms_p50']:.2f} vs {g['gpu_ms_p50']:.2f} ms)."
             if launch_bound else "",
+            f"The GPU was busy {gpu_busy:.0%} while decoding; the engine thread ran {busy_cores:.2f} of a core."
+            if gpu_idle else "",
             f"The engine's busiest thread waited for a CPU {wait:.0%} of its runnable time (host CPU "
             f"{_pct(h['host_cpu_util_pct_p50'])} busy)." if starved else "",
             f"The container was CPU-throttled in {throttled:.0%} of its CFS periods." if is_throttled else ""]
-    todo = [t for t, on in (("cut per-step host work (CUDA graphs, async scheduling)", launch_bound),
+    todo = [t for t, on in ((("use " + "; ".join(off)) if off else
+                             "nothing left to turn on (" + ", ".join(on or ["host work per step"]) + " on already)",
+                             gpu_idle and not launch_bound),
+                            ("cut per-step host work (CUDA graphs, async scheduling)", launch_bound),
                             ("give the engine whole cores of its own (pod CPU, pinning, OMP_NUM_THREADS)", starved),
                             ("raise or remove the container's CPU limit", is_throttled)) if on]
     gain = (f"up to {ratio:.1f}x lower step time and TPOT" if launch_bound else
+            f"the GPU's idle {1 - gpu_busy:.0%} of decode is the most to win" if gpu_idle and not (starved or is_throttled) else
             f"median step ({_num(step_ms)} ms) and TPOT down by up to ~{max(wait or 0.0, throttled or 0.0):.0%}")
     return [Finding(
         summary=" ".join(x for x in said if x) + mine,
         action=(lambda t: t[:1].upper() + t[1:])("; ".join(todo) + ": " + gain + "."),
         id="host-bound",
         title="Steps are bound by the host CPU: " + "; ".join(
-            n for n, on in (("launch-bound engine thread", launch_bound), ("engine starved of CPU", starved),
+            n for n, on in (("launch-bound engine thread", launch_bound),
+                            ("GPU idle between steps", gpu_idle), ("engine starved of CPU", starved),
                             ("container CPU-throttled", is_throttled)) if on),
         severity=severity,
         evidence=e,
@@ -184,6 +240,7 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
         reference=ref("Host"),
         run_id=run_id,
         thresholds={"min_host_gpu_ratio": min_host_gpu_ratio, "min_busy_thread_cores": min_busy_thread_cores,
+                    "min_gpu_busy": min_gpu_busy,
                     "min_cpu_wait_ratio": min_cpu_wait_ratio, "min_throttled_ratio": min_throttled_ratio,
                     "min_busy_share": min_busy_share, "min_host_samples": min_host_samples})]
 

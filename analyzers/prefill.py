@@ -100,6 +100,12 @@ def chunk_plan(con, run_id: str, stall: dict, long_prefill_tokens: int, target_r
     return max(slope or 0.0, 0.0), page, chunk
 
 
+def _time_share(e: dict) -> float:
+    """The co-scheduled decode steps' share of decode time, from STALL_SQL's counts and median step times."""
+    stalled = e["cosched_steps"] * e["cosched_p50_ms"]
+    return stalled / (stalled + e["pure_decode_steps"] * e["pure_decode_p50_ms"])
+
+
 def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefill_tokens"]),
                           stall_ratio: float = 3.0, critical_ratio: float = 10.0, min_steps: int = 5,
                           min_cosched_share: float = 0.01, target_ratio: float = 2.0, min_chunk_tokens: int = 64,
@@ -126,6 +132,8 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
                           or budget)
     evidence = {
         **e, "stall_ratio": ratio, "cosched_share": e["cosched_steps"] / e["decode_steps"],
+        # the decode time the stalled steps took (medians x counts): what TPOT feels, the severity's weight
+        "affected_share": _time_share(e), "affected_of": "decode time (steps x median step time)",
         "ms_per_prefill_token": slope, "page_size": page,
         "suggested_chunk_tokens": chunk, **tpot, **(trade or {}),
         "query": (STALL_SQL + ";\n" + EXTRA_SQL.replace("$decode_ms", "<pure_decode_p50_ms>")).replace(

@@ -34,7 +34,7 @@ def preemption_recompute(con, run_id: str, *, min_preemptions: int = 1, critical
     share = counted / prefilled if prefilled else 0.0
     seconds = counted * max(cost["ms_per_prefill_token"] or 0.0, 0.0) / 1e3
     e = {**pre, "recomputed_tokens": recomputed, "recomputed_tokens_counted": counted, **tot,
-         "recomputed_share_of_prefill": share,
+         "recomputed_share_of_prefill": share, "affected_share": share, "affected_of": "prefill tokens",
          "ms_per_prefill_token": cost["ms_per_prefill_token"], "recompute_cost_s": seconds, **lat,
          "query": PREEMPTIONS + ";\n" + PREFIX_TOTALS + ";\n" + PREEMPT_SQL + ";\n" + PREEMPTED_LATENCY_SQL}
     return [Finding(

@@ -193,7 +193,8 @@ def test_every_fixture_has_a_working_reproduce_entry():
     from builders import scenarios, synthetic, vllm_workload
     from phasescope.cli.main import build_parser
 
-    folders = {d for d in os.listdir(DATA_DIR) if os.path.isdir(os.path.join(DATA_DIR, d))}
+    # tests/data/gpu holds the GPU scenario matrix's fixtures (builders/gpu_matrix.py, tests/analyzers/test_gpu_matrix.py)
+    folders = {d for d in os.listdir(DATA_DIR) if os.path.isdir(os.path.join(DATA_DIR, d)) and d != "gpu"}
     assert folders == set(SCENARIOS), f"no scenario entry: {sorted(folders - set(SCENARIOS))}"
     for name in sorted(folders):
         sc, config = SCENARIOS[name], _config(name)

