@@ -35,7 +35,7 @@ from .queueing import ttft_queueing
 from .telemetry import telemetry_degraded
 from .reliability import preemption_recompute, probe_dropping, survival_rate
 from .runinfo import read_run_info, with_flag_values
-from .sql import OnceConnection
+from .sql import OnceConnection, probe_share
 from .tp import tp_kv_head_replication, tp_kv_imbalance, tp_straggler
 
 Analyzer = Callable[..., list[Finding]]
@@ -94,10 +94,32 @@ def diagnose(con: Any, run_id: str | None = None, *, model: ModelGeometry | None
         params = inspect.signature(fn).parameters
         kw = {k: v for k, v in {**overrides, **context}.items() if k in params}
         findings.extend(fn(once, run_id, **kw))
-    findings = [weigh(f) for f in reconcile(findings)]
+    findings = with_probe_share([weigh(f) for f in reconcile(findings)], probe_share(once, run_id))
     if labels.get("runtime") == "vllm":  # name vLLM's flags with this run's values
         findings = [dataclasses.replace(f, suggestion=with_flag_values(f.suggestion, labels)) for f in findings]
     return sort_findings(findings)
+
+
+# findings about step, token or request time: each states the probe's own share of the engine's time, so a reader
+# can tell the server's figure from what measuring it added
+TIMING = ("host-bound", "decode-launch-bound", "decode-below-roofline", "prefill-stalls-decode", "itl-spikes-",
+          "ttft-queueing")
+
+
+def with_probe_share(findings: list[Finding], share: float | None) -> list[Finding]:
+    """Each timing finding (`TIMING`, by id or id prefix) with the probe's own share of the engine's time in its
+    evidence (`probe_cost_share`) and as the last sentence of its expected effect; unchanged where the run has no
+    self-measurement (`share` None) or the finding says it already."""
+    if share is None:
+        return findings
+    line = f" The probe's own share of the engine's time: {share:.1%}."
+    out = []
+    for f in findings:
+        if f.id.startswith(TIMING) and "probe's own share" not in f.expected_effect:
+            f = dataclasses.replace(f, expected_effect=f.expected_effect.rstrip() + line,
+                                    evidence={**f.evidence, "probe_cost_share": share})
+        out.append(f)
+    return out
 
 
 def stored_views(con: Any) -> dict[str, str] | None:
