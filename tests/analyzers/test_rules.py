@@ -69,22 +69,23 @@ EXACT: dict[str, dict[str, str]] = {
     "telemetry-silent-vllm": {"telemetry-kv-snapshots-stopped": "warning", "telemetry-prefix-counters-stuck": "warning"},
     "tp-imbalance": {"tp-kv-head-replication": "info", "tp-kv-imbalance": "warning", "tp-straggler": "warning"},
     "tp2-h200": {"decode-below-roofline": "warning", "decode-launch-bound": "warning"},
+    # CUDA graphs on and NVML 41% busy while decoding: the GPU waits on the host between steps (host-bound's case,
+    # 4 samples: too few), not between kernels; MBU on the kernels' time is above the rule's 30%
     "kv-pressure-vllm-h200": {"kv-near-cap": "critical", "preemption-recompute": "critical",
-                              "decode-below-roofline": "warning", "decode-launch-bound": "warning",
                               "itl-spikes-queueing": "warning", "prefill-stalls-decode": "warning",
                               "prefix-miss-readmission": "warning", "ttft-queueing": "warning",
                               "kv-external-fragmentation": "info", "prefix-miss-in-flight": "info"},
     # a healthy H100 run: info only, but for the adapter gap that run had (vLLM 0.24's attention backend unread)
     "healthy-vllm-h100": {"telemetry-adapter-partial": "warning", "prefix-miss-no-shared-prefix": "info",
                           "telemetry-detail-lowered": "info"},
-    "prefill-interference-vllm-h200": {"decode-below-roofline": "warning", "decode-launch-bound": "warning",
+    "prefill-interference-vllm-h200": {"decode-below-roofline": "warning",  # graphs on: no decode-launch-bound
                                        "itl-spikes-prefill": "warning", "prefill-stalls-decode": "warning",
                                        "prefix-miss-no-shared-prefix": "info"},
 }
 
 
 def test_every_fixture_has_its_exact_findings():
-    assert set(EXACT) == {d for d in os.listdir(DATA_DIR) if os.path.isdir(os.path.join(DATA_DIR, d))}
+    assert set(EXACT) == {d for d in os.listdir(DATA_DIR) if os.path.isdir(os.path.join(DATA_DIR, d)) and d != "gpu"}
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))
@@ -236,7 +237,11 @@ def test_decode_roofline_numbers(scenario):
     con, run_id = scenario("decode-roofline")
     found = by_id(diagnose(con, run_id))
     below = found["decode-below-roofline"]
-    assert math.isclose(below.evidence["mbu_p50"], synthetic.mbu_expected(), rel_tol=1e-12)
+    # over the CUDA-event step time, and over the kernels' share of it (NVML busy while decoding): the MBU it judges
+    assert math.isclose(below.evidence["mbu_p50_events"], synthetic.mbu_expected(), rel_tol=1e-12)
+    assert math.isclose(below.evidence["mbu_p50"], synthetic.mbu_expected() / (synthetic.DECODE_UTIL_PCT / 100),
+                        rel_tol=1e-9)
+    assert "NVML busy 40% while decoding" in below.summary
     assert below.evidence["gpu"] == "H100-PCIe" and below.evidence["peak_bw_bytes_s"] == 2.0e12
     assert math.isclose(below.evidence["decode_floor_ms"], (14e9 + 1000 * 524288) / 2e12 * 1e3, rel_tol=1e-12)
     mfu = (2 * 7e9 * 1000 + 4 * 32 * 32 * 128 * 1000 * 500.5) / 0.1 / 756e12
