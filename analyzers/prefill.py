@@ -6,7 +6,7 @@ from phasescope.agent.read.thresholds import T
 from .findings import Finding, ref
 from .constraints import VllmLimits, vllm_limits
 from .runinfo import budget_knob, runtime_of
-from .sql import RUN_STEPS, one, page_size
+from .sql import RUN_STEPS, one, page_size, step_source
 
 # (the co-scheduled p50 and p95 as one list quantile: one copy and selection of those steps, not two; the same
 # order statistics and interpolation, so the same numbers: 10M steps ~0.6 -> ~0.35 s)
@@ -134,6 +134,7 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
         **e, "stall_ratio": ratio, "cosched_share": e["cosched_steps"] / e["decode_steps"],
         # the decode time the stalled steps took (medians x counts): what TPOT feels, the severity's weight
         "affected_share": _time_share(e), "affected_of": "decode time (steps x median step time)",
+        "step_ms_source": step_source(con, run_id),
         "ms_per_prefill_token": slope, "page_size": page,
         "suggested_chunk_tokens": chunk, **tpot, **(trade or {}),
         "query": (STALL_SQL + ";\n" + EXTRA_SQL.replace("$decode_ms", "<pure_decode_p50_ms>")).replace(
@@ -155,7 +156,8 @@ def prefill_stalls_decode(con, run_id: str, *, long_prefill_tokens: int = int(T[
                          f"{e['pure_decode_p50_ms']:.1f} ms of a pure decode step; at {slope:.3f} ms per prefill "
                          f"token a {chunk}-token chunk keeps them near {expected_ms:.1f} ms "
                          f"(~{expected_ms / e['pure_decode_p50_ms']:.1f}x), cutting the TPOT tail "
-                         f"(p95 now {(tpot['tpot_p95_s'] or 0) * 1e3:.1f} ms)."
+                         f"(p95 now {(tpot['tpot_p95_s'] or 0) * 1e3:.1f} ms). Step times: "
+                         f"{evidence['step_ms_source']}."
                          + (f" The other side, from the same fit: {trade_text(trade)} while prompts are prefilled."
                             if trade else "")),
         reference=ref("Prefill"),

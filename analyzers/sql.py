@@ -143,6 +143,22 @@ PROBE_SHARE_SQL = """WITH last AS (
     SELECT max(share) AS probe_cost_share FROM (SELECT pid, sum(share) AS share FROM last GROUP BY pid)"""
 
 
+STEP_SOURCE_SQL = f"""WITH st AS ({RUN_STEPS})
+    SELECT count(*) AS steps, count(*) FILTER (WHERE NOT isnan(gpu_ms)) AS gpu_timed FROM st"""
+
+
+def step_source(con: duckdb.DuckDBPyConnection, run_id: str) -> str:
+    """Where the run's step times (`STEP_MS`) come from, in words: CUDA events, the engine's host time per step,
+    or both (GPU time where a step was event-timed, host time for the others)."""
+    r = one(con, STEP_SOURCE_SQL, run_id)
+    n, g = r["steps"] or 0, r["gpu_timed"] or 0
+    if g == 0:
+        return f"the engine's host time per step ({n} steps)"
+    if g == n:
+        return f"GPU time from CUDA events ({n} steps)"
+    return f"GPU time for the {g} CUDA-event-timed steps, the engine's host time for the other {n - g}"
+
+
 def probe_share(con: duckdb.DuckDBPyConnection, run_id: str) -> float | None:
     """The probe's own share of the engine's step time (0.012: 1.2%), None where it has no health record."""
     try:
