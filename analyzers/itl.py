@@ -154,9 +154,26 @@ def itl_spikes(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefi
                  "(CUDA graphs).", "Host"),
     }
     title, why, suggestion, section = texts[cause]
+    action = SHORT_ACTION[cause]
+    if cause == "host":  # name only the levers the run does not have on already
+        suggestion, action = _host_texts(labels or {})
     return [Finding(id=f"itl-spikes-{cause}", title=title, severity=severity, evidence=e, suggestion=suggestion,
                     expected_effect=head + why + slo, reference=ref(section), run_id=run_id, thresholds=th,
-                    summary=summary, action=SHORT_ACTION[cause])]
+                    summary=summary, action=action)]
+
+
+def _host_texts(labels: dict) -> tuple[str, str]:
+    """(suggestion, action) of itl-spikes-host, without the levers a vLLM run's labels say are on already."""
+    vllm = runtime_of(labels) == "vllm"
+    async_on = vllm and str(labels.get("async_scheduling")) == "True"
+    graphs_on = vllm and str(labels.get("enforce_eager")) == "False"
+    python = ("Python work per step (sampling, detokenization" + ("; async scheduling is on and overlaps one step "
+              "of it" if async_on else "; vLLM --async-scheduling overlaps it with the GPU" if vllm else "") + ")")
+    launch = "" if graphs_on else ", and launch overhead (CUDA graphs)"
+    levers = ["own cores"] + ([] if async_on else ["async scheduling"]) + ([] if graphs_on else ["CUDA graphs"])
+    return ("Find what holds the engine's host thread between forwards: CPU starvation (give the server dedicated "
+            f"cores; see host-bound), {python}, garbage-collection pauses{launch}.",
+            f"Free the engine's host thread ({', '.join(levers)}): the spikes go with the stalls.")
 
 
 SHORT_WHY = {"prefill": "ran beside a long prefill", "preemption": "spans preemptions and their recompute",

@@ -48,7 +48,18 @@ class Scenario:
     expected: tuple = ()  # (finding id, severity)
     forbidden: tuple = ()  # finding ids that must not fire
     why: str = ""
+    # what the rules get wrong on this run today, each (finding id, why): "missed:<id>" an expected finding that
+    # does not fire, else a finding that fires with a wrong cause; the CI test holds both until they are fixed
+    known: tuple = ()
 
+
+# the H100 run of 2026-12-07: with async scheduling (vLLM's default) the engine's call for a step returns before the GPU
+# runs it, so the probe's host time per step is not the step: 8000-token prefill steps read 9 ms of host time where
+# the token gaps after them are ~27 ms, and 1 of 768 decode steps was CUDA-event-timed (sampled, then lowered)
+_ASYNC_STEP = ("async scheduling: a step's host time (9 ms for an 8000-token prefill) is not its GPU time (~27 ms gaps "
+               "after it), and CUDA timing is sampled (1 of 768 decode steps): the stall reads 6.5x on 0.9% of steps")
+_ASYNC_ITL = ("async scheduling: a step's output arrives after the next step's host call, so a gap a long prefill "
+              "made is charged to the decode step after it, whose host time is short: 'host' instead of 'prefill'")
 
 _NO_WARNING = ("decode-launch-bound", "host-bound", "prefill-stalls-decode", "itl-spikes-prefill",
                "preemption-recompute", "kv-near-cap", "decode-below-roofline")
@@ -60,19 +71,22 @@ SCENARIOS = {s.name: s for s in (
              expected=(("decode-launch-bound", "warning"),), forbidden=("prefill-stalls-decode",),
              why="CUDA graphs off at batch 4: every kernel is launched from Python"),
     Scenario("host-bound", "llama-3.2-1b", {}, waves=((32, 0, 256, 256),) * 6,
-             expected=(("host-bound", "warning"),), forbidden=("prefill-stalls-decode",),
-             why="a 1B model at batch 256: the GPU step is short, the engine's Python per step is not"),
+             expected=(("host-bound", "info"),), forbidden=("prefill-stalls-decode", "decode-launch-bound"),
+             why="a 1B model at batch 256: the GPU step is short, the engine's Python per step is not; CUDA graphs "
+                 "and async scheduling are on and the probe takes <2%, so nothing is left to turn on (info)"),
     Scenario("kv-starved", "llama-3.2-1b", {"num_gpu_blocks_override": 701},
              waves=((128, 512, 384, 72), (640, 0, 384, 24)),
-             expected=(("preemption-recompute", "warning"), ("kv-near-cap", "warning")),
+             expected=(("preemption-recompute", "critical"), ("kv-near-cap", "critical")),
              why="a 700-page pool under 96 requests of 640 prompt + 384 output tokens: vLLM preempts"),
     Scenario("interference", "llama-3.2-1b", {"max_model_len": 12288, "max_num_batched_tokens": 16384},
              stepped={"decoders": 16, "decode_tokens": 768, "long": 6, "long_tokens": 8000, "every": 96},
              expected=(("prefill-stalls-decode", "warning"),),
-             why="8000-token prompts prefilled in one 16384-token step beside 16 decoders"),
+             why="8000-token prompts prefilled in one 16384-token step beside 16 decoders",
+             known=(("missed:prefill-stalls-decode", _ASYNC_STEP), ("itl-spikes-host", _ASYNC_ITL))),
     Scenario("prefix-off", "llama-3.2-1b", {"enable_prefix_caching": False}, waves=((32, 1024, 64, 32),) * 4,
              expected=(("prefix-miss-cache-disabled", "warning"),),
-             why="every prompt starts with the same 1024 tokens, and the prefix cache is off"),
+             why="every prompt starts with the same 1024 tokens, and the prefix cache is off",
+             known=(("itl-spikes-host", _ASYNC_ITL),)),
     Scenario("8b-bs1", "llama-3-8b", {}, waves=((256, 0, 384, 1),) * 6,
              forbidden=_NO_WARNING, why="an 8B model at batch 1: memory-bound decode near its roofline"),
 )}

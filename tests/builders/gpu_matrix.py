@@ -61,8 +61,19 @@ def _run_labels(folder: str) -> tuple[str, dict[str, str]]:
     return run_id, labels
 
 
+def designed() -> dict:
+    """benchmarks/gpu/matrix.py's SCENARIOS: each scenario's design (expected, forbidden, known, why)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(DATA_DIR), os.pardir, "benchmarks", "gpu"))
+    from matrix import SCENARIOS
+
+    return SCENARIOS
+
+
 def import_run(src: str, out: str = GPU_DIR) -> list[str]:
-    """Every scenario of a matrix run at `src` as a fixture under `out`; returns the names imported."""
+    """Every scenario of a matrix run at `src` as a fixture under `out`, with its design as matrix.py states it
+    now; returns the names imported."""
     with open(os.path.join(src, "matrix.json"), encoding="utf-8") as f:
         doc = json.load(f)
     done = []
@@ -90,11 +101,12 @@ def import_run(src: str, out: str = GPU_DIR) -> list[str]:
                   "notes": r.get("why", ""), "vllm_metrics": child.get("metrics", {}), "versions": versions(),
                   "reproduce": f"benchmarks/gpu/lease.sh matrix OUT --scenarios {name} && "
                                f"PYTHONPATH=tests python -m builders.gpu_matrix import OUT"}
+        sc = designed()[name]
         man = {"scenario": name, "store": ".", "device": doc.get("versions", {}).get("gpu", labels.get("gpu_name")),
                "versions": doc.get("versions", {}), "vllm_config": child.get("engine_args", {}),
-               "workload": child.get("workload"), "why": r.get("why", ""),
-               "expected": [{"id": i, "severity": s} for i, s in r.get("expected", [])],
-               "forbidden": r.get("forbidden", []),
+               "workload": child.get("workload"), "why": sc.why,
+               "expected": [{"id": i, "severity": s} for i, s in sc.expected], "forbidden": list(sc.forbidden),
+               "known_issues": [{"id": i, "why": w} for i, w in sc.known],
                "run": {k: child.get(k) for k in ("engine_start_s", "workload_s", "client_output_tokens")}}
         for fname, body in (("config.json", config), ("manifest.json", man)):
             with open(os.path.join(dest, fname), "w", encoding="utf-8") as f:
@@ -125,11 +137,14 @@ def outcome(name: str) -> dict[str, Any]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     got = {f.id: f.severity for f in findings}
-    missing = [e for e in man["expected"] if got.get(e["id"]) != e["severity"]]
+    known = {k["id"]: k["why"] for k in man.get("known_issues", [])}
+    missing = [e for e in man["expected"] if got.get(e["id"]) != e["severity"] and "missed:" + e["id"] not in known]
+    # a known issue that no longer shows: fixed, its entry is to go (the test says so)
+    fixed = [i for i in known if (got.get(i.removeprefix("missed:")) is not None) == i.startswith("missed:")]
     wrong = [i for i in man["forbidden"] if i in got]
     warnings = [i for i, s in got.items() if s in ("warning", "critical")]
     return {"manifest": man, "findings": findings, "got": got, "missing": missing, "forbidden_found": wrong,
-            "warnings": warnings}
+            "warnings": [w for w in warnings if w not in known], "known": known, "known_fixed": fixed}
 
 
 def table() -> str:
@@ -141,6 +156,7 @@ def table() -> str:
              "fires. Regenerate this page with `PYTHONPATH=tests python -m builders.gpu_matrix table`.", "",
              "| scenario | device | engine settings | why | expected | got (warnings and worse) | verdict |",
              "|---|---|---|---|---|---|---|"]
+    notes = []
     for name in fixtures():
         o = outcome(name)
         man = o["manifest"]
@@ -149,8 +165,14 @@ def table() -> str:
         exp = ", ".join(f"{e['id']} ({e['severity']})" for e in man["expected"]) or "no warning"
         got = ", ".join(f"{i} ({s})" for i, s in o["got"].items() if s in ("warning", "critical")) or "none"
         ok = not o["missing"] and not o["forbidden_found"] and (man["expected"] or not o["warnings"])
-        lines.append(f"| {name} | {man['device']} | {cfg} | {man['why']} | {exp} | {got} | "
-                     f"{'as designed' if ok else 'MISSED'} |")
+        verdict = "as designed" if ok and not o["known"] else "wrong" if not ok else "known issues (below)"
+        lines.append(f"| {name} | {man['device']} | {cfg} | {man['why']} | {exp} | {got} | {verdict} |")
+        notes += [f"- **{name}**, {'missed ' + i[len('missed:'):] if i.startswith('missed:') else i + ' fires'}: {w}."
+                  for i, w in o["known"].items()]
+    if notes:
+        lines += ["", "## Known issues", "", "What the rules get wrong on these runs today; the CI test fails when one "
+                  "is fixed (its entry in `benchmarks/gpu/matrix.py` is then to go) or when another appears.", ""]
+        lines += notes
     return "\n".join(lines) + "\n"
 
 
