@@ -106,22 +106,9 @@ def _serve_waves(llm: Any, waves: tuple, rng: random.Random) -> dict:
 
 
 def _serve_stepped(llm: Any, w: dict, rng: random.Random) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     work = [(f"dec{i}", h._prompts(rng, 1, 32)[0], w["decode_tokens"], 0) for i in range(w["decoders"])]
     work += [(f"long{k}", h._prompts(rng, 1, w["long_tokens"])[0], 4, 16 + w["every"] * k) for k in range(w["long"])]
-    engine = llm.llm_engine
-    step = outputs = 0
-    while work or engine.has_unfinished_requests():
-        while work and work[0][3] <= step:
-            name, prompt, mt, _ = work.pop(0)
-            engine.add_request(name, TokensPrompt(prompt_token_ids=prompt),
-                               SamplingParams(max_tokens=mt, ignore_eos=True, temperature=0))
-        for o in engine.step():
-            if o.finished:
-                outputs += len(o.outputs[0].token_ids)
-        step += 1
+    step, outputs = h.serve_stepped(llm, work)
     return {"engine_steps": step, "client_output_tokens": outputs}
 
 
@@ -200,17 +187,8 @@ def run_scenario(sc: Scenario, a: argparse.Namespace, timeout_s: float, out: pat
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", sc.name, "--model", model,
            "--result", result] + (["--cpu"] if a.cpu else [])
     t0 = time.monotonic()
-    status = "ok"
     try:
-        child_p = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr, start_new_session=True)
-        try:
-            rc = child_p.wait(timeout_s)
-            status = "ok" if rc == 0 else f"child exit {rc}"
-        except subprocess.TimeoutExpired:
-            status = f"timed out after {timeout_s:.0f} s"
-            os.killpg(child_p.pid, 9)
-            child_p.wait()
-        time.sleep(1.0)
+        status = h.run_child(cmd, env, timeout_s)
     finally:
         h._stop(agent)
     res: dict = {"status": status, "scenario_s": round(time.monotonic() - t0, 1), "model": sc.model,

@@ -312,21 +312,14 @@ def _pyspy(cores: dict[str, int | None], seconds: float) -> list[subprocess.Pope
     return procs
 
 
-def child_interference(model: str, cpu: bool) -> dict:
-    """Decoders running while long prompts arrive, prefilled in chunks next to their decodes."""
-    from vllm import LLM, SamplingParams
+def serve_stepped(llm: Any, work: list) -> tuple[int, int]:
+    """Drive the engine step by step, adding each (name, prompt ids, max tokens, at step) of `work` (ordered by
+    step) when its step comes; returns (engine steps, output tokens of the finished requests)."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    budget = 256 if cpu else 2048
-    llm = LLM(**_engine_args(model, cpu, max_num_batched_tokens=budget, enable_chunked_prefill=True))
-    rng = random.Random(3)
-    n_dec, dec_out = (3, 96) if cpu else (16, 768)
-    n_long, long_len, every = (3, 600, 24) if cpu else (6, 3000, 96)
-    work = [(f"dec{i}", _prompts(rng, 1, 32)[0], dec_out, 0) for i in range(n_dec)]
-    work += [(f"long{k}", _prompts(rng, 1, long_len)[0], 4, 16 + every * k) for k in range(n_long)]
     engine = llm.llm_engine
     step = outputs = 0
-    t0 = time.monotonic()
     while work or engine.has_unfinished_requests():
         while work and work[0][3] <= step:
             name, prompt, mt, _ = work.pop(0)
@@ -336,6 +329,22 @@ def child_interference(model: str, cpu: bool) -> dict:
             if out.finished:
                 outputs += len(out.outputs[0].token_ids)
         step += 1
+    return step, outputs
+
+
+def child_interference(model: str, cpu: bool) -> dict:
+    """Decoders running while long prompts arrive, prefilled in chunks next to their decodes."""
+    from vllm import LLM
+
+    budget = 256 if cpu else 2048
+    llm = LLM(**_engine_args(model, cpu, max_num_batched_tokens=budget, enable_chunked_prefill=True))
+    rng = random.Random(3)
+    n_dec, dec_out = (3, 96) if cpu else (16, 768)
+    n_long, long_len, every = (3, 600, 24) if cpu else (6, 3000, 96)
+    work = [(f"dec{i}", _prompts(rng, 1, 32)[0], dec_out, 0) for i in range(n_dec)]
+    work += [(f"long{k}", _prompts(rng, 1, long_len)[0], 4, 16 + every * k) for k in range(n_long)]
+    t0 = time.monotonic()
+    step, outputs = serve_stepped(llm, work)
     _LLMS.append(llm)
     return {"engine_steps": step, "client_output_tokens": outputs, "workload_s": round(time.monotonic() - t0, 2),
             "budget_tokens": budget, "decoders": n_dec, "decode_tokens": dec_out, "long_prompts": n_long,
@@ -395,6 +404,20 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
+def run_child(cmd: list[str], env: dict, timeout_s: float) -> str:
+    """Run the child (a session of its own), killed with its group after `timeout_s`; its status in words."""
+    child = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr, start_new_session=True)
+    try:
+        rc = child.wait(timeout_s)
+        status = "ok" if rc == 0 else f"child exit {rc}"
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {timeout_s:.0f} s"
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    time.sleep(1.0)  # the probes' last flush
+    return status
+
+
 def run_phase(phase: str, a: argparse.Namespace, timeout_s: float, out: pathlib.Path) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"ps-{phase}-", dir="/tmp")
     sock, db, result = f"{tmp}/agent.sock", f"{tmp}/{phase}.duckdb", f"{tmp}/result.json"
@@ -410,18 +433,8 @@ def run_phase(phase: str, a: argparse.Namespace, timeout_s: float, out: pathlib.
            "--result", result, "--cost-budget-s", str(min(a.cost_budget_s, max(30.0, timeout_s - reserve))), "--batches", a.batches,
            "--max-tokens", str(a.max_tokens)] + (["--cpu"] if a.cpu else [])
     t0 = time.monotonic()
-    status = "ok"
     try:
-        child = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr, start_new_session=True)
-        try:
-            rc = child.wait(timeout_s)
-            if rc != 0:
-                status = f"child exit {rc}"
-        except subprocess.TimeoutExpired:
-            status = f"timed out after {timeout_s:.0f} s"
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-        time.sleep(1.0)  # the probes' last flush
+        status = run_child(cmd, env, timeout_s)
     finally:
         _stop(agent)
     res: dict = {"status": status, "phase_s": round(time.monotonic() - t0, 1)}
