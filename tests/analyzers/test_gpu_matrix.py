@@ -101,3 +101,27 @@ def _labels(name: str) -> dict:
 def test_the_flag_check_catches_a_bad_flag(engine_flags):
     assert "--max-num-seqs" in engine_flags and "--enable-prefix-caching" in engine_flags
     assert "--max-num-sequences" not in engine_flags
+
+
+def test_gpu_idle_threshold_at_its_boundary():
+    """host-bound's GPU-idle criterion on the H100 batch-256 run: NVML read the GPU 47.2% busy while decoding; the
+    rule fires with `min_gpu_busy` just above that figure and is silent just below it."""
+    import tempfile
+
+    import duckdb
+
+    from builders.gpu_matrix import store
+    from builders.scenarios import load
+    from phasescope.analyzers.diagnose import diagnose
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_id = load(store("host-bound"), os.path.join(tmp, "r.duckdb"))
+        con = duckdb.connect(os.path.join(tmp, "r.duckdb"), read_only=True)
+        try:
+            busy = next(f for f in diagnose(con, run_id) if f.id == "host-bound").evidence["gpu_busy_while_decoding"]
+            assert 0.4 < busy < 0.6
+            above = {f.id for f in diagnose(con, run_id, min_gpu_busy=busy + 0.005)}
+            below = {f.id for f in diagnose(con, run_id, min_gpu_busy=busy - 0.005)}
+        finally:
+            con.close()
+    assert "host-bound" in above and "host-bound" not in below
