@@ -98,6 +98,9 @@ def _f(v: object) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
+PROBE_LEVER_SHARE = 0.02  # the probe's own share of the engine's time from which lowering it is advice
+
+
 def _levers(labels: dict | None, own: float | None, vllm: bool) -> tuple[list[str], list[str]]:
     """(what the run already has on that cuts host work per step, what it could still turn on or down)."""
     lab = labels or {}
@@ -111,9 +114,6 @@ def _levers(labels: dict | None, own: float | None, vllm: bool) -> tuple[list[st
     if own is not None and own >= PROBE_LEVER_SHARE:
         off.append(f"the probe's own {own:.1%} (a smaller PHASESCOPE_VLLM_BUDGET)")
     return on, off
-
-
-PROBE_LEVER_SHARE = 0.02  # the probe's own share of the engine's time from which lowering it is advice
 
 
 def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_thread_cores: float = 0.9,

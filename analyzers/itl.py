@@ -147,16 +147,10 @@ def itl_spikes(con, run_id: str, *, long_prefill_tokens: int = int(T["long_prefi
                      "serving running requests before admitting new ones.", "Queueing"),
         "host": ("ITL spikes are host stalls, not compute",
                  f"took >= {host_stall_ratio:g}x their step's compute time: the host, not the model, made them "
-                 "long.",
-                 "Find what holds the engine's host thread between forwards: CPU starvation (give the server "
-                 "dedicated cores; see host-bound), Python work per step (sampling, detokenization; vLLM "
-                 "--async-scheduling overlaps it with the GPU), garbage-collection pauses, and launch overhead "
-                 "(CUDA graphs).", "Host"),
+                 "long.", "", "Host"),  # its suggestion and action name only the levers that are off: _host_texts
     }
     title, why, suggestion, section = texts[cause]
-    action = SHORT_ACTION[cause]
-    if cause == "host":  # name only the levers the run does not have on already
-        suggestion, action = _host_texts(labels or {})
+    suggestion, action = _host_texts(labels or {}) if cause == "host" else (suggestion, SHORT_ACTION[cause])
     return [Finding(id=f"itl-spikes-{cause}", title=title, severity=severity, evidence=e, suggestion=suggestion,
                     expected_effect=head + why + slo, reference=ref(section), run_id=run_id, thresholds=th,
                     summary=summary, action=action)]
@@ -183,8 +177,6 @@ SHORT_ACTION = {
                   "mid-stream recompute.",
     "queueing": "Cap concurrent sequences at what one step holds (vLLM --max-num-seqs): every running request "
                 "decodes every step.",
-    "host": "Free the engine's host thread (own cores, async scheduling, CUDA graphs): the spikes go with the "
-            "stalls.",
 }
 
 
