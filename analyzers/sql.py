@@ -3,7 +3,8 @@ layer's named queries (`agent.read.queries`, the one `queries` module).
 
 Each returns plain numbers together with the SQL text that produced them, so a
 finding can cite its query. Step time is the CUDA-event time when the step was
-timed, else the host time (`agent.read.queries.STEP_MS`).
+timed, else the host time (`agent.read.queries.STEP_MS`); on a run scheduled asynchronously, the time between
+the step's output and the previous one (`RUN_STEPS_ASYNC`, `agent.read.base.ASYNC_STEP_MS`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import duckdb
 
+from phasescope.agent.read.base import ASYNC_STEP_MS, STEPS_WINDOW, async_scheduling
 from phasescope.agent.read.queries import STEP_MS
 
 from .runinfo import read_run_info
@@ -23,6 +25,9 @@ from .runinfo import read_run_info
 RUN_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s USING (source_id)
     WHERE s.run_id = $run AND t.rank = (SELECT min(t2.rank) FROM steps t2
                                         WHERE t2.source_id IN (SELECT source_id FROM sources WHERE run_id = $run))"""
+# the same steps of a run scheduled asynchronously (vLLM --async-scheduling): an untimed step's time is the time
+# between its output and the previous one (agent.read.base.ASYNC_STEP_MS); `one` and `rows` read this for such runs
+RUN_STEPS_ASYNC = RUN_STEPS.replace(f"{STEP_MS} AS ms", f"{ASYNC_STEP_MS} AS ms") + STEPS_WINDOW
 RUN_KV = """SELECT k.* FROM kv_snapshots k JOIN sources s USING (source_id) WHERE s.run_id = $run"""
 RUN_REQUESTS = "SELECT * FROM requests WHERE run_id = $run"
 
@@ -86,16 +91,23 @@ class OnceConnection:
         return getattr(self._con, name)
 
 
+def for_run(con: duckdb.DuckDBPyConnection, sql: str, run_id: str) -> str:
+    """`sql` with its RUN_STEPS read as RUN_STEPS_ASYNC where the run scheduled asynchronously."""
+    if RUN_STEPS in sql and async_scheduling(con, run_id):
+        return sql.replace(RUN_STEPS, RUN_STEPS_ASYNC)
+    return sql
+
+
 def one(con: duckdb.DuckDBPyConnection, sql: str, run_id: str, **params: Any) -> dict[str, Any]:
     """Run `sql` (which may use $run and the named params) and return its single row as a dict."""
-    cur = con.execute(sql, {"run": run_id, **params})
+    cur = con.execute(for_run(con, sql, run_id), {"run": run_id, **params})
     names = [d[0] for d in cur.description]
     row = cur.fetchone()
     return dict(zip(names, row)) if row else {n: None for n in names}
 
 
 def rows(con: duckdb.DuckDBPyConnection, sql: str, run_id: str, **params: Any) -> list[dict[str, Any]]:
-    cur = con.execute(sql, {"run": run_id, **params})
+    cur = con.execute(for_run(con, sql, run_id), {"run": run_id, **params})
     names = [d[0] for d in cur.description]
     return [dict(zip(names, r)) for r in cur.fetchall()]
 
@@ -152,11 +164,13 @@ def step_source(con: duckdb.DuckDBPyConnection, run_id: str) -> str:
     or both (GPU time where a step was event-timed, host time for the others)."""
     r = one(con, STEP_SOURCE_SQL, run_id)
     n, g = r["steps"] or 0, r["gpu_timed"] or 0
+    other = ("the time between its output and the previous one (async scheduling: a step's host call returns "
+             "before its GPU work ends)" if async_scheduling(con, run_id) else "the engine's host time")
     if g == 0:
-        return f"the engine's host time per step ({n} steps)"
+        return f"{other} per step ({n} steps)"
     if g == n:
         return f"GPU time from CUDA events ({n} steps)"
-    return f"GPU time for the {g} CUDA-event-timed steps, the engine's host time for the other {n - g}"
+    return f"GPU time for the {g} CUDA-event-timed steps, {other} for the other {n - g}"
 
 
 def probe_share(con: duckdb.DuckDBPyConnection, run_id: str) -> float | None:

@@ -99,8 +99,15 @@ LOWEST_RANK_STEPS = f"""SELECT t.*, {STEP_MS} AS ms FROM steps t JOIN sources s 
 
 # one row per token event after a request's first: the gap, its steps and its cause
 ITL_GAPS = f"""st AS ({LOWEST_RANK_STEPS}),
-    ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns, ms AS step_ms, prefill_tokens, decode_tokens,
-                    row_number() OVER (ORDER BY ts_ns, step_id) AS step_no FROM st),
+    -- async scheduling (vLLM): a step's output may be handed out after the next step's host call: at each end the
+    -- larger prefill and time of its step and the one before
+    asy AS (SELECT coalesce(bool_or(value = 'True'), false) AS on_ FROM run_info
+            WHERE run_id = $run AND key = 'async_scheduling'),
+    ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns,
+                    CASE WHEN (SELECT on_ FROM asy) THEN greatest(ms, lag(ms) OVER o) ELSE ms END AS step_ms,
+                    CASE WHEN (SELECT on_ FROM asy) THEN greatest(prefill_tokens, lag(prefill_tokens) OVER o)
+                         ELSE prefill_tokens END AS prefill_tokens, decode_tokens,
+                    row_number() OVER o AS step_no FROM st WINDOW o AS (ORDER BY ts_ns, step_id)),
     tok AS (SELECT request_id, ts_ns - 1000 * cached_tokens AS ts_ns, tokens FROM request_log
             WHERE run_id = $run AND event = 'token' AND tokens > 0),
     ts AS (SELECT t.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens

@@ -11,6 +11,26 @@ from ..records import derived
 
 STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
 
+# With vLLM's async scheduling a step's host call returns before its GPU work ends: its output is handed out after
+# the next step's host call, and the time between two outputs is the next step's period (start to start). An untimed
+# step's time is then that period (never below its host time; its host time where no later step says): over the
+# H100 matrix's CUDA-timed steps (tests/data/gpu) GPU time / this is 0.74-1.20 (median per run), GPU time / host
+# time 1.0-5.2. Needs `WINDOW steps_w` (STEPS_WINDOW) over the steps of one source in start order.
+ASYNC_STEP_MS = ("CASE WHEN NOT isnan(gpu_ms) THEN gpu_ms ELSE greatest(host_ms, coalesce("
+                 "(lead(t.ts_ns, 2) OVER steps_w - lead(t.ts_ns, 1) OVER steps_w) / 1e6, host_ms)) END")
+STEPS_WINDOW = " WINDOW steps_w AS (PARTITION BY t.source_id ORDER BY t.ts_ns, t.step_id)"
+ASYNC_RUN_SQL = ("SELECT coalesce(bool_or(value = 'True'), false) FROM run_info "
+                 "WHERE run_id = ? AND key = 'async_scheduling'")
+
+
+def async_scheduling(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:
+    """Whether the run's engine scheduled asynchronously (vLLM's `async_scheduling` run label is True): its steps'
+    times are then ASYNC_STEP_MS."""
+    try:
+        return bool(con.execute(ASYNC_RUN_SQL, [run_id]).fetchone()[0])
+    except duckdb.Error:  # a store without run_info
+        return False
+
 
 def _run_filter(run_id: str | None, alias: str = "s") -> tuple[str, list[Any]]:
     if run_id is None:

@@ -12,7 +12,10 @@ The gaps are computed once per call into a temp table of the connection (`_ps_it
 are per connection and allowed on read-only ones) and the summary, tail, TPOT and chunk-size what-if
 queries read that. When the store's gap rows carry their steps for everything it holds (the derived
 tables were refreshed since the last write: `derived.attribution_current`) they are read as they are;
-otherwise the gaps are joined to the steps here (`ITL_GAPS`): the same rows either way.
+otherwise the gaps are joined to the steps here (`ITL_GAPS`): the same rows either way. On a run scheduled
+asynchronously (vLLM's `async_scheduling`) a step's output may be handed out after the next step's host call: the
+last step ended by a token is its own or the one after it, so each end carries the larger prefill and time of its
+step and the one before (`ITL_GAPS_ASYNC`; records/derived.py keeps the same rule, ATTRIBUTION_RULE 2).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import duckdb
 
 from ..records import derived
-from .base import STEP_MS, _dicts, _one, latest_run, sql_text
+from .base import STEP_MS, _dicts, _one, async_scheduling, latest_run, sql_text
 from .thresholds import T
 
 # steps of one run on its lowest rank, with `ms` the step time (GPU time when timed, else host time)
@@ -67,6 +70,16 @@ ITL_GAPS = f"""st AS ({LOWEST_RANK_STEPS}),
                (g.ts_ns - g.prev_ns) / 1e6 AS gap_ms, (g.ts_ns - g.prev_ns) / 1e6 / g.tokens AS itl_ms,
                {CAUSE.format(prev_steps="pv.prev_steps", next_steps="nx.next_steps")} AS cause
         FROM g0 g LEFT JOIN nx USING (request_id, ts_ns) LEFT JOIN pv USING (request_id, ts_ns))"""
+
+
+# a run scheduled asynchronously (vLLM): a step's output may be handed out after the next step's host call, so
+# each end carries the larger prefill and time of its step and the one before (records/derived.py, ATTRIBUTION_RULE 2)
+ITL_GAPS_ASYNC = ITL_GAPS.replace(
+    "ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns, ms AS step_ms, prefill_tokens, decode_tokens,",
+    "ends AS (SELECT ts_ns + CAST(host_ms * 1e6 AS BIGINT) AS end_ns,"
+    " greatest(ms, lag(ms) OVER (ORDER BY ts_ns, step_id)) AS step_ms,"
+    " greatest(prefill_tokens, lag(prefill_tokens) OVER (ORDER BY ts_ns, step_id)) AS prefill_tokens, decode_tokens,")
+assert ITL_GAPS_ASYNC != ITL_GAPS
 
 
 def weighted_quantiles(value: str, weight: str, source: str, qs: dict[str, str]) -> str:
@@ -147,7 +160,8 @@ class ItlGaps:
             self.con.execute(f"CREATE OR REPLACE TEMP VIEW {GAPS_TABLE} AS {sql}")
         else:  # join them to the steps, once
             self.kind = "TABLE"
-            self.con.execute(f"CREATE OR REPLACE TEMP TABLE {GAPS_TABLE} AS WITH {ITL_GAPS} SELECT * FROM gaps",
+            gaps = ITL_GAPS_ASYNC if async_scheduling(self.con, self.run_id) else ITL_GAPS
+            self.con.execute(f"CREATE OR REPLACE TEMP TABLE {GAPS_TABLE} AS WITH {gaps} SELECT * FROM gaps",
                              {"run": self.run_id, **self.params})
         return self
 

@@ -266,7 +266,17 @@ DELTA = ",\n    ".join(f"{name} AS ({sql})" for name, sql in STAGES)
 # the steps new since the last one (all of a run's gaps when its lowest rank changed, or steps were deleted),
 # the new gaps, and the neighbour counts (next_steps, prev_steps) of those and of the gap before each.
 
+# Under vLLM's async scheduling (run label `async_scheduling` True) a step's host call can return before its GPU work
+# ends, and its output is then handed out after the next step's host call: the last step ended by a token is its
+# own or the one after it (the H100 matrix's runs: the one after; H200 runs of an older build, whose host call
+# waited for the GPU: its own). There each step row carries the larger prefill and time of itself and the step
+# before (`lag`): a gap is a prefill's when either step was one, the host's only when longer than both.
+# ATTRIBUTION_RULE numbers this rule: a store whose gaps were tied by another has them all tied again once.
+
 STEP_MS = "CASE WHEN isnan(t.gpu_ms) THEN t.host_ms ELSE t.gpu_ms END"
+ATTRIBUTION_RULE = 2  # 1: every step's own shape; 2: with the step before's on runs scheduled asynchronously
+ASYNC_RUNS = """SELECT run_id, bool_or(value = 'True') AS async FROM run_info WHERE key = 'async_scheduling'
+                GROUP BY run_id"""
 
 # over `todo` (run_id, request_id, ts_ns, prev_ns: the gaps to attribute). Only the steps from the start of
 # the step last ended by the earliest prev_ns on are numbered (steps_in_gap is a difference of numbers)
@@ -282,11 +292,21 @@ ATTRIBUTE: list[tuple[str, str]] = [
                  WHERE e0.e0 IS NULL OR t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) >= e0.e0) AS lo
         FROM e0 JOIN sources s ON s.run_id = e0.run_id JOIN steps t ON t.source_id = s.source_id AND t.rank = e0.rank
         GROUP BY e0.run_id, e0.rank"""),
-    ("ends", f"""SELECT lo.run_id, t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) AS end_ns, {STEP_MS} AS step_ms,
-               t.prefill_tokens, t.decode_tokens,
-               row_number() OVER (PARTITION BY lo.run_id ORDER BY t.ts_ns, t.step_id) AS step_no
-        FROM lo JOIN sources s ON s.run_id = lo.run_id
-        JOIN steps t ON t.source_id = s.source_id AND t.rank = lo.rank AND t.ts_ns >= lo.lo"""),
+    # one step before `lo` too (it ends before e0, so no gap ties to it): the first step's previous one, for `lag`
+    ("lo1", """SELECT lo.run_id, lo.rank, coalesce(max(t.ts_ns) FILTER (WHERE t.ts_ns < lo.lo), lo.lo) AS lo
+        FROM lo JOIN sources s ON s.run_id = lo.run_id JOIN steps t ON t.source_id = s.source_id AND t.rank = lo.rank
+        GROUP BY lo.run_id, lo.rank, lo.lo"""),
+    ("ends", f"""SELECT lo.run_id, t.ts_ns + CAST(t.host_ms * 1e6 AS BIGINT) AS end_ns,
+               CASE WHEN coalesce(ar.async, false) THEN greatest({STEP_MS}, lag({STEP_MS}) OVER w)
+                    ELSE {STEP_MS} END AS step_ms,
+               CASE WHEN coalesce(ar.async, false) THEN greatest(t.prefill_tokens, lag(t.prefill_tokens) OVER w)
+                    ELSE t.prefill_tokens END AS prefill_tokens,
+               t.decode_tokens,
+               row_number() OVER w AS step_no
+        FROM lo1 lo JOIN sources s ON s.run_id = lo.run_id
+        JOIN steps t ON t.source_id = s.source_id AND t.rank = lo.rank AND t.ts_ns >= lo.lo
+        LEFT JOIN ({ASYNC_RUNS}) ar ON ar.run_id = lo.run_id
+        WINDOW w AS (PARTITION BY lo.run_id ORDER BY t.ts_ns, t.step_id)"""),
     ("att", """SELECT a.run_id, a.request_id, a.ts_ns, a.prev_ns, a.step_no - p.step_no AS steps_in_gap, a.step_ms,
                a.prefill_tokens, a.decode_tokens
         FROM (SELECT d.*, e.step_no, e.step_ms, e.prefill_tokens, e.decode_tokens
@@ -413,8 +433,8 @@ def install(con: Any) -> None:
 def attribution_current(con: Any) -> bool:
     """Whether every gap's stored steps are those of the steps and events in the store now (nothing folded in
     since, nothing deleted): then ITL attribution reads them instead of joining the gaps to the steps."""
-    ev, st = state(con), state(con, "steps")
-    if ev is None or st is None:
+    ev, st, gaps = state(con), state(con, "steps"), state(con, "token_gaps")
+    if ev is None or st is None or gaps is None or gaps[0] != ATTRIBUTION_RULE:
         return False
     for table, (wm, n) in (("request_events", ev), ("steps", st)):
         below, above = rowid_counts(con, table, wm)
@@ -468,7 +488,7 @@ def _attribute(con: Any, new_gaps: bool) -> None:
     history (with joins against the whole table, a slice of 200k events took seconds at 20M stored gaps and the
     live fold fell minutes behind at 80k events/s: benchmarks/gpu_rate.py). The new gaps are those the fold just
     made (temp table `fold_new_gaps`); every older one is attributed once `derived_state` has a 'token_gaps' row
-    (None before the first such fold: all are done). Not a row-id watermark: rows appended in the fold's own
+    whose wm is ATTRIBUTION_RULE (None before the first such fold, or another rule: all are done). Not a row-id watermark: rows appended in the fold's own
     transaction carry transaction-local row ids until it commits."""
     st = state(con, "steps")
     wm, n = st or (-1, 0)
@@ -476,6 +496,8 @@ def _attribute(con: Any, new_gaps: bool) -> None:
     below, above = rowid_counts(con, "steps", wm)
     total = below + above
     gst = state(con, "token_gaps")
+    if gst is not None and gst[0] != ATTRIBUTION_RULE:  # tied by another rule: all again
+        gst = None
     # each run's lowest rank now: a run whose lowest rank is not the one its gaps were tied to is done again
     con.execute("""CREATE OR REPLACE TEMP TABLE rank_now AS SELECT s.run_id, min(t.rank) AS rank
                    FROM steps t JOIN sources s USING (source_id) GROUP BY s.run_id""")
@@ -544,7 +566,7 @@ def _attribute(con: Any, new_gaps: bool) -> None:
         con.execute(f"DROP TABLE IF EXISTS temp.{t}")
     con.execute("INSERT OR REPLACE INTO derived_state VALUES ('steps', ?, ?)", [top, total])
     # every stored gap is attributed now: the next fold need only look at the gaps it makes (`fold_new_gaps`)
-    con.execute("INSERT OR REPLACE INTO derived_state VALUES ('token_gaps', 0, 0)")
+    con.execute("INSERT OR REPLACE INTO derived_state VALUES ('token_gaps', ?, 0)", [ATTRIBUTION_RULE])
 
 
 def _has_temp(con: Any, name: str) -> bool:

@@ -30,7 +30,8 @@ from phasescope.analyzers.runinfo import read_run_info
 # every analyzer's thresholds and their defaults, as the docs and `diagnose --list-thresholds` state them
 DEFAULTS = {
     "prefill_stalls_decode": {"long_prefill_tokens": 128, "stall_ratio": 3.0, "critical_ratio": 10.0, "min_steps": 5,
-                              "min_cosched_share": 0.01, "target_ratio": 2.0, "min_chunk_tokens": 64},
+                              "min_cosched_share": 0.01, "min_time_share": 0.05, "target_ratio": 2.0,
+                              "min_chunk_tokens": 64},
     "itl_spikes": {"long_prefill_tokens": 128, "host_stall_ratio": 2.0, "itl_spike_ratio": 3.0, "min_cause_share": 0.5,
                    "tpot_slo_s": 0.1, "fit_min_prefill_tokens": 32, "min_itl_samples": 500, "target_ratio": 2.0,
                    "min_chunk_tokens": 64},
@@ -107,8 +108,11 @@ CASES: list[tuple[str, str, str, str, Get, str, str | None, dict]] = [
      "critical", {}),
     ("prefix-miss", "prefill_stalls_decode", "prefill-stalls-decode", "min_steps",
      lambda e: min(e["cosched_steps"], e["pure_decode_steps"]), ">=", None, {}),
+    # the gate is either share: each case holds the other out of reach (a share is never above 1)
     ("prefix-miss", "prefill_stalls_decode", "prefill-stalls-decode", "min_cosched_share", key("cosched_share"), ">=",
-     None, {}),
+     None, {"min_time_share": 2.0}),
+    ("prefix-miss", "prefill_stalls_decode", "prefill-stalls-decode", "min_time_share", key("affected_share"), ">=",
+     None, {"min_cosched_share": 2.0}),
     ("prefill-interference", "itl_spikes", "itl-spikes-prefill", "itl_spike_ratio",
      lambda e: e["itl_p99_ms"] / e["itl_p50_ms"], ">=", None, {}),
     ("kv-pressure", "itl_spikes", "itl-spikes-preemption", "min_cause_share", key("tail_preemption_share"), ">=",
