@@ -32,6 +32,8 @@ import math
 
 from phasescope.agent.read.thresholds import T
 
+from phasescope.agent.records.events import VLLM_SCHEDULER_SECONDS
+
 from .decode import ACTIVE_GPU_SQL
 from .findings import Finding, ref
 from .runinfo import runtime_of
@@ -92,6 +94,17 @@ STEPS_SQL = """WITH st AS (SELECT t.* FROM steps t JOIN sources s USING (source_
 
 CPU_STEPS_SQL = """SELECT quantile_cont(host_ms, 0.5) AS step_host_ms_p50, count(*) AS host_steps
     FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = $run"""
+
+# vLLM's scheduler (schedule() + update_from_output(), the vLLM adapter's counter) over the engine's stepping
+# time: the start-to-start periods of each engine's first rank (the ranks with prefix counters), idle gaps of a
+# second or more left out; None without the counter
+SCHEDULER_SQL = f"""WITH m AS (SELECT m.engine, max(m.value) AS v FROM server_metrics m JOIN sources s USING (source_id)
+                    WHERE s.run_id = $run AND m.name = '{VLLM_SCHEDULER_SECONDS}' GROUP BY m.engine),
+    st AS (SELECT (lead(t.ts_ns) OVER (PARTITION BY t.source_id, t.rank ORDER BY t.ts_ns) - t.ts_ns) / 1e9 AS p
+           FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = $run
+             AND t.rank IN (SELECT DISTINCT p.rank FROM prefix_counters p JOIN sources s2 USING (source_id)
+                            WHERE s2.run_id = $run))
+    SELECT (SELECT sum(v) FROM m) AS scheduler_s, (SELECT sum(p) FROM st WHERE p < 1.0) AS stepping_s"""
 
 
 def _f(v: object) -> float | None:
@@ -206,8 +219,14 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
         effect = (f"The engine lost ~{share:.0%} of its runnable time waiting for a CPU; with CPU of its own the "
                   f"median step ({_num(step_ms)} ms) and TPOT drop by up to ~{share:.0%}.")
     e["probe_cost_share"] = own
-    mine = f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""
-    if own is not None:
+    sc = one(con, SCHEDULER_SQL, run_id)
+    sched = sc["scheduler_s"] / sc["stepping_s"] if sc["scheduler_s"] is not None and sc["stepping_s"] else None
+    e["scheduler_s"], e["stepping_s"], e["scheduler_share"] = sc["scheduler_s"], sc["stepping_s"], sched
+    e["query"] += ";\n" + SCHEDULER_SQL
+    mine = ((f" vLLM's scheduler (schedule + update_from_output) took {sched:.0%} of the engine's stepping time."
+             if sched is not None else "")
+            + (f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""))
+    if mine:
         effect += mine
     said = [f"Host time is {ratio:.1f}x GPU time per step ({g['host_ms_p50']:.2f} vs {g['gpu_ms_p50']:.2f} ms)."
             if launch_bound else "",

@@ -65,6 +65,10 @@ PHASE_PREFILL, PHASE_DECODE, PHASE_MIXED, PHASE_IDLE = range(4)
 # ServerMetric name of the vLLM adapter's per-engine counter of iterations that produced output (vLLM's own
 # `vllm:iteration_tokens_total` count; the `steps` table holds every forward pass, chunk-only prefills included)
 VLLM_OUTPUT_ITERATIONS = "phasescope:vllm_output_iterations_total"
+# ServerMetric name of the vLLM adapter's per-engine counter of seconds the engine thread spent inside vLLM's
+# `Scheduler.schedule()` and `update_from_output()` (the probe's hooks in them excluded): the scheduler's share of
+# the engine's time is its rate (analyzers/host.py)
+VLLM_SCHEDULER_SECONDS = "phasescope:vllm_scheduler_seconds_total"
 REQUEST_EVENTS = ("arrival", "scheduled", "token", "finished", "aborted", "preempted", "cancelled", "queued")
 (REQ_ARRIVAL, REQ_SCHEDULED, REQ_TOKEN, REQ_FINISHED, REQ_ABORTED, REQ_PREEMPTED, REQ_CANCELLED,
  REQ_QUEUED) = range(8)

@@ -222,9 +222,9 @@ class _Pool:
         self.cached_block_hash_to_block._cache[h] = b
 
 
-def _engine(monkeypatch, tmp_path, pool: _Pool, scheduled: object = None):
+def _engine(monkeypatch, tmp_path, pool: _Pool, scheduled: object = None, schedule=None, update=None):
     """EngineHooks on a scheduler shaped like vLLM 0.24's (no record_prefix_cache_stats); its schedule() returns
-    `scheduled`."""
+    `scheduled` (or is `schedule`), its update_from_output is `update` if given."""
     from types import SimpleNamespace as NS
 
     monkeypatch.setenv("PHASESCOPE_AGENT", f"unix:{tmp_path}/none.sock")  # nothing listens: records are dropped
@@ -235,7 +235,8 @@ def _engine(monkeypatch, tmp_path, pool: _Pool, scheduled: object = None):
     sched = NS(vllm_config=NS(), kv_cache_manager=kvm, requests={},
                kv_cache_config=NS(kv_cache_groups=[NS(kv_cache_spec=NS(page_size_bytes=1024, dtype="bf16"),
                                                       layer_names=["l0"])]),
-               add_request=lambda r: None, schedule=lambda: scheduled, update_from_output=lambda o, so: {},
+               add_request=lambda r: None, schedule=schedule or (lambda: scheduled),
+               update_from_output=update or (lambda o, so: {}),
                _preempt_request=lambda r, t: None, finish_requests=lambda ids, st: [])
     return adapter.EngineHooks(sched), sched, kvm
 
@@ -418,6 +419,42 @@ def test_output_iterations_skip_chunk_only_steps(monkeypatch, tmp_path):
         assert hooks.steps == 4 and hooks.output_iterations == 2
         counter = [r.value for r in emitted if isinstance(r, ServerMetric) and r.name == VLLM_OUTPUT_ITERATIONS]
         assert counter == [1.0, 2.0]
+    finally:
+        adapter.close_channels(0.1)
+
+
+def test_scheduler_seconds_count_vllms_own_time_in_the_step_calls(monkeypatch, tmp_path):
+    """Issue 55, host-bound: the engine counts the seconds its thread spends inside vLLM's schedule() and
+    update_from_output() (the probe's hooks after them not included), pushed as a counter where it moved."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from phasescope.agent.records.events import VLLM_SCHEDULER_SECONDS, ServerMetric
+
+    so = NS(scheduled_new_reqs=[], total_num_scheduled_tokens=0,
+            scheduled_cached_reqs=NS(resumed_req_ids=set(), req_ids=[], num_computed_tokens=[]))
+
+    def schedule():
+        time.sleep(0.02)
+        return so
+
+    def update(o, s):
+        time.sleep(0.01)
+        return {}
+
+    hooks, sched, _ = _engine(monkeypatch, tmp_path, _Pool(4), schedule=schedule, update=update)
+    emitted: list = []
+    hooks._push = emitted.append
+    try:
+        t0 = time.perf_counter_ns()
+        for _ in range(3):
+            sched.update_from_output(sched.schedule(), None)
+        wall = time.perf_counter_ns() - t0
+        hooks._push_counters()
+        hooks._push_counters()  # unchanged: nothing more pushed
+        got = [r.value for r in emitted if isinstance(r, ServerMetric) and r.name == VLLM_SCHEDULER_SECONDS]
+        assert len(got) == 1
+        assert 0.09 <= got[0] <= wall / 1e9  # the sleeps inside vLLM's calls, never more than the calls' wall time
     finally:
         adapter.close_channels(0.1)
 

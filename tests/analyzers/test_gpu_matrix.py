@@ -138,3 +138,38 @@ def test_async_steps_take_their_output_interval(outcomes):
     assert stall.evidence["pure_decode_p50_ms"] < 2.5
     assert "between its output and the previous one" in stall.evidence["step_ms_source"]
     assert "itl-spikes-prefill" in o["got"] and "itl-spikes-host" not in o["got"]
+
+
+def test_host_bound_names_the_schedulers_share():
+    """host-bound on the H100 batch-256 run states vLLM's scheduler's share of the engine's stepping time from the
+    adapter's counter (phasescope:vllm_scheduler_seconds_total over the start-to-start periods of the engine's
+    steps): here the counter is written into the store by hand at 40% of the stepping time, then taken away."""
+    import tempfile
+
+    import duckdb
+
+    from builders.gpu_matrix import store
+    from builders.scenarios import load
+    from phasescope.agent.records.events import VLLM_SCHEDULER_SECONDS
+    from phasescope.analyzers.host import host_bound
+
+    with tempfile.TemporaryDirectory() as tmp:
+        db = os.path.join(tmp, "r.duckdb")
+        run_id = load(store("host-bound"), db)
+        con = duckdb.connect(db)
+        try:
+            (f,) = host_bound(con, run_id, labels=_labels("host-bound"))
+            assert f.evidence["scheduler_share"] is None and "scheduler" not in f.summary
+            stepping = f.evidence["stepping_s"]
+            assert stepping and stepping > 1.0
+            src, ts = con.execute("SELECT source_id, max(ts_ns) FROM steps GROUP BY source_id LIMIT 1").fetchone()
+            con.execute("INSERT INTO server_metrics VALUES (?, ?, 0, ?, '', ?), (?, ?, 0, ?, '', ?)",
+                        [src, ts - 10**9, VLLM_SCHEDULER_SECONDS, 0.1 * stepping,
+                         src, ts, VLLM_SCHEDULER_SECONDS, 0.4 * stepping])
+            (f,) = host_bound(con, run_id, labels=_labels("host-bound"))
+            assert f.evidence["scheduler_share"] == pytest.approx(0.4)
+            assert "vLLM's scheduler (schedule + update_from_output) took 40% of the engine's stepping time" \
+                in f.summary
+            assert "The probe's own share" in f.summary
+        finally:
+            con.close()

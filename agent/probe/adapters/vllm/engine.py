@@ -2,8 +2,9 @@
 snapshot, with the adapter's budget (budget.py).
 
 Hot path, per engine step: `schedule()` and `update_from_output()` wrappers (one frame each around vLLM's call) do
-O(1) Python besides one loop over the requests *admitted* in the step (their `scheduled` event and KV base): two
-clock reads and one `KVSnapshot` per TP rank from the kept counts (kvaccount.py). The output-iteration counter is
+O(1) Python besides one loop over the requests *admitted* in the step (their `scheduled` event and KV base): four
+clock reads (two time vLLM's own calls: the scheduler's seconds, a counter) and one `KVSnapshot` per TP rank from
+the kept counts (kvaccount.py). The output-iteration counter is
 an int the step adds to, pushed as a `ServerMetric` by the probe's background wake where it moved
 (`_push_counters`); `PrefixCounters` only on a step whose lookups or evictions moved them (a flag and a compare).
 ~11 us a step at batch 1 on 2 CPU cores (benchmarks/vllm_host_cost.py). Per request, once: `arrival` + `queued` (add_request), `scheduled`, a
@@ -23,7 +24,7 @@ from typing import Any
 
 from ....records.events import (
     PrefixLookup, RequestEvent, ServerMetric, REQ_ABORTED, REQ_ARRIVAL, REQ_CANCELLED, REQ_FINISHED,
-    REQ_PREEMPTED, REQ_QUEUED, REQ_SCHEDULED, REQ_TOKEN, VLLM_OUTPUT_ITERATIONS, short_id,
+    REQ_PREEMPTED, REQ_QUEUED, REQ_SCHEDULED, REQ_TOKEN, VLLM_OUTPUT_ITERATIONS, VLLM_SCHEDULER_SECONDS, short_id,
 )
 from ...pagetrack import PrefixTable
 from . import kvaccount
@@ -69,6 +70,8 @@ class EngineHooks(PrefixLedger):
         self._init_prefix()
         self.kv: kvaccount.KvAccount | None = None
         self._iter_sent = 0  # output_iterations last pushed (by the probe's background wake)
+        self.sched_ns = 0  # the engine thread's time inside vLLM's schedule() and update_from_output(), ns
+        self._sched_sent = 0
         ref, m = (lambda: self.probe), self.meter
         wrap(scheduler, "add_request", self._after_add, ref, meter=m)
         self._install_step(scheduler)
@@ -110,8 +113,10 @@ class EngineHooks(PrefixLedger):
                 continue
 
             def wrapper(*a: Any, _orig: Any = original, _hook: Any = hook, _part: str = name, **k: Any) -> Any:
+                t_in = perf()
                 result = _orig(*a, **k)
                 t0 = perf()
+                self.sched_ns += t0 - t_in  # vLLM's own time in the call: the scheduler's share (host-bound)
                 try:
                     _hook(result, *a, **k)
                 except Exception as exc:  # noqa: BLE001 - never into vLLM
@@ -126,13 +131,17 @@ class EngineHooks(PrefixLedger):
             setattr(scheduler, name, wrapper)
 
     def _push_counters(self) -> None:
-        """The output-iteration counter where it moved (the probe's background wake, every flush interval, and its
-        exit ship). The prefix counters stay on the step (`_after_update`): their series has one record per step
+        """The output-iteration and scheduler-seconds counters where they moved (the probe's background wake, every
+        flush interval, and its exit ship). The prefix counters stay on the step (`_after_update`): their series has one record per step
         that moved them, which the prefix analyzers and the telemetry checks read as the time of each move."""
         n = self.output_iterations
         if n != self._iter_sent:
             self._iter_sent = n
             self._push(ServerMetric(time.monotonic_ns(), self.dp_rank, VLLM_OUTPUT_ITERATIONS, "", float(n)))
+        ns = self.sched_ns
+        if ns != self._sched_sent:
+            self._sched_sent = ns
+            self._push(ServerMetric(time.monotonic_ns(), self.dp_rank, VLLM_SCHEDULER_SECONDS, "", ns / 1e9))
 
     # what tests and builders read
     @property
