@@ -40,7 +40,8 @@ from phasescope.analyzers.runinfo import RUN_INFO_DDL, record_run_info
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # tests/data
 TABLES = ("sources", "steps", "request_events", "kv_snapshots", "prefix_counters", "gpu_samples",
-          "probe_health", "process_samples", "host_samples", "prefix_lookups", "page_events", "run_info")
+          "probe_health", "process_samples", "host_samples", "prefix_lookups", "page_events", "run_info",
+          "server_metrics")
 
 
 @dataclass(frozen=True)
