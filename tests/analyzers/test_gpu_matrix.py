@@ -104,8 +104,9 @@ def test_the_flag_check_catches_a_bad_flag(engine_flags):
 
 
 def test_gpu_idle_threshold_at_its_boundary():
-    """host-bound's GPU-idle criterion on the H100 batch-256 run: NVML read the GPU 47.2% busy while decoding; the
-    rule fires with `min_gpu_busy` just above that figure and is silent just below it."""
+    """host-bound's GPU-idle criterion on the H100 batch-256 run: NVML read the GPU 32% busy over 35 samples while
+    decoding (earlier, shorter runs of 6 samples: 47% and 65%); the rule fires with `min_gpu_busy` just above that
+    figure and is silent just below it."""
     import tempfile
 
     import duckdb
@@ -119,7 +120,7 @@ def test_gpu_idle_threshold_at_its_boundary():
         con = duckdb.connect(os.path.join(tmp, "r.duckdb"), read_only=True)
         try:
             busy = next(f for f in diagnose(con, run_id) if f.id == "host-bound").evidence["gpu_busy_while_decoding"]
-            assert 0.4 < busy < 0.6
+            assert 0.2 < busy < 0.45
             above = {f.id for f in diagnose(con, run_id, min_gpu_busy=busy + 0.005)}
             below = {f.id for f in diagnose(con, run_id, min_gpu_busy=busy - 0.005)}
         finally:
@@ -142,8 +143,8 @@ def test_async_steps_take_their_output_interval(outcomes):
 
 def test_host_bound_names_the_schedulers_share():
     """host-bound on the H100 batch-256 run states vLLM's scheduler's share of the engine's stepping time from the
-    adapter's counter (phasescope:vllm_scheduler_seconds_total over the start-to-start periods of the engine's
-    steps): here the counter is written into the store by hand at 40% of the stepping time, then taken away."""
+    adapter's counter (phasescope:vllm_scheduler_seconds_total, 21.2 s, over the start-to-start periods of the
+    engine's steps, 37.7 s: 56%) beside the probe's own; a store without the counter says neither."""
     import tempfile
 
     import duckdb
@@ -159,17 +160,18 @@ def test_host_bound_names_the_schedulers_share():
         con = duckdb.connect(db)
         try:
             (f,) = host_bound(con, run_id, labels=_labels("host-bound"))
-            assert f.evidence["scheduler_share"] is None and "scheduler" not in f.summary
-            stepping = f.evidence["stepping_s"]
-            assert stepping and stepping > 1.0
-            src, ts = con.execute("SELECT source_id, max(ts_ns) FROM steps GROUP BY source_id LIMIT 1").fetchone()
-            con.execute("INSERT INTO server_metrics VALUES (?, ?, 0, ?, '', ?), (?, ?, 0, ?, '', ?)",
-                        [src, ts - 10**9, VLLM_SCHEDULER_SECONDS, 0.1 * stepping,
-                         src, ts, VLLM_SCHEDULER_SECONDS, 0.4 * stepping])
+            e = f.evidence
+            last = con.execute("SELECT max(value) FROM server_metrics WHERE name = ?",
+                               [VLLM_SCHEDULER_SECONDS]).fetchone()[0]
+            periods = con.execute("""SELECT sum(p) FROM (SELECT (lead(ts_ns) OVER (ORDER BY ts_ns) - ts_ns) / 1e9 AS p
+                                     FROM steps) WHERE p < 1.0""").fetchone()[0]
+            assert e["scheduler_s"] == pytest.approx(last) and e["stepping_s"] == pytest.approx(periods)
+            assert 0.4 < e["scheduler_share"] < 0.7
+            assert f"vLLM's scheduler (schedule + update_from_output) took {e['scheduler_share']:.0%} of the " \
+                   "engine's stepping time" in f.summary
+            assert "The probe's own share of the engine's time: 0.3%" in f.summary
+            con.execute("DELETE FROM server_metrics WHERE name = ?", [VLLM_SCHEDULER_SECONDS])
             (f,) = host_bound(con, run_id, labels=_labels("host-bound"))
-            assert f.evidence["scheduler_share"] == pytest.approx(0.4)
-            assert "vLLM's scheduler (schedule + update_from_output) took 40% of the engine's stepping time" \
-                in f.summary
-            assert "The probe's own share" in f.summary
+            assert f.evidence["scheduler_share"] is None and "scheduler" not in f.summary
         finally:
             con.close()

@@ -154,6 +154,10 @@ def table() -> str:
              "issue 55), stored as a fixture under `tests/data/gpu/`; `got` is what `phasescope diagnose` says of it "
              "now. `tests/analyzers/test_gpu_matrix.py` fails when an expected finding is missing or a forbidden one "
              "fires. Regenerate this page with `PYTHONPATH=tests python -m builders.gpu_matrix table`.", "",
+             "Every run here schedules asynchronously (vLLM 0.24's default): a step's host call returns before its "
+             "GPU work ends, so a step not timed by CUDA events takes the interval between its output and the "
+             "previous one (the next step's start-to-start period), and an ITL gap is tied to the larger prefill of "
+             "its step and the one before (`agent/read/base.py`, `agent/read/itl.py`).", "",
              "| scenario | device | engine settings | why | expected | got (warnings and worse) | verdict |",
              "|---|---|---|---|---|---|---|"]
     notes = []
