@@ -234,13 +234,18 @@ def test_the_read_api_folds_at_most_once_per_interval_and_reads_stay_exact(tmp_p
 
 # --- the steps kept with the gaps (ITL attribution) ----------------------------------------------------------
 
-ATTRIBUTION_FIXTURES = ["prefill-interference", "kv-pressure", "itl-spikes-vllm", "reused-ids", "telemetry-silent"]
+# the last two schedule asynchronously (GPU runs of vLLM 0.24): each end carries the larger prefill and time of its
+# step and the one before (ATTRIBUTION_RULE 2), in the fold as at read time
+ATTRIBUTION_FIXTURES = ["prefill-interference", "kv-pressure", "itl-spikes-vllm", "reused-ids", "telemetry-silent",
+                        "prefill-interference-vllm-h200", "gpu/interference"]
 
 
 def attribution(con, run: str, stored: bool) -> list:
-    from phasescope.agent.read.itl import ITL_GAPS, STORED_GAPS
+    from phasescope.agent.read.base import async_scheduling
+    from phasescope.agent.read.itl import ITL_GAPS, ITL_GAPS_ASYNC, STORED_GAPS
 
-    sql = STORED_GAPS if stored else f"WITH {ITL_GAPS} SELECT * FROM gaps"
+    gaps = ITL_GAPS_ASYNC if async_scheduling(con, run) else ITL_GAPS
+    sql = STORED_GAPS if stored else f"WITH {gaps} SELECT * FROM gaps"
     rows = con.execute(f"SELECT request_id, ts_ns, tokens, steps_in_gap, step_ms, prefill_tokens, decode_tokens, cause "
                        f"FROM ({sql})", {"run": run, "long": 128, "host_ratio": 2.0}).fetchall()
     return sorted(rows, key=repr)
@@ -280,6 +285,24 @@ def test_the_steps_kept_with_the_gaps_are_the_steps_joined_at_read_time(tmp_path
         assert attribution(con, run, stored=True) == attribution(con, run, stored=False), f"after part {i + 1}"
     assert attribution(con, run, stored=True) == want
     con.close()
+
+
+def test_gaps_tied_by_another_rule_are_tied_again(tmp_path):
+    """A store whose gaps were tied to their steps by an earlier rule (ATTRIBUTION_RULE 1: each step's own shape, on
+    a run scheduled asynchronously too) is not read as current, and its next refresh ties every gap again."""
+    path = str(tmp_path / "run.duckdb")
+    run = load(os.path.join(DATA_DIR, "gpu", "interference"), path)
+    con = duckdb.connect(path)
+    want = attribution(con, run, stored=False)
+    assert derived.attribution_current(con) and attribution(con, run, stored=True) == want
+    assert any(r[5] and r[5] >= 8000 for r in want)  # gaps tied to the 8000-token prefills
+    con.execute("UPDATE token_gaps SET prefill_tokens = 0, step_ms = 0")  # what rule 1 may have left
+    con.execute("UPDATE derived_state SET wm = 1 WHERE name = 'token_gaps'")
+    assert not derived.attribution_current(con)
+    derived.refresh(con)
+    assert derived.attribution_current(con) and attribution(con, run, stored=True) == want
+    assert con.execute("SELECT wm FROM derived_state WHERE name = 'token_gaps'").fetchone()[0] == \
+        derived.ATTRIBUTION_RULE
 
 
 @pytest.mark.parametrize("name", ["prefill-interference", "kv-pressure", "reused-ids"])
