@@ -19,8 +19,7 @@ STEP_MS = "CASE WHEN isnan(gpu_ms) THEN host_ms ELSE gpu_ms END"
 ASYNC_STEP_MS = ("CASE WHEN NOT isnan(gpu_ms) THEN gpu_ms ELSE greatest(host_ms, coalesce("
                  "(lead(t.ts_ns, 2) OVER steps_w - lead(t.ts_ns, 1) OVER steps_w) / 1e6, host_ms)) END")
 STEPS_WINDOW = " WINDOW steps_w AS (PARTITION BY t.source_id ORDER BY t.ts_ns, t.step_id)"
-ASYNC_RUN_SQL = ("SELECT coalesce(bool_or(value = 'True'), false) FROM run_info "
-                 "WHERE run_id = ? AND key = 'async_scheduling'")
+ASYNC_RUN_SQL = f"SELECT coalesce(any_value(async), false) FROM ({derived.ASYNC_RUNS}) WHERE run_id = ?"
 
 
 def async_scheduling(con: duckdb.DuckDBPyConnection, run_id: str) -> bool:

@@ -53,9 +53,6 @@ class Scenario:
     known: tuple = ()
 
 
-# the H100 run of 2026-12-07: with async scheduling (vLLM's default) the engine's call for a step returns before the GPU
-# runs it, so the probe's host time per step is not the step: 8000-token prefill steps read 9 ms of host time where
-# the token gaps after them are ~27 ms, and 1 of 768 decode steps was CUDA-event-timed (sampled, then lowered)
 _NO_WARNING = ("decode-launch-bound", "host-bound", "prefill-stalls-decode", "itl-spikes-prefill",
                "preemption-recompute", "kv-near-cap", "decode-below-roofline")
 
