@@ -237,7 +237,7 @@ def analyze(phase: str, db: str, child: dict) -> dict:
 
     con = duckdb.connect(db, read_only=True)
     try:
-        if phase == "cost":
+        if phase in ("cost", "toggle"):  # toggle: A armed, B the same engine paused
             return {"cost": cost(child), "probe": probe_cost_view(con)}
         out = {"fidelity": fidelity(con, child)}
         if phase in ("truth", "pressure"):

@@ -8,6 +8,7 @@
 #   benchmarks/gpu/lease.sh cost OUT [ARGS]    # the cost phase (three engines, ABBA) with py-spy on each
 #                                              # EngineCore for PYSPY_S seconds (default 120), results in OUT
 #   benchmarks/gpu/lease.sh matrix OUT [ARGS]  # the scenario matrix (matrix.py, issue 55), results in OUT
+#   benchmarks/gpu/lease.sh toggle OUT [ARGS]  # one engine, the adapter paused and armed by turns (ABBA)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 case "${1:-}" in
@@ -25,6 +26,11 @@ cost)
     python3 "$HERE/vllm_h200.py" --phases cost --out "$out" "$@" > "$out/log.txt" 2>&1 || true
     python3 "$HERE/pyspy_share.py" "$out" --json "$out/pyspy.json" || true
     grep -a "=== cost\|py-spy\|done in" "$out/log.txt" | cut -c1-2000 ;;
+toggle)
+    out=${2:?out dir}; shift 2
+    export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+    python3 "$HERE/vllm_h200.py" --phases toggle --out "$out" "$@" > "$out/log.txt" 2>&1 || true
+    grep -a "=== \|done in\|Traceback\|Error" "$out/log.txt" | cut -c1-3000 | tail -40 ;;
 matrix)
     out=${2:?out dir}; shift 2
     export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1

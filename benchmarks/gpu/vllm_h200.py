@@ -10,8 +10,10 @@ torch.compile, CUDA graphs (FULL_AND_PIECEWISE), prefix caching, chunked prefill
   each step, and vLLM's SchedulerStats; compared with the probe's steps and KV snapshots, and the
   plugin's counters with `LLM.get_metrics()` (fidelity, ample KV).
 - pressure: the same fidelity checks on a KV cache small enough to preempt (and a fixture).
-- cost: two engines in one process, one armed and one not, serving identical blocks alternately
+- cost: engines in one process, one armed and others not, serving identical blocks alternately
   (ABBA), decode throughput and median step period at batch 1, 8 and 64.
+- toggle: one armed engine whose adapter is taken off and put back between blocks (pause.py), ABBA:
+  the same comparison without a second engine's position in the process and on the GPU.
 - interference: decoders with long prompts arriving (chunked prefill), a fixture for diagnose.
 
     python vllm_h200.py --out DIR [--phases truth,cost,pressure,interference] [--deadline-s 540]
@@ -41,7 +43,7 @@ RESULT_TAG = "H200_RESULT "
 _LLMS: list = []  # the child's engines, shut down after the result is written
 
 # phase -> (seconds it may take at most, seconds it needs at least to be worth starting)
-PHASE_TIME = {"truth": (240, 120), "cost": (450, 150), "pressure": (150, 80), "interference": (150, 80)}
+PHASE_TIME = {"truth": (240, 120), "cost": (450, 150), "toggle": (540, 120), "pressure": (150, 80), "interference": (150, 80)}
 
 
 # --- child side: runs vLLM ------------------------------------------------------------------------
@@ -265,6 +267,82 @@ def child_cost(model: str, cpu: bool, budget_s: float, batches: list[int], max_t
     return res
 
 
+def child_toggle(model: str, cpu: bool, budget_s: float, batches: list[int], max_tokens: int,
+                 checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """One armed engine (vLLM's stats off) serving identical blocks armed (A) and paused (B) in turn, the order
+    A B / B A alternating by round. Between blocks the adapter's wrappers come off vLLM's instances and go back in
+    every process of the engine (frontend, EngineCore, workers: `pause.py`, through PHASESCOPE_BENCH_PAUSE_FILE,
+    each process acknowledging). One engine, one place in the process and on the GPU: no position effect to
+    confound the two (the three-engine `cost` phase's problem). Paused, the probes' background threads still wake
+    (nothing to send): their idle cost is in both conditions, not in A - B."""
+    import glob
+
+    from vllm import LLM
+
+    path = os.environ["PHASESCOPE_BENCH_PAUSE_FILE"]
+    util = {} if cpu else dict(gpu_memory_utilization=0.4)
+    t0 = time.monotonic()
+    llm = LLM(**_engine_args(model, cpu, disable_log_stats=True, **util))  # PHASESCOPE_AGENT is set
+    res: dict = {"engine_start_s": round(time.monotonic() - t0, 1)}
+
+    def acks() -> dict[str, dict]:
+        out = {}
+        for f in glob.glob(path + ".ack.*"):
+            try:
+                out[f.rsplit(".", 1)[1]] = json.loads(pathlib.Path(f).read_text())
+            except (OSError, ValueError):
+                pass  # being replaced: read again
+        return out
+
+    _generate(llm, _prompts(random.Random(1), 2, 16), 4)  # every process's channel is open and waking
+    time.sleep(3)
+    pids = sorted(acks())
+    res["processes"] = pids  # frontend + EngineCore (+ worker where it has a process of its own)
+    switches: list[dict] = []
+
+    def set_paused(paused: bool) -> None:
+        if paused:
+            pathlib.Path(path).touch()
+        elif os.path.exists(path):
+            os.remove(path)
+        t = time.monotonic()
+        while True:
+            now = acks()
+            if all(now.get(pid, {}).get("paused") == paused for pid in pids):
+                break
+            if time.monotonic() - t > 15:
+                raise RuntimeError(f"no acknowledgement of paused={paused} from every process: {now}")
+            time.sleep(0.02)
+        switches.append({pid: now[pid]["wrappers"] for pid in pids})
+
+    rng = random.Random(2)
+    for bs in batches:  # warm-up: one block of each size in each state
+        p = _prompts(rng, bs, 32)
+        for paused in (True, False):
+            set_paused(paused)
+            _timed_block(llm, p, 16)
+    rows = []
+    t_end = time.monotonic() + budget_s
+    r = 0
+    while time.monotonic() < t_end or r < 4:
+        for bs in batches:
+            p = _prompts(rng, bs, 32)
+            for cond in (("A", "B") if r % 2 == 0 else ("B", "A")):
+                set_paused(cond == "B")
+                rows.append(dict(_timed_block(llm, p, max_tokens), round=r, bs=bs, cond=cond, profiled=False))
+        r += 1
+        res.update(rows=rows, rounds=r, partial=True, switches=switches[:8], wrappers_per_switch=sorted(
+            {tuple(sorted(s.items())) for s in switches}))
+        if checkpoint is not None:
+            checkpoint(res)
+        if r >= 200:
+            break
+    set_paused(False)  # the figures the store keeps at the end are armed ones
+    res["partial"] = False
+    _LLMS.append(llm)
+    return res
+
+
 def _engine_cores(seen: set[int]) -> set[int]:
     """Pids of this process's EngineCore processes (vLLM titles them `VLLM::EngineCore`) plus `seen`."""
     try:
@@ -363,6 +441,9 @@ def child_main(a: argparse.Namespace) -> None:
     _VOCAB[0] = int(json.loads((pathlib.Path(a.model) / "config.json").read_text()).get("vocab_size", 32000))
     if a.child in ("truth", "pressure"):
         res = child_fidelity(a.model, a.cpu, a.child == "pressure")
+    elif a.child == "toggle":
+        res = child_toggle(a.model, a.cpu, a.cost_budget_s, [int(b) for b in a.batches.split(",")], a.max_tokens,
+                           checkpoint=lambda partial: _write_result(a.result, partial))
     elif a.child == "cost":
         res = child_cost(a.model, a.cpu, a.cost_budget_s, [int(b) for b in a.batches.split(",")], a.max_tokens,
                          checkpoint=lambda partial: _write_result(a.result, partial))
@@ -427,8 +508,11 @@ def run_phase(phase: str, a: argparse.Namespace, timeout_s: float, out: pathlib.
     env.pop("PHASESCOPE_RUN_ID", None)
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # engine B of `cost` must not inherit A's hooks
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the reference's functions (cloudpickle)
+    if phase == "toggle":  # every process of the engine follows this file: present, the adapter is off (pause.py)
+        env["PHASESCOPE_BENCH_PAUSE_FILE"] = f"{tmp}/paused"
     # the child's engine starts, warm-up and exit, s (a fourth engine: +60; an H100 start of 4 took ~180 s)
     reserve = 230 if cond_d_env(os.environ.get("PHASESCOPE_BENCH_COND_D", "")) is not None else 170
+    reserve = 110 if phase == "toggle" else reserve  # one engine to start
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", phase, "--model", a.model,
            "--result", result, "--cost-budget-s", str(min(a.cost_budget_s, max(30.0, timeout_s - reserve))), "--batches", a.batches,
            "--max-tokens", str(a.max_tokens)] + (["--cpu"] if a.cpu else [])

@@ -647,3 +647,80 @@ def test_worker_channel_honours_cuda_timing_setting(monkeypatch, tmp_path, env, 
     vllm_common.channel("worker", 0, 1, "m", {}, device=device)
     assert asked["cuda_timing"] is expect_cuda
     assert asked["device"] is (device if expect_cuda else None)
+
+
+def test_a_benchmark_pause_gives_vllm_its_own_methods_back_and_resumes_in_step(monkeypatch, tmp_path):
+    """pause.set_paused (the GPU harness's one-engine A/B): paused, every attribute the adapter wrapped holds what
+    it held before (the pool's twice-wrapped get_new_blocks included) and nothing is counted; resumed, the same
+    wrappers are back, the KV counts re-synced from a walk (not a cross-check miss), and the store is told."""
+    from phasescope.agent.probe.adapters.vllm import pause
+
+    monkeypatch.setattr(vllm_common, "WRAPPERS", [])
+    monkeypatch.setenv("PHASESCOPE_PAGE_SAMPLE_EVERY", "0")
+    pool = _Pool(12)
+    before_pool = dict(vars(pool))
+    hooks, sched, kvm = _engine(monkeypatch, tmp_path, pool)
+    monkeypatch.setitem(adapter._HOOKED, id(sched), hooks)
+    try:
+        assert {n for o, n, w, _ in vllm_common.WRAPPERS if o is pool} == {"get_new_blocks", "touch", "free_blocks"}
+        armed = {(id(o), n): getattr(o, n) for o, n, _, _ in vllm_common.WRAPPERS}
+        labels = []
+        monkeypatch.setattr(hooks.probe, "label", lambda **kw: labels.append(kw))
+
+        out = pause.set_paused(True)
+        assert out["paused"] and out["wrappers"] == len(armed) + 1  # the pool's fast get_new_blocks: twice
+        assert vars(pool) == before_pool  # the pool's own methods: no instance attribute left
+        assert not hasattr(sched.schedule, "__wrapped__") and not hasattr(kvm.free, "__wrapped__")
+        a = pool.get_new_blocks(4)
+        pool.cache(a[0], b"x" * 8)
+        pool.free_blocks(iter(a))  # vLLM works on; the adapter sees nothing
+        assert (hooks.kv.allocated, hooks.kv.freed, hooks.cached) == (0, 0, 0)
+        assert labels and "1 pauses" in labels[-1]["adapter_paused"]
+        assert pause.set_paused(True)["wrappers"] == 0  # already off: nothing changes
+
+        out = pause.set_paused(False)
+        assert out["wrappers"] == len(armed) + 1 and not out["paused"]
+        assert {(id(o), n): getattr(o, n) for o, n, _, _ in vllm_common.WRAPPERS} == armed
+        assert hooks.cached == hooks._cached_pages() == 1 and hooks.kv.recount_off == 0  # re-synced by a walk
+        b = pool.get_new_blocks(2)  # counted again, through the same fast wrapper
+        assert hooks.kv.allocated == 2 and pool.get_new_blocks is armed[(id(pool), "get_new_blocks")]
+        pool.free_blocks(iter(b))
+        assert hooks.kv.freed == 2
+    finally:
+        adapter.close_channels(0.1)
+
+
+def test_a_pause_file_is_followed_from_the_wake_and_acknowledged(monkeypatch, tmp_path):
+    """PHASESCOPE_BENCH_PAUSE_FILE (the toggle phase's switch across processes): the wake's callback pauses while
+    the file exists, resumes when it is gone, and says so in `<file>.ack.<pid>`; unset, nothing is watched."""
+    import json
+    import os
+    from types import SimpleNamespace as NS
+
+    from phasescope.agent.probe.adapters.vllm import pause
+
+    obj = NS(run=lambda: "vllm's")
+    monkeypatch.setattr(vllm_common, "WRAPPERS", [])
+    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
+    vllm_common.hook(obj, "run", lambda: "ours")
+    monkeypatch.setattr(pause, "_WATCHED", [False])
+    monkeypatch.delenv(pause.ENV_PAUSE_FILE, raising=False)
+    probe = NS(periodic=[])
+    pause.watch(probe)
+    assert probe.periodic == []  # unset: no callback, no cost
+    flag = tmp_path / "paused"
+    monkeypatch.setenv(pause.ENV_PAUSE_FILE, str(flag))
+    pause.watch(probe)
+    pause.watch(probe)  # once per process
+    assert len(probe.periodic) == 1
+    follow, ack = probe.periodic[0], tmp_path / f"paused.ack.{os.getpid()}"
+    follow()
+    assert json.loads(ack.read_text()) == {"wrappers": 0, "paused": False, "pauses": pause._PAUSES[0],
+                                           "pid": os.getpid()} and obj.run() == "ours"
+    flag.touch()
+    follow()
+    assert json.loads(ack.read_text())["paused"] is True and obj.run() == "vllm's"
+    flag.unlink()
+    follow()
+    assert json.loads(ack.read_text()) == dict(json.loads(ack.read_text()), paused=False, wrappers=1)
+    assert obj.run() == "ours"

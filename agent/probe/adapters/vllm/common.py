@@ -29,6 +29,10 @@ _STATE_LOCK = threading.Lock()
 _CHANNELS: dict[str, Probe] = {}  # role -> this process's record channel
 _FAILURES = collections.Counter()  # install-time failures by hook name (internals that moved)
 _FORKED = [False]  # this process is a forked child of a process that had armed the plugin
+_MISSING = object()
+# every instance wrapper this process installed, in order: (object, attribute, wrapper, what the attribute held
+# before: _MISSING where it was the class's method); read only by `pause.set_paused` (a benchmark's control)
+WRAPPERS: list[tuple[Any, str, Any, Any]] = []
 
 
 class _NoModule:
@@ -91,6 +95,9 @@ def channel(role: str, rank: int, world_size: int, model: str, labels: dict[str,
             if not _CHANNELS:
                 atexit.register(close_channels)
             _CHANNELS[role] = p
+            from .pause import watch  # a benchmark's pause file (pause.py); nothing unless its variable is set
+
+            watch(p)
             if _FAILURES:
                 p.label(adapter_missing=",".join(sorted(_FAILURES))[:96])
         return p
@@ -109,6 +116,9 @@ def reset_after_fork() -> None:
     """In a forked child the parent's flush threads are gone: forget its channels."""
     _FORKED[0] = True
     _CHANNELS.clear()
+    from .pause import _WATCHED
+
+    _WATCHED[0] = False  # the child's own wake follows a benchmark's pause file (pause.py), if any
 
 
 def forked() -> bool:
@@ -199,15 +209,15 @@ def wrap(obj: Any, name: str, after: Callable[..., Any] | None, probe_ref: Calla
         return result
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    setattr(obj, name, wrapper)
+    hook(obj, name, wrapper)
     return True
 
 
-def unwrap(obj: Any, name: str) -> None:
-    """Put back what `wrap` replaced on the instance (a lowered detail's hook)."""
-    fn = obj.__dict__.get(name)
-    if fn is not None and hasattr(fn, "__wrapped__"):
-        del obj.__dict__[name]
+def hook(obj: Any, name: str, wrapper: Any) -> None:
+    """Set `wrapper` as the instance attribute `obj.name` (every wrapper of the adapter goes in here) and note it
+    in WRAPPERS, so that a benchmark can take the adapter off and put it back (pause.py)."""
+    WRAPPERS.append((obj, name, wrapper, getattr(obj, "__dict__", {}).get(name, _MISSING)))
+    setattr(obj, name, wrapper)
 
 
 # --- clocks ----------------------------------------------------------------------------------------------

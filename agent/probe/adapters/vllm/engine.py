@@ -29,7 +29,7 @@ from ....records.events import (
 from ...pagetrack import PrefixTable
 from . import kvaccount
 from .budget import DETAIL_METRIC, LEVELS, Budget, share_from_env
-from .common import Meter, channel, core_event_ns, fail, forked, is_abort, log, mono_of_wall, wrap
+from .common import Meter, channel, core_event_ns, fail, forked, hook, is_abort, log, mono_of_wall, wrap
 from .labels import _model_name, _ranks, engine_side_labels
 from .prefix import PrefixLedger
 
@@ -105,14 +105,14 @@ class EngineHooks(PrefixLedger):
         rather than through `common.wrap` (one Python frame around vLLM's call); their time on a measured step
         goes to the meter as `wrap` would. A method this vLLM lacks: counted, not hooked."""
         meter, probe, perf = self.meter, self.probe, time.perf_counter_ns
-        for name, hook in (("schedule", self._after_schedule), ("update_from_output", self._after_update)):
+        for name, after in (("schedule", self._after_schedule), ("update_from_output", self._after_update)):
             try:
                 original = getattr(scheduler, name)
             except AttributeError as exc:
                 fail(name, exc)
                 continue
 
-            def wrapper(*a: Any, _orig: Any = original, _hook: Any = hook, _part: str = name, **k: Any) -> Any:
+            def wrapper(*a: Any, _orig: Any = original, _hook: Any = after, _part: str = name, **k: Any) -> Any:
                 t_in = perf()
                 result = _orig(*a, **k)
                 t0 = perf()
@@ -128,7 +128,7 @@ class EngineHooks(PrefixLedger):
                 return result
 
             wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-            setattr(scheduler, name, wrapper)
+            hook(scheduler, name, wrapper)
 
     def _push_counters(self) -> None:
         """The output-iteration and scheduler-seconds counters where they moved (the probe's background wake, every

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from ....records.events import KVSnapshot
 from ....records.kvmath import PageStats
 from ...pagetrack import PageLife, PrefixTable
-from .common import Meter, fail
+from .common import Meter, fail, hook
 from .kvwalk import cached_pages, pool_stats
 
 _perf = time.perf_counter_ns
@@ -76,8 +76,8 @@ class KvAccount:
         self._install(self.free_queue, "append_n", self._hook_append)
         self._install(kvm, "free", self._hook_request_free)
 
-    def _install(self, obj: Any, name: str, hook: Callable[..., Any]) -> None:
-        """Replace `obj.name` by `hook(original, *args)`: the counts in one Python frame around vLLM's call, made
+    def _install(self, obj: Any, name: str, counts: Callable[..., Any]) -> None:
+        """Replace `obj.name` by `counts(original, *args)`: the counts in one Python frame around vLLM's call, made
         exactly once; the hooks guard their own work, never vLLM's. On a measured step (Meter) the hook's time less
         vLLM's call is added to the meter's "kv_pool". A call with keywords (not vLLM's way) goes to vLLM unhooked
         and is counted as a probe error. A method this vLLM lacks: counted, not hooked."""
@@ -93,7 +93,7 @@ class KvAccount:
                 self._error(TypeError(f"{name} called with keywords: not counted"))
                 return original(*args, **kw)
             if not meter.on:
-                return hook(original, *args)
+                return counts(original, *args)
             inner = [0]
 
             def timed(*a: Any) -> Any:
@@ -104,12 +104,12 @@ class KvAccount:
                     inner[0] += _perf() - t
 
             t0 = _perf()
-            result = hook(timed, *args)
+            result = counts(timed, *args)
             meter.ns["kv_pool"] += _perf() - t0 - inner[0]
             return result
 
         hooked.__wrapped__ = original  # type: ignore[attr-defined]
-        setattr(obj, name, hooked)
+        hook(obj, name, hooked)
 
     def _fast_new(self) -> None:
         """`get_new_blocks` is the pool call made most (~17 a step at batch 256): while neither page lifecycles
@@ -139,7 +139,7 @@ class KvAccount:
             return blocks
 
         get_new_blocks.__wrapped__ = original  # type: ignore[attr-defined]
-        pool.get_new_blocks = get_new_blocks
+        hook(pool, "get_new_blocks", get_new_blocks)
 
     def _error(self, exc: BaseException) -> None:
         p = self._probe_ref()

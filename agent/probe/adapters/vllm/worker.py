@@ -17,7 +17,7 @@ from typing import Any
 
 from ....records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
 from ...phases import StepShape
-from .common import WARMUP_PREFIX, channel, fail
+from .common import WARMUP_PREFIX, channel, fail, hook
 from .labels import _cpu_has_fp8_kv, _model_name, _ranks, block_size_rule, engine_side_labels
 
 
@@ -245,7 +245,8 @@ class WorkerHooks:
 
         execute_model.__wrapped__ = execute  # type: ignore[attr-defined]
         sample_tokens.__wrapped__ = sample  # type: ignore[attr-defined]
-        worker.execute_model, worker.sample_tokens = execute_model, sample_tokens
+        hook(worker, "execute_model", execute_model)
+        hook(worker, "sample_tokens", sample_tokens)
 
     def _begin(self, so: Any) -> None:
         """Open the step of SchedulerOutput `so` (closing one whose sample_tokens never came)."""

@@ -1,0 +1,83 @@
+"""A benchmark's control: take every wrapper this process's adapter installed off vLLM's instances, and put them
+back, so that one engine serves blocks plain and armed in turn (no second engine, no position in the process or
+on the GPU to confound the two: `benchmarks/gpu/vllm_h200.py --phases toggle`).
+
+Where PHASESCOPE_BENCH_PAUSE_FILE is set when the adapter's first channel opens, every process of the engine
+(frontend, EngineCore, workers) follows that file from its probe's background wake: present, paused; absent,
+armed; each answers in `<file>.ack.<pid>` (JSON: paused, wrappers changed, pid). Unset (always, outside a
+benchmark), nothing is watched.
+
+Paused, vLLM's methods are its own again (the instance attributes are deleted, or set back to what they held); the
+probes' background threads keep their wake and have nothing to send. The figures skip the paused steps: call it
+between requests, never with one in flight (a request that started or ended while paused would be half-counted).
+Resuming re-syncs the KV counts from one walk of the block tables; the run label `adapter_paused` counts the pauses,
+so a store says it was paused. Not for production use: the plugin only watches the file when told to. Not on the
+hot path (the wake's check: one `os.path.exists` per wake, and only under the variable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from . import common
+from .install import _HOOKED  # the package exports a function named `install`: take the dict itself
+
+ENV_PAUSE_FILE = "PHASESCOPE_BENCH_PAUSE_FILE"
+_PAUSES = [0]
+_WATCHED = [False]  # this process follows the pause file (one wake does it)
+
+
+def set_paused(paused: bool) -> dict:
+    """Take the adapter's wrappers of this process off (True) or put them back (False). Returns what it changed:
+    {"wrappers": n put off or on, "paused": bool, "pauses": n so far}."""
+    changed = 0
+    if paused:
+        for obj, name, wrapper, prior in reversed(common.WRAPPERS):
+            if obj.__dict__.get(name) is wrapper:
+                if prior is common._MISSING:
+                    del obj.__dict__[name]
+                else:
+                    setattr(obj, name, prior)
+                changed += 1
+        if changed:
+            _PAUSES[0] += 1
+            for probe in list(common._CHANNELS.values()):
+                probe.label(adapter_paused=f"{_PAUSES[0]} pauses by a benchmark (figures skip those steps)")
+    else:
+        for obj, name, wrapper, prior in common.WRAPPERS:
+            now = obj.__dict__.get(name, common._MISSING)
+            if now is prior:
+                setattr(obj, name, wrapper)
+                changed += 1
+        if changed:
+            for hooks in list(_HOOKED.values()):
+                kv = getattr(hooks, "kv", None)
+                if kv is not None and hasattr(kv, "walk"):
+                    off = kv.recount_off
+                    kv.walk()  # the counts the paused wrappers did not keep, from the block tables
+                    kv.recount_off = off  # a re-sync, not a cross-check that disagreed
+    return {"wrappers": changed, "paused": paused, "pauses": _PAUSES[0]}
+
+
+def watch(probe: Any) -> None:
+    """Follow PHASESCOPE_BENCH_PAUSE_FILE from `probe`'s background wake, once per process; nothing when unset."""
+    path = os.environ.get(ENV_PAUSE_FILE, "")
+    if not path or _WATCHED[0]:
+        return
+    _WATCHED[0] = True
+    state: list = [None]
+
+    def follow() -> None:
+        want = os.path.exists(path)
+        if want == state[0]:
+            return
+        out = set_paused(want)
+        state[0] = want
+        ack = f"{path}.ack.{os.getpid()}"
+        with open(ack + ".tmp", "w") as f:
+            json.dump(dict(out, pid=os.getpid()), f)
+        os.replace(ack + ".tmp", ack)
+
+    probe.periodic.append(follow)
