@@ -214,7 +214,10 @@ def cost(child: dict) -> dict:
             if r["bs"] == bs:
                 by.setdefault(r["round"], {})[r["cond"]] = r
         row: dict = {}
-        for cond, name in (("A", "armed_vs_plain"), ("C", "stats_vs_plain"), ("D", "cond_d_vs_plain")):
+        names = (("A", "armed_vs_plain"), ("C", "stats_vs_plain"), ("D", "cond_d_vs_plain"))
+        if child.get("conditions"):  # the toggle phase: every condition against B, the engine paused
+            names = tuple((c, f"{c}_vs_B") for c in child["conditions"] if c != "B")
+        for cond, name in names:
             pairs = [v for v in by.values() if cond in v and "B" in v]
             if pairs:
                 row[name] = _pair(pairs, cond, "B")

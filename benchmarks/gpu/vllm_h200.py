@@ -274,7 +274,8 @@ def child_toggle(model: str, cpu: bool, budget_s: float, batches: list[int], max
     every process of the engine (frontend, EngineCore, workers: `pause.py`, through PHASESCOPE_BENCH_PAUSE_FILE,
     each process acknowledging). One engine, one place in the process and on the GPU: no position effect to
     confound the two (the three-engine `cost` phase's problem). Paused, the probes' background threads still wake
-    (nothing to send): their idle cost is in both conditions, not in A - B."""
+    (nothing to send): their idle cost is in both conditions, not in A - B. PHASESCOPE_BENCH_TOGGLE_PARTS adds
+    conditions with some roles paused (an ablation: which part costs what); the order A B C.. / ..C B A by round."""
     import glob
 
     from vllm import LLM
@@ -300,26 +301,37 @@ def child_toggle(model: str, cpu: bool, budget_s: float, batches: list[int], max
     res["processes"] = pids  # frontend + EngineCore (+ worker where it has a process of its own)
     switches: list[dict] = []
 
-    def set_paused(paused: bool) -> None:
-        if paused:
-            pathlib.Path(path).touch()
-        elif os.path.exists(path):
-            os.remove(path)
+    # A: armed; B: every role paused; C, D, ...: the roles PHASESCOPE_BENCH_TOGGLE_PARTS names paused, one condition
+    # per ";"-separated group (e.g. "worker;frontend": C the worker's wrappers off, D the frontend's)
+    parts = [g.strip() for g in os.environ.get("PHASESCOPE_BENCH_TOGGLE_PARTS", "").split(";") if g.strip()]
+    conds: dict[str, str | None] = {"A": None, "B": "", **{chr(ord("C") + i): g for i, g in enumerate(parts)}}
+    res["conditions"] = {k: ("armed" if v is None else "paused: " + (v or "all")) for k, v in conds.items()}
+    roles = ("engine", "frontend", "worker")
+
+    def set_paused(content: str | None) -> None:
+        if content is None:
+            if os.path.exists(path):
+                os.remove(path)
+            want: list[str] = []
+        else:
+            pathlib.Path(path + ".tmp").write_text(content)
+            os.replace(path + ".tmp", path)  # whole: a process never reads it half written
+            want = sorted(roles) if not content else sorted(r.strip() for r in content.split(","))
         t = time.monotonic()
         while True:
             now = acks()
-            if all(now.get(pid, {}).get("paused") == paused for pid in pids):
+            if all(now.get(pid, {}).get("paused") == want for pid in pids):
                 break
             if time.monotonic() - t > 15:
-                raise RuntimeError(f"no acknowledgement of paused={paused} from every process: {now}")
+                raise RuntimeError(f"no acknowledgement of paused={want} from every process: {now}")
             time.sleep(0.02)
         switches.append({pid: now[pid]["wrappers"] for pid in pids})
 
     rng = random.Random(2)
-    for bs in batches:  # warm-up: one block of each size in each state
+    for bs in batches:  # warm-up: one block of each size in each condition
         p = _prompts(rng, bs, 32)
-        for paused in (True, False):
-            set_paused(paused)
+        for content in conds.values():
+            set_paused(content)
             _timed_block(llm, p, 16)
     rows = []
     t_end = time.monotonic() + budget_s
@@ -327,8 +339,8 @@ def child_toggle(model: str, cpu: bool, budget_s: float, batches: list[int], max
     while time.monotonic() < t_end or r < 4:
         for bs in batches:
             p = _prompts(rng, bs, 32)
-            for cond in (("A", "B") if r % 2 == 0 else ("B", "A")):
-                set_paused(cond == "B")
+            for cond in (tuple(conds) if r % 2 == 0 else tuple(reversed(conds))):
+                set_paused(conds[cond])
                 rows.append(dict(_timed_block(llm, p, max_tokens), round=r, bs=bs, cond=cond, profiled=False))
         r += 1
         res.update(rows=rows, rounds=r, partial=True, switches=switches[:8], wrappers_per_switch=sorted(
@@ -337,7 +349,7 @@ def child_toggle(model: str, cpu: bool, budget_s: float, batches: list[int], max
             checkpoint(res)
         if r >= 200:
             break
-    set_paused(False)  # the figures the store keeps at the end are armed ones
+    set_paused(None)  # the figures the store keeps at the end are armed ones
     res["partial"] = False
     _LLMS.append(llm)
     return res

@@ -662,13 +662,14 @@ def test_a_benchmark_pause_gives_vllm_its_own_methods_back_and_resumes_in_step(m
     hooks, sched, kvm = _engine(monkeypatch, tmp_path, pool)
     monkeypatch.setitem(adapter._HOOKED, id(sched), hooks)
     try:
-        assert {n for o, n, w, _ in vllm_common.WRAPPERS if o is pool} == {"get_new_blocks", "touch", "free_blocks"}
-        armed = {(id(o), n): getattr(o, n) for o, n, _, _ in vllm_common.WRAPPERS}
+        assert {n for o, n, *_ in vllm_common.WRAPPERS if o is pool} == {"get_new_blocks", "touch", "free_blocks"}
+        armed = {(id(o), n): getattr(o, n) for o, n, *_ in vllm_common.WRAPPERS}
         labels = []
         monkeypatch.setattr(hooks.probe, "label", lambda **kw: labels.append(kw))
 
         out = pause.set_paused(True)
-        assert out["paused"] and out["wrappers"] == len(armed) + 1  # the pool's fast get_new_blocks: twice
+        assert out["paused"] == ["engine", "frontend", "worker"]
+        assert out["wrappers"] == len(armed) + 1  # the pool's fast get_new_blocks: twice
         assert vars(pool) == before_pool  # the pool's own methods: no instance attribute left
         assert not hasattr(sched.schedule, "__wrapped__") and not hasattr(kvm.free, "__wrapped__")
         a = pool.get_new_blocks(4)
@@ -680,7 +681,7 @@ def test_a_benchmark_pause_gives_vllm_its_own_methods_back_and_resumes_in_step(m
 
         out = pause.set_paused(False)
         assert out["wrappers"] == len(armed) + 1 and not out["paused"]
-        assert {(id(o), n): getattr(o, n) for o, n, _, _ in vllm_common.WRAPPERS} == armed
+        assert {(id(o), n): getattr(o, n) for o, n, *_ in vllm_common.WRAPPERS} == armed
         assert hooks.cached == hooks._cached_pages() == 1 and hooks.kv.recount_off == 0  # re-synced by a walk
         b = pool.get_new_blocks(2)  # counted again, through the same fast wrapper
         assert hooks.kv.allocated == 2 and pool.get_new_blocks is armed[(id(pool), "get_new_blocks")]
@@ -691,18 +692,22 @@ def test_a_benchmark_pause_gives_vllm_its_own_methods_back_and_resumes_in_step(m
 
 
 def test_a_pause_file_is_followed_from_the_wake_and_acknowledged(monkeypatch, tmp_path):
-    """PHASESCOPE_BENCH_PAUSE_FILE (the toggle phase's switch across processes): the wake's callback pauses while
-    the file exists, resumes when it is gone, and says so in `<file>.ack.<pid>`; unset, nothing is watched."""
+    """PHASESCOPE_BENCH_PAUSE_FILE (the toggle phase's switch across processes): the wake's callback pauses every
+    role while the file exists empty, the roles it names when it names some (an ablation), resumes when it is
+    gone, and says so in `<file>.ack.<pid>`; unset, nothing is watched."""
     import json
     import os
     from types import SimpleNamespace as NS
 
     from phasescope.agent.probe.adapters.vllm import pause
 
-    obj = NS(run=lambda: "vllm's")
+    obj = NS(run=lambda: "vllm's", step=lambda: "vllm's step")
     monkeypatch.setattr(vllm_common, "WRAPPERS", [])
     monkeypatch.setattr(vllm_common, "_CHANNELS", {})
     vllm_common.hook(obj, "run", lambda: "ours")
+    vllm_common.hook(obj, "step", lambda: "our step", "worker")
+    with pytest.raises(ValueError):
+        vllm_common.hook(obj, "other", lambda: None, "gpu")
     monkeypatch.setattr(pause, "_WATCHED", [False])
     monkeypatch.delenv(pause.ENV_PAUSE_FILE, raising=False)
     probe = NS(periodic=[])
@@ -715,12 +720,18 @@ def test_a_pause_file_is_followed_from_the_wake_and_acknowledged(monkeypatch, tm
     assert len(probe.periodic) == 1
     follow, ack = probe.periodic[0], tmp_path / f"paused.ack.{os.getpid()}"
     follow()
-    assert json.loads(ack.read_text()) == {"wrappers": 0, "paused": False, "pauses": pause._PAUSES[0],
-                                           "pid": os.getpid()} and obj.run() == "ours"
+    assert json.loads(ack.read_text()) == {"wrappers": 0, "paused": [], "pauses": pause._PAUSES[0],
+                                           "pid": os.getpid()} and (obj.run(), obj.step()) == ("ours", "our step")
     flag.touch()
     follow()
-    assert json.loads(ack.read_text())["paused"] is True and obj.run() == "vllm's"
+    assert json.loads(ack.read_text())["paused"] == ["engine", "frontend", "worker"]
+    assert (obj.run(), obj.step()) == ("vllm's", "vllm's step")
+    flag.write_text("worker")  # the worker's alone: the engine's back on
+    follow()
+    assert json.loads(ack.read_text())["paused"] == ["worker"] and (obj.run(), obj.step()) == ("ours", "vllm's step")
     flag.unlink()
     follow()
-    assert json.loads(ack.read_text()) == dict(json.loads(ack.read_text()), paused=False, wrappers=1)
-    assert obj.run() == "ours"
+    assert json.loads(ack.read_text())["paused"] == [] and json.loads(ack.read_text())["wrappers"] == 1
+    assert (obj.run(), obj.step()) == ("ours", "our step")
+    with pytest.raises(ValueError):
+        pause.set_paused("gpu")

@@ -31,8 +31,10 @@ _FAILURES = collections.Counter()  # install-time failures by hook name (interna
 _FORKED = [False]  # this process is a forked child of a process that had armed the plugin
 _MISSING = object()
 # every instance wrapper this process installed, in order: (object, attribute, wrapper, what the attribute held
-# before: _MISSING where it was the class's method); read only by `pause.set_paused` (a benchmark's control)
-WRAPPERS: list[tuple[Any, str, Any, Any]] = []
+# before: _MISSING where it was the class's method, role: "engine", "worker" or "frontend"); read only by
+# `pause.set_paused` (a benchmark's control)
+WRAPPERS: list[tuple[Any, str, Any, Any, str]] = []
+ROLES = ("engine", "worker", "frontend")
 
 
 class _NoModule:
@@ -162,7 +164,7 @@ OFF = Meter()  # a meter never switched on: wrappers outside the engine's steps
 
 
 def wrap(obj: Any, name: str, after: Callable[..., Any] | None, probe_ref: Callable[[], Probe | None],
-         before: Callable[..., Any] | None = None, meter: Meter = OFF, part: str = "") -> bool:
+         before: Callable[..., Any] | None = None, meter: Meter = OFF, part: str = "", role: str = "engine") -> bool:
     """Replace the bound method `obj.name` by a guarded wrapper on the instance.
 
     `before(*args, **kw)` may return replacement args (a tuple) or None; `after(result, *args, **kw)` observes.
@@ -209,14 +211,16 @@ def wrap(obj: Any, name: str, after: Callable[..., Any] | None, probe_ref: Calla
         return result
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    hook(obj, name, wrapper)
+    hook(obj, name, wrapper, role)
     return True
 
 
-def hook(obj: Any, name: str, wrapper: Any) -> None:
+def hook(obj: Any, name: str, wrapper: Any, role: str = "engine") -> None:
     """Set `wrapper` as the instance attribute `obj.name` (every wrapper of the adapter goes in here) and note it
-    in WRAPPERS, so that a benchmark can take the adapter off and put it back (pause.py)."""
-    WRAPPERS.append((obj, name, wrapper, getattr(obj, "__dict__", {}).get(name, _MISSING)))
+    in WRAPPERS with its `role` (ROLES), so that a benchmark can take the adapter off and put it back (pause.py)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    WRAPPERS.append((obj, name, wrapper, getattr(obj, "__dict__", {}).get(name, _MISSING), role))
     setattr(obj, name, wrapper)
 
 

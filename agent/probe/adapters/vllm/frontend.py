@@ -27,7 +27,7 @@ class FrontendHooks:
         self.probe = channel("frontend", 0, 1, "vllm", {"runtime": RUNTIME})
         self.out_tokens: dict[str, int] = {}
         self.states = getattr(processor, "request_states", None)  # vLLM's live requests (aborted ones leave it)
-        wrap(processor, "process_outputs", None, lambda: self.probe, before=self._before)
+        wrap(processor, "process_outputs", None, lambda: self.probe, before=self._before, role="frontend")
 
     def _before(self, outputs: Any, *a: Any, **k: Any) -> None:
         t0 = time.perf_counter_ns()

@@ -3,9 +3,10 @@ back, so that one engine serves blocks plain and armed in turn (no second engine
 on the GPU to confound the two: `benchmarks/gpu/vllm_h200.py --phases toggle`).
 
 Where PHASESCOPE_BENCH_PAUSE_FILE is set when the adapter's first channel opens, every process of the engine
-(frontend, EngineCore, workers) follows that file from its probe's background wake: present, paused; absent,
-armed; each answers in `<file>.ack.<pid>` (JSON: paused, wrappers changed, pid). Unset (always, outside a
-benchmark), nothing is watched.
+(frontend, EngineCore, workers) follows that file from its probe's background wake: absent, armed; present and
+empty, paused; present and naming roles ("worker,frontend": common.ROLES), only those roles' wrappers paused (an
+ablation). Each process answers in `<file>.ack.<pid>` (JSON: the roles paused, wrappers changed, pid). Unset
+(always, outside a benchmark), nothing is watched.
 
 Paused, vLLM's methods are its own again (the instance attributes are deleted, or set back to what they held); the
 probes' background threads keep their wake and have nothing to send. The figures skip the paused steps: call it
@@ -29,36 +30,54 @@ _PAUSES = [0]
 _WATCHED = [False]  # this process follows the pause file (one wake does it)
 
 
-def set_paused(paused: bool) -> dict:
-    """Take the adapter's wrappers of this process off (True) or put them back (False). Returns what it changed:
-    {"wrappers": n put off or on, "paused": bool, "pauses": n so far}."""
-    changed = 0
-    if paused:
-        for obj, name, wrapper, prior in reversed(common.WRAPPERS):
-            if obj.__dict__.get(name) is wrapper:
-                if prior is common._MISSING:
-                    del obj.__dict__[name]
-                else:
-                    setattr(obj, name, prior)
-                changed += 1
-        if changed:
-            _PAUSES[0] += 1
-            for probe in list(common._CHANNELS.values()):
-                probe.label(adapter_paused=f"{_PAUSES[0]} pauses by a benchmark (figures skip those steps)")
+def set_paused(paused: bool | str | set | frozenset | tuple | list) -> dict:
+    """Take the adapter's wrappers of this process off or put them back: True, every role paused; False, none;
+    role names (a set, or a comma-separated str: common.ROLES), those paused and the others armed. Returns
+    {"wrappers": n taken off or put back, "paused": sorted roles paused, "pauses": n so far}."""
+    if paused is True:
+        roles = frozenset(common.ROLES)
+    elif paused is False:
+        roles = frozenset()
     else:
-        for obj, name, wrapper, prior in common.WRAPPERS:
-            now = obj.__dict__.get(name, common._MISSING)
-            if now is prior:
-                setattr(obj, name, wrapper)
-                changed += 1
-        if changed:
-            for hooks in list(_HOOKED.values()):
-                kv = getattr(hooks, "kv", None)
-                if kv is not None and hasattr(kv, "walk"):
-                    off = kv.recount_off
-                    kv.walk()  # the counts the paused wrappers did not keep, from the block tables
-                    kv.recount_off = off  # a re-sync, not a cross-check that disagreed
-    return {"wrappers": changed, "paused": paused, "pauses": _PAUSES[0]}
+        roles = frozenset(r.strip() for r in (paused.split(",") if isinstance(paused, str) else paused) if r.strip())
+        if not roles <= set(common.ROLES):
+            raise ValueError(f"roles must be among {common.ROLES}, got {sorted(roles)}")
+    changed = took_off = 0
+    for obj, name, wrapper, prior, role in reversed(common.WRAPPERS):  # off: the latest first (a stack)
+        if role in roles and obj.__dict__.get(name) is wrapper:
+            if prior is common._MISSING:
+                del obj.__dict__[name]
+            else:
+                setattr(obj, name, prior)
+            changed += 1
+            took_off += 1
+    resumed_engine = False
+    for obj, name, wrapper, prior, role in common.WRAPPERS:  # back on: the first first
+        if role not in roles and obj.__dict__.get(name, common._MISSING) is prior:
+            setattr(obj, name, wrapper)
+            changed += 1
+            resumed_engine |= role == "engine"
+    if took_off:
+        _PAUSES[0] += 1
+        for probe in list(common._CHANNELS.values()):
+            probe.label(adapter_paused=f"{_PAUSES[0]} pauses by a benchmark (figures skip those steps)")
+    if resumed_engine:
+        for hooks in list(_HOOKED.values()):
+            kv = getattr(hooks, "kv", None)
+            if kv is not None and hasattr(kv, "walk"):
+                off = kv.recount_off
+                kv.walk()  # the counts the paused wrappers did not keep, from the block tables
+                kv.recount_off = off  # a re-sync, not a cross-check that disagreed
+    return {"wrappers": changed, "paused": sorted(roles), "pauses": _PAUSES[0]}
+
+
+def wanted(path: str) -> frozenset | None:
+    """The roles the pause file asks paused: None (absent: none), every role (empty), or the roles it names."""
+    try:
+        text = open(path).read().strip()
+    except FileNotFoundError:
+        return None
+    return frozenset(common.ROLES) if not text else frozenset(r.strip() for r in text.split(",") if r.strip())
 
 
 def watch(probe: Any) -> None:
@@ -67,13 +86,13 @@ def watch(probe: Any) -> None:
     if not path or _WATCHED[0]:
         return
     _WATCHED[0] = True
-    state: list = [None]
+    state: list = [0]  # never a value of wanted(): the first wake answers
 
     def follow() -> None:
-        want = os.path.exists(path)
+        want = wanted(path)
         if want == state[0]:
             return
-        out = set_paused(want)
+        out = set_paused(want or False)
         state[0] = want
         ack = f"{path}.ack.{os.getpid()}"
         with open(ack + ".tmp", "w") as f:

@@ -245,8 +245,8 @@ class WorkerHooks:
 
         execute_model.__wrapped__ = execute  # type: ignore[attr-defined]
         sample_tokens.__wrapped__ = sample  # type: ignore[attr-defined]
-        hook(worker, "execute_model", execute_model)
-        hook(worker, "sample_tokens", sample_tokens)
+        hook(worker, "execute_model", execute_model, "worker")
+        hook(worker, "sample_tokens", sample_tokens, "worker")
 
     def _begin(self, so: Any) -> None:
         """Open the step of SchedulerOutput `so` (closing one whose sample_tokens never came)."""
