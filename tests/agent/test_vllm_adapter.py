@@ -11,6 +11,7 @@ import pytest
 from phasescope.agent.records.events import PHASE_DECODE, PHASE_IDLE, PHASE_MIXED, PHASE_PREFILL
 from phasescope.agent.probe.adapters import vllm as adapter
 from phasescope.agent.probe.adapters.vllm import common as vllm_common
+from phasescope.agent.probe.adapters.vllm import wrappers as vllm_wrappers
 from phasescope.agent.probe.adapters import vllm_plugin
 
 
@@ -655,17 +656,18 @@ def test_a_benchmark_pause_gives_vllm_its_own_methods_back_and_resumes_in_step(m
     wrappers are back, the KV counts re-synced from a walk (not a cross-check miss), and the store is told."""
     from phasescope.agent.probe.adapters.vllm import pause
 
-    monkeypatch.setattr(vllm_common, "WRAPPERS", [])
+    monkeypatch.setattr(vllm_wrappers, "WRAPPERS", [])
+    monkeypatch.setattr(vllm_wrappers, "ON_RESUME", [])
     monkeypatch.setenv("PHASESCOPE_PAGE_SAMPLE_EVERY", "0")
     pool = _Pool(12)
     before_pool = dict(vars(pool))
     hooks, sched, kvm = _engine(monkeypatch, tmp_path, pool)
-    monkeypatch.setitem(adapter._HOOKED, id(sched), hooks)
     try:
-        assert {n for o, n, *_ in vllm_common.WRAPPERS if o is pool} == {"get_new_blocks", "touch", "free_blocks"}
-        armed = {(id(o), n): getattr(o, n) for o, n, *_ in vllm_common.WRAPPERS}
+        assert {n for o, n, *_ in vllm_wrappers.WRAPPERS if o is pool} == {"get_new_blocks", "touch", "free_blocks"}
+        armed = {(id(o), n): getattr(o, n) for o, n, *_ in vllm_wrappers.WRAPPERS}
         labels = []
         monkeypatch.setattr(hooks.probe, "label", lambda **kw: labels.append(kw))
+        monkeypatch.setattr(pause, "_PROBES", [hooks.probe])  # as pause.watch would have it
 
         out = pause.set_paused(True)
         assert out["paused"] == ["engine", "frontend", "worker"]
@@ -681,7 +683,7 @@ def test_a_benchmark_pause_gives_vllm_its_own_methods_back_and_resumes_in_step(m
 
         out = pause.set_paused(False)
         assert out["wrappers"] == len(armed) + 1 and not out["paused"]
-        assert {(id(o), n): getattr(o, n) for o, n, *_ in vllm_common.WRAPPERS} == armed
+        assert {(id(o), n): getattr(o, n) for o, n, *_ in vllm_wrappers.WRAPPERS} == armed
         assert hooks.cached == hooks._cached_pages() == 1 and hooks.kv.recount_off == 0  # re-synced by a walk
         b = pool.get_new_blocks(2)  # counted again, through the same fast wrapper
         assert hooks.kv.allocated == 2 and pool.get_new_blocks is armed[(id(pool), "get_new_blocks")]
@@ -702,15 +704,15 @@ def test_a_pause_file_is_followed_from_the_wake_and_acknowledged(monkeypatch, tm
     from phasescope.agent.probe.adapters.vllm import pause
 
     obj = NS(run=lambda: "vllm's", step=lambda: "vllm's step")
-    monkeypatch.setattr(vllm_common, "WRAPPERS", [])
-    monkeypatch.setattr(vllm_common, "_CHANNELS", {})
-    vllm_common.hook(obj, "run", lambda: "ours")
-    vllm_common.hook(obj, "step", lambda: "our step", "worker")
+    monkeypatch.setattr(vllm_wrappers, "WRAPPERS", [])
+    monkeypatch.setattr(pause, "_PROBES", [])
+    vllm_wrappers.hook(obj, "run", lambda: "ours")
+    vllm_wrappers.hook(obj, "step", lambda: "our step", "worker")
     with pytest.raises(ValueError):
-        vllm_common.hook(obj, "other", lambda: None, "gpu")
+        vllm_wrappers.hook(obj, "other", lambda: None, "gpu")
     monkeypatch.setattr(pause, "_WATCHED", [False])
     monkeypatch.delenv(pause.ENV_PAUSE_FILE, raising=False)
-    probe = NS(periodic=[])
+    probe = NS(periodic=[], label=lambda **kw: None)
     pause.watch(probe)
     assert probe.periodic == []  # unset: no callback, no cost
     flag = tmp_path / "paused"

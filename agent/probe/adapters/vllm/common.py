@@ -19,6 +19,7 @@ from typing import Any, Callable
 from ....records.events import MAX_TOKENS
 from ....settings import ENV_RUN_ID, ProbeSettings, from_env
 from ...probe import Probe
+from .wrappers import hook
 
 log = logging.getLogger("phasescope.vllm")
 
@@ -29,12 +30,6 @@ _STATE_LOCK = threading.Lock()
 _CHANNELS: dict[str, Probe] = {}  # role -> this process's record channel
 _FAILURES = collections.Counter()  # install-time failures by hook name (internals that moved)
 _FORKED = [False]  # this process is a forked child of a process that had armed the plugin
-_MISSING = object()
-# every instance wrapper this process installed, in order: (object, attribute, wrapper, what the attribute held
-# before: _MISSING where it was the class's method, role: "engine", "worker" or "frontend"); read only by
-# `pause.set_paused` (a benchmark's control)
-WRAPPERS: list[tuple[Any, str, Any, Any, str]] = []
-ROLES = ("engine", "worker", "frontend")
 
 
 class _NoModule:
@@ -213,15 +208,6 @@ def wrap(obj: Any, name: str, after: Callable[..., Any] | None, probe_ref: Calla
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     hook(obj, name, wrapper, role)
     return True
-
-
-def hook(obj: Any, name: str, wrapper: Any, role: str = "engine") -> None:
-    """Set `wrapper` as the instance attribute `obj.name` (every wrapper of the adapter goes in here) and note it
-    in WRAPPERS with its `role` (ROLES), so that a benchmark can take the adapter off and put it back (pause.py)."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    WRAPPERS.append((obj, name, wrapper, getattr(obj, "__dict__", {}).get(name, _MISSING), role))
-    setattr(obj, name, wrapper)
 
 
 # --- clocks ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ....records.events import (
 from ...pagetrack import PrefixTable
 from . import kvaccount
 from .budget import DETAIL_METRIC, LEVELS, Budget, share_from_env
+from . import wrappers
 from .common import Meter, channel, core_event_ns, fail, forked, hook, is_abort, log, mono_of_wall, wrap
 from .labels import _model_name, _ranks, engine_side_labels
 from .prefix import PrefixLedger
@@ -90,6 +91,7 @@ class EngineHooks(PrefixLedger):
         self.kv = kvaccount.make(scheduler, ref, m, self.rank0, os.environ.get(kvaccount.ENV_PAGE_SAMPLE, ""))
         if self.kv is None:
             return
+        wrappers.ON_RESUME.append(self._resync)  # a benchmark's pause (pause.py) left the counts behind
         self.probe.label(kv_page_bytes_per_rank=self.kv.page_bytes, kv_total_pages=self.kv.total,
                          kv_dtype=self.kv.kv_dtype, vllm_adapter_budget=self.budget.share)
         cap = int(os.environ.get(ENV_PREFIX_TABLE, "16384") or 0)
@@ -142,6 +144,13 @@ class EngineHooks(PrefixLedger):
         if ns != self._sched_sent:
             self._sched_sent = ns
             self._push(ServerMetric(time.monotonic_ns(), self.dp_rank, VLLM_SCHEDULER_SECONDS, "", ns / 1e9))
+
+    def _resync(self) -> None:
+        """The KV counts from one walk, after a benchmark's pause (pause.py): a re-sync, not a cross-check miss."""
+        kv = self.kv
+        off = kv.recount_off
+        kv.walk()
+        kv.recount_off = off
 
     # what tests and builders read
     @property

@@ -4,14 +4,14 @@ on the GPU to confound the two: `benchmarks/gpu/vllm_h200.py --phases toggle`).
 
 Where PHASESCOPE_BENCH_PAUSE_FILE is set when the adapter's first channel opens, every process of the engine
 (frontend, EngineCore, workers) follows that file from its probe's background wake: absent, armed; present and
-empty, paused; present and naming roles ("worker,frontend": common.ROLES), only those roles' wrappers paused (an
+empty, paused; present and naming roles ("worker,frontend": wrappers.ROLES), only those roles' wrappers paused (an
 ablation). Each process answers in `<file>.ack.<pid>` (JSON: the roles paused, wrappers changed, pid). Unset
 (always, outside a benchmark), nothing is watched.
 
 Paused, vLLM's methods are its own again (the instance attributes are deleted, or set back to what they held); the
 probes' background threads keep their wake and have nothing to send. The figures skip the paused steps: call it
 between requests, never with one in flight (a request that started or ended while paused would be half-counted).
-Resuming re-syncs the KV counts from one walk of the block tables; the run label `adapter_paused` counts the pauses,
+Resuming calls `wrappers.ON_RESUME` (the KV counts re-sync from one walk of the block tables); the run label `adapter_paused` counts the pauses,
 so a store says it was paused. Not for production use: the plugin only watches the file when told to. Not on the
 hot path (the wake's check: one `os.path.exists` per wake, and only under the variable).
 """
@@ -22,52 +22,48 @@ import json
 import os
 from typing import Any
 
-from . import common
-from .install import _HOOKED  # the package exports a function named `install`: take the dict itself
+from . import wrappers
 
 ENV_PAUSE_FILE = "PHASESCOPE_BENCH_PAUSE_FILE"
 _PAUSES = [0]
 _WATCHED = [False]  # this process follows the pause file (one wake does it)
+_PROBES: list[Any] = []  # the probe whose wake follows the file: told of each pause (run label)
 
 
 def set_paused(paused: bool | str | set | frozenset | tuple | list) -> dict:
     """Take the adapter's wrappers of this process off or put them back: True, every role paused; False, none;
-    role names (a set, or a comma-separated str: common.ROLES), those paused and the others armed. Returns
+    role names (a set, or a comma-separated str: wrappers.ROLES), those paused and the others armed. Returns
     {"wrappers": n taken off or put back, "paused": sorted roles paused, "pauses": n so far}."""
     if paused is True:
-        roles = frozenset(common.ROLES)
+        roles = frozenset(wrappers.ROLES)
     elif paused is False:
         roles = frozenset()
     else:
         roles = frozenset(r.strip() for r in (paused.split(",") if isinstance(paused, str) else paused) if r.strip())
-        if not roles <= set(common.ROLES):
-            raise ValueError(f"roles must be among {common.ROLES}, got {sorted(roles)}")
+        if not roles <= set(wrappers.ROLES):
+            raise ValueError(f"roles must be among {wrappers.ROLES}, got {sorted(roles)}")
     changed = took_off = 0
-    for obj, name, wrapper, prior, role in reversed(common.WRAPPERS):  # off: the latest first (a stack)
+    for obj, name, wrapper, prior, role in reversed(wrappers.WRAPPERS):  # off: the latest first (a stack)
         if role in roles and obj.__dict__.get(name) is wrapper:
-            if prior is common._MISSING:
+            if prior is wrappers.MISSING:
                 del obj.__dict__[name]
             else:
                 setattr(obj, name, prior)
             changed += 1
             took_off += 1
     resumed_engine = False
-    for obj, name, wrapper, prior, role in common.WRAPPERS:  # back on: the first first
-        if role not in roles and obj.__dict__.get(name, common._MISSING) is prior:
+    for obj, name, wrapper, prior, role in wrappers.WRAPPERS:  # back on: the first first
+        if role not in roles and obj.__dict__.get(name, wrappers.MISSING) is prior:
             setattr(obj, name, wrapper)
             changed += 1
             resumed_engine |= role == "engine"
     if took_off:
         _PAUSES[0] += 1
-        for probe in list(common._CHANNELS.values()):
+        for probe in _PROBES:
             probe.label(adapter_paused=f"{_PAUSES[0]} pauses by a benchmark (figures skip those steps)")
     if resumed_engine:
-        for hooks in list(_HOOKED.values()):
-            kv = getattr(hooks, "kv", None)
-            if kv is not None and hasattr(kv, "walk"):
-                off = kv.recount_off
-                kv.walk()  # the counts the paused wrappers did not keep, from the block tables
-                kv.recount_off = off  # a re-sync, not a cross-check that disagreed
+        for resync in wrappers.ON_RESUME:
+            resync()
     return {"wrappers": changed, "paused": sorted(roles), "pauses": _PAUSES[0]}
 
 
@@ -77,7 +73,7 @@ def wanted(path: str) -> frozenset | None:
         text = open(path).read().strip()
     except FileNotFoundError:
         return None
-    return frozenset(common.ROLES) if not text else frozenset(r.strip() for r in text.split(",") if r.strip())
+    return frozenset(wrappers.ROLES) if not text else frozenset(r.strip() for r in text.split(",") if r.strip())
 
 
 def watch(probe: Any) -> None:
@@ -86,6 +82,7 @@ def watch(probe: Any) -> None:
     if not path or _WATCHED[0]:
         return
     _WATCHED[0] = True
+    _PROBES.append(probe)
     state: list = [0]  # never a value of wanted(): the first wake answers
 
     def follow() -> None:
