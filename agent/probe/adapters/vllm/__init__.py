@@ -8,7 +8,9 @@ GPU), one module per process it runs in:
   `execute_model` + `sample_tokens`;
 - `frontend`: the `OutputProcessor` (API server or `LLM`): token and finish times where vLLM measures them;
 - `install`: the one-shot class catchers; `common`: channels, failures, the guarded self-timed wrapper, clocks;
-  `labels`: run labels from the `VllmConfig`. The vLLM plugin entry points are in `adapters/vllm_plugin.py`.
+  `labels`: run labels from the `VllmConfig`; `wrappers`: the registry of every wrapper installed, which `pause`
+  (a benchmark's control, never armed by the plugin on its own) takes off and puts back. The vLLM plugin entry
+  points are in `adapters/vllm_plugin.py`.
 
 Everything is wrapped on instances; the classes are touched only to catch their first instance and are put back
 at once. Every wrapper is guarded: an exception is counted as a probe error, logged once, and vLLM runs on
