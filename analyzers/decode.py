@@ -11,7 +11,7 @@ from .geometry import ModelGeometry
 from .gpus import GpuSpec
 from .kvplan import kv_bytes_per_token_per_rank
 from .memory import GPU_SQL
-from .sql import model_parallel_size, one, probe_share
+from .sql import model_parallel_size, one, probe_share, probe_share_sentence
 from .roofline import attention_flops, mfu
 
 DECODE_SQL = """WITH st AS (
@@ -117,7 +117,7 @@ def decode_roofline(con, run_id: str, *, min_mbu: float = 0.3, min_busy: float =
     # capture graphs); this rule speaks only of runs that launch kernel by kernel
     if busy is not None and busy < min_busy and not graphs_on:
         e["probe_cost_share"] = own = probe_share(con, run_id)
-        mine = f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""
+        mine = probe_share_sentence(own)
         out.append(Finding(
             summary=(f"The GPU is busy {busy:.0%} of decode time; a decode step's median GPU time is "
                      f"{e['decode_ms_p50']:.2f} ms ({e['decode_steps']} CUDA-event-timed steps), mean batch "

@@ -35,7 +35,7 @@ from .queueing import ttft_queueing
 from .telemetry import telemetry_degraded
 from .reliability import preemption_recompute, probe_dropping, survival_rate
 from .runinfo import read_run_info, with_flag_values
-from .sql import OnceConnection, probe_share
+from .sql import OnceConnection, probe_share, probe_share_sentence
 from .tp import tp_kv_head_replication, tp_kv_imbalance, tp_straggler
 
 Analyzer = Callable[..., list[Finding]]
@@ -112,7 +112,7 @@ def with_probe_share(findings: list[Finding], share: float | None) -> list[Findi
     self-measurement (`share` None) or the finding says it already."""
     if share is None:
         return findings
-    line = f" The probe's own share of the engine's time: {share:.1%}."
+    line = probe_share_sentence(share)
     out = []
     for f in findings:
         if f.id.startswith(TIMING) and "probe's own share" not in f.expected_effect:

@@ -37,7 +37,7 @@ from phasescope.agent.records.events import VLLM_SCHEDULER_SECONDS
 from .decode import ACTIVE_GPU_SQL
 from .findings import Finding, ref
 from .runinfo import runtime_of
-from .sql import one, probe_share, rows
+from .sql import one, probe_share, probe_share_sentence, rows
 
 _SPAN = """span AS (SELECT min(t.ts_ns + s.wall_minus_mono_ns) AS lo, max(t.ts_ns + s.wall_minus_mono_ns) AS hi
                      FROM steps t JOIN sources s USING (source_id) WHERE s.run_id = $run)"""
@@ -225,7 +225,7 @@ def host_bound(con, run_id: str, *, min_host_gpu_ratio: float = 2.0, min_busy_th
     e["query"] += ";\n" + SCHEDULER_SQL
     mine = ((f" vLLM's scheduler (schedule + update_from_output) took {sched:.0%} of the engine's stepping time."
              if sched is not None else "")
-            + (f" The probe's own share of the engine's time: {own:.1%}." if own is not None else ""))
+            + probe_share_sentence(own))
     if mine:
         effect += mine
     said = [f"Host time is {ratio:.1f}x GPU time per step ({g['host_ms_p50']:.2f} vs {g['gpu_ms_p50']:.2f} ms)."

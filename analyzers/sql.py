@@ -173,6 +173,18 @@ def step_source(con: duckdb.DuckDBPyConnection, run_id: str) -> str:
     return f"GPU time for the {g} CUDA-event-timed steps, {other} for the other {n - g}"
 
 
+# The probe times its own hooks (agent/probe/cost.py); what it adds to a server end to end is more: on vLLM 0.24 on an
+# H100, armed against the same engine paused, 1.5-3.3 % of decode throughput at batch 1-256 while this share read
+# under 0.5 % (benchmarks/results/vllm_gpu_ab.md, run 7). A finding says which it states.
+PROBE_SHARE_TEXT = (" The probe's own share of the engine's time, as it times its hooks: {share:.1%} (a lower bound"
+                    " of what it adds: see docs/measured.md).")
+
+
+def probe_share_sentence(share: float | None) -> str:
+    """The sentence a timing finding ends with (PROBE_SHARE_TEXT), "" without a self-measurement."""
+    return "" if share is None else PROBE_SHARE_TEXT.format(share=share)
+
+
 def probe_share(con: duckdb.DuckDBPyConnection, run_id: str) -> float | None:
     """The probe's own share of the engine's step time (0.012: 1.2%), None where it has no health record."""
     try:
