@@ -113,9 +113,10 @@ def reset_after_fork() -> None:
     """In a forked child the parent's flush threads are gone: forget its channels."""
     _FORKED[0] = True
     _CHANNELS.clear()
-    from .pause import _WATCHED
+    from .pause import _PROBES, _WATCHED
 
     _WATCHED[0] = False  # the child's own wake follows a benchmark's pause file (pause.py), if any
+    _PROBES.clear()  # the parent's probes are not this process's: never labelled from here
 
 
 def forked() -> bool:
