@@ -199,7 +199,8 @@ def _pair(pairs: list[dict], a: str, b: str) -> dict:
         # CPU per engine step (ms) of the frontend process and of the EngineCore serving the block, where recorded
         "cpu_ms_per_step_median": {side: [round(statistics.median(p[c][f"{side}_cpu_s"] / max(p[c]["steps"], 1) * 1e3
                                                                   for p in pairs), 4) for c in (a, b)]
-                                   for side in ("frontend", "engines") if all(f"{side}_cpu_s" in p[a] for p in pairs)},
+                                   for side in ("frontend", "engines", "engine_probe_threads")
+                                   if all(f"{side}_cpu_s" in p[a] for p in pairs)},
     }
 
 
