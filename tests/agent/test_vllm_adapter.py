@@ -698,6 +698,7 @@ def test_a_pause_file_is_followed_from_the_wake_and_acknowledged(monkeypatch, tm
     role while the file exists empty, the roles it names when it names some (an ablation), resumes when it is
     gone, and says so in `<file>.ack.<pid>`; unset, nothing is watched."""
     import json
+import threading
     import os
     from types import SimpleNamespace as NS
 
@@ -722,8 +723,11 @@ def test_a_pause_file_is_followed_from_the_wake_and_acknowledged(monkeypatch, tm
     assert len(probe.periodic) == 1
     follow, ack = probe.periodic[0], tmp_path / f"paused.ack.{os.getpid()}"
     follow()
-    assert json.loads(ack.read_text()) == {"wrappers": 0, "paused": [], "pauses": pause._PAUSES[0],
-                                           "pid": os.getpid()} and (obj.run(), obj.step()) == ("ours", "our step")
+    got = json.loads(ack.read_text())
+    live = {t.native_id for t in threading.enumerate() if t.name == "phasescope-flush"}
+    assert set(got.pop("threads")) <= live  # the probes' background threads of this process (none of ours here)
+    assert got == {"wrappers": 0, "paused": [], "pauses": pause._PAUSES[0],
+                   "pid": os.getpid()} and (obj.run(), obj.step()) == ("ours", "our step")
     flag.touch()
     follow()
     assert json.loads(ack.read_text())["paused"] == ["engine", "frontend", "worker"]
