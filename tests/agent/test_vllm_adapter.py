@@ -698,7 +698,7 @@ def test_a_pause_file_is_followed_from_the_wake_and_acknowledged(monkeypatch, tm
     role while the file exists empty, the roles it names when it names some (an ablation), resumes when it is
     gone, and says so in `<file>.ack.<pid>`; unset, nothing is watched."""
     import json
-import threading
+    import threading
     import os
     from types import SimpleNamespace as NS
 
