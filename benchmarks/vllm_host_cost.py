@@ -244,6 +244,14 @@ def child(args: argparse.Namespace) -> None:
         proc = OutputProcessor(None, log_stats=stats)
         sched = Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
                           block_size=PAGE, log_stats=stats)
+        unhook = {n for n in os.environ.get("PHASESCOPE_BENCH_UNHOOK", "").split(",") if n}
+        if cond == "armed" and unhook:  # a finer ablation (--env PHASESCOPE_BENCH_UNHOOK=get_new_blocks,touch): vLLM's own
+            from phasescope.agent.probe.adapters.vllm import wrappers  # methods back on the named attributes
+            from phasescope.agent.probe.shadow import restore
+
+            for obj, name, wrapper, prior, _role in reversed(wrappers.WRAPPERS):
+                if name in unhook and getattr(obj, name, None) is wrapper:
+                    restore(obj, name, prior)
         worker = _stub_worker(cfg)
         if cond == "armed" and "worker" in args.armed_parts:
             worker_hooks = adapter.WorkerHooks(worker)  # TP=1 on a GPU: the worker lives in the EngineCore process

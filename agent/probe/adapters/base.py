@@ -22,6 +22,7 @@ from typing import Any, Callable
 from ...records.events import KVSnapshot, PrefixCounters
 from ...records.kvmath import PageStats
 from ..probe import Probe
+from ..shadow import own, restore
 
 
 class PrefixLedger:
@@ -99,22 +100,16 @@ class RuntimeAdapter:
     def patch(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
         """Replace `obj.name` (a bound method or callable attribute) by `make(original)`."""
         original = getattr(obj, name)
-        had_own = name in getattr(obj, "__dict__", {})
+        prior = own(obj, name)  # never through obj.__dict__: reading it slows the host's every attribute load (shadow.py)
         wrapped = functools.wraps(original)(make(original))
         setattr(obj, name, wrapped)
-        self._patches.append((obj, name, had_own, original))
+        self._patches.append((obj, name, prior))
 
     def detach(self) -> None:
         """Undo every patch, newest first."""
         while self._patches:
-            obj, name, had_own, original = self._patches.pop()
-            if had_own:
-                setattr(obj, name, original)
-            else:
-                try:
-                    delattr(obj, name)
-                except AttributeError:
-                    pass
+            obj, name, prior = self._patches.pop()
+            restore(obj, name, prior)
 
     def around(self, obj: Any, name: str, hook: Callable[..., Any]) -> None:
         """Replace `obj.name` by a call of `hook(original, *args, **kwargs)` (a method of a hooks class)."""

@@ -116,7 +116,7 @@ class KvAccount:
         nor the prefix table need its pages (the budget's levels 1 and 3) and the step is not measured, its counts
         run in one frame around vLLM's call; otherwise the full hook above."""
         pool = self.pool
-        full = pool.__dict__.get("get_new_blocks")
+        full = getattr(pool, "get_new_blocks", None)  # our hook, if installed (never pool.__dict__: shadow.py)
         original = getattr(full, "__wrapped__", None)
         if original is None:  # not hooked (another vLLM): nothing to speed up
             return

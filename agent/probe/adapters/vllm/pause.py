@@ -23,6 +23,7 @@ import os
 import threading
 from typing import Any
 
+from ...shadow import own, restore
 from . import wrappers
 
 ENV_PAUSE_FILE = "PHASESCOPE_BENCH_PAUSE_FILE"
@@ -45,16 +46,13 @@ def set_paused(paused: bool | str | set | frozenset | tuple | list) -> dict:
             raise ValueError(f"roles must be among {wrappers.ROLES}, got {sorted(roles)}")
     changed = took_off = 0
     for obj, name, wrapper, prior, role in reversed(wrappers.WRAPPERS):  # off: the latest first (a stack)
-        if role in roles and obj.__dict__.get(name) is wrapper:
-            if prior is wrappers.MISSING:
-                del obj.__dict__[name]
-            else:
-                setattr(obj, name, prior)
+        if role in roles and getattr(obj, name, None) is wrapper:
+            restore(obj, name, prior)  # never through obj.__dict__ (shadow.py: why)
             changed += 1
             took_off += 1
     resumed_engine = False
     for obj, name, wrapper, prior, role in wrappers.WRAPPERS:  # back on: the first first
-        if role not in roles and obj.__dict__.get(name, wrappers.MISSING) is prior:
+        if role not in roles and own(obj, name) is prior:
             setattr(obj, name, wrapper)
             changed += 1
             resumed_engine |= role == "engine"

@@ -1,13 +1,13 @@
 """The registry of every instance wrapper the vLLM adapter installed in this process, so that a benchmark can take
-them off and put them back (pause.py). Imports nothing of ours. Not on the hot path: `hook` runs once per wrapper,
-at install.
+them off and put them back (pause.py). Imports only `shadow` (instance attributes set and read without touching
+`__dict__`: see there why). Not on the hot path: `hook` runs once per wrapper, at install.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-MISSING = object()
+from ...shadow import MISSING, own
 ROLES = ("engine", "worker", "frontend")
 # (object, attribute, wrapper, what the attribute held before: MISSING where it was the class's method, role)
 WRAPPERS: list[tuple[Any, str, Any, Any, str]] = []
@@ -20,5 +20,5 @@ def hook(obj: Any, name: str, wrapper: Any, role: str = "engine") -> None:
     in WRAPPERS with its `role` (ROLES)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    WRAPPERS.append((obj, name, wrapper, getattr(obj, "__dict__", {}).get(name, MISSING), role))
+    WRAPPERS.append((obj, name, wrapper, own(obj, name), role))
     setattr(obj, name, wrapper)
