@@ -154,8 +154,8 @@ class StepTimer:
         graph.replay = replay
 
         def restore() -> None:
-            if graph.__dict__.get("replay") is replay:
-                del graph.replay
+            if getattr(graph, "replay", None) is replay:  # never graph.__dict__: it slows the host's loads (shadow.py)
+                delattr(graph, "replay")
 
         self._restores.append(restore)
         return restore

@@ -463,6 +463,7 @@ def test_server_itl_equals_vllm_inter_token_histogram(server_run):
     assert ours == {le: v for le, v in d["buckets"][name].items() if le != float("inf")}
     assert _q(con, "SELECT count(*) FROM request_events WHERE event = 'token' AND cached_tokens > 0")[0][0] > 0
 
+
 def test_the_adapter_leaves_vllms_objects_on_the_attribute_fast_path(vllm_env):
     """Reading a hooked object's `__dict__` (to remember what it shadowed) made CPython 3.11/3.12 take the slow
     attribute path on vLLM's KV cache manager and free queue for good: vLLM's own scheduling ran ~120 us a step

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import pathlib
-import sys
 
 MODEL = pathlib.Path(__file__).resolve().parent / "tiny-llama"  # config.json only: nothing is loaded
 
@@ -61,7 +60,6 @@ def main() -> None:
     out = {"plain": {k: materialized(o) for k, o in plain.items()}, "armed": before,
            "after_pause": {k: materialized(o) for k, o in armed.items()}, "hooked": hooked}
     print("PHASESCOPE_RESULT " + json.dumps(out), flush=True)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
