@@ -13,6 +13,7 @@ CUDA graphs call no module: they time their step call with `step(...)` (or `begi
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Callable
 
 from ..records.events import PHASE_IDLE, Step
@@ -21,6 +22,11 @@ from .sampling import BudgetSampler
 
 NAN = float("nan")
 _new = tuple.__new__
+
+
+def _same_clock() -> bool:
+    """Whether `time.perf_counter_ns` and `time.monotonic_ns` read the same clock here."""
+    return time.get_clock_info("perf_counter").implementation == time.get_clock_info("monotonic").implementation
 
 
 def _first_tensor(args: tuple, kwargs: dict, *names: str) -> Any:
@@ -64,6 +70,10 @@ class StepTimer:
         # a runtime adapter that knows the batch exactly sets this just before the forward
         self.next_shape: StepShape | None = None
         self.sampler = BudgetSampler(gpu_budget, gpu_min_rate, seed)
+        # one clock read stamps a host-timed step and starts its duration where the record clock and the duration
+        # clock are the same one (CPython on Linux: both CLOCK_MONOTONIC); injected clocks keep two reads
+        self._one_clock = (self._clock_ns is time.monotonic_ns and self._perf is time.perf_counter_ns
+                           and _same_clock())
         self._device = device
         self._pool = None
         self._guard = None
@@ -106,6 +116,9 @@ class StepTimer:
             if self._in_step:
                 self._end(t_in)  # the previous step was never ended: close it here
             self._in_step = True
+            if self._pool is None:  # host time only (no CUDA timing, so no capture guard): the step opens here
+                self._open = (t_in, t_in if self._one_clock else self._clock_ns(), shape, None, 0, False)
+                return
             guard = self._guard
             if guard is not None and guard.depth:
                 self.captured += 1
@@ -121,7 +134,18 @@ class StepTimer:
         try:
             t1 = self._perf()
             self._in_step = False
-            self._end(t1)
+            opened = self._open
+            if opened is None or opened[3] is not None or type(opened[2]) is not StepShape:
+                self._end(t1)  # an event-timed or deferred step
+                return
+            # `_end` written out for a host-timed step of known shape (the vLLM worker's every step): one frame less
+            self._open = None
+            t0, mono, shape, _, pre_cost, timed = opened
+            step_id = self.steps
+            self._push(_new(Step, (mono, step_id, self.rank) + shape + ((t1 - t0) / 1e6, NAN)))
+            self.steps = step_id + 1
+            last, self._last_mono = self._last_mono, mono
+            self.sampler.account(shape[0], mono - last if last else 0, pre_cost + self._perf() - t1, timed)
         except Exception as exc:  # noqa: BLE001
             self._error(exc)
 
@@ -218,8 +242,11 @@ class StepTimer:
                     shape = _queue_readback(shape, slot)
                 if slot is not None:
                     slot.start.record()
-        mono = self._clock_ns()
-        t0 = self._perf()
+        if self._one_clock:
+            mono = t0 = self._perf()
+        else:
+            mono = self._clock_ns()
+            t0 = self._perf()
         self._open = (t0, mono, shape, slot, t0 - t_in, timed)
 
     def _end(self, t1: int) -> None:

@@ -64,14 +64,17 @@ SIGNALS: tuple[Figure, ...] = (
     Figure("preemptions", "phasescope_fleet:preemptions:increase",
            "sum by (BY) (increase(phasescope_request_preemptions_total{SEL}[RANGE]))",
            "preemptions", "preemptions in the window"),
-    # the host-bound analyzer's figure (analyzers/host.py): of the time the busiest thread wanted a CPU (ran or
-    # waited), the share it waited; idle samples add ~0 to both sums. And the share of samples in which it wanted
-    # one at least half the time (an engine idle most of the range is not limited by its host)
+    # the host-bound analyzer's figure (analyzers/host.py PROCESS_SQL), over the same samples: of the time the
+    # busiest thread wanted a CPU (ran or waited) in the samples where it wanted one at least half the time, the
+    # share it waited. And the share of samples in which it wanted one at least half the time (an engine idle most
+    # of the range is not limited by its host)
     Figure("cpu_wait_ratio", "phasescope_fleet:busiest_thread_cpu_wait:ratio",
-           "max by (BY) (sum_over_time(phasescope_process_busiest_thread_cpu_wait_ratio{SEL}[RANGE])"
-           " / (sum_over_time(phasescope_process_busiest_thread_cpu_ratio{SEL}[RANGE])"
-           " + sum_over_time(phasescope_process_busiest_thread_cpu_wait_ratio{SEL}[RANGE])))",
-           "fraction", "of the time the server's busiest thread wanted a CPU, the share it waited"),
+           "max by (BY) (sum_over_time((phasescope_process_busiest_thread_cpu_wait_ratio{SEL}"
+           " and (phasescope_process_busiest_thread_cpu_ratio{SEL}"
+           " + phasescope_process_busiest_thread_cpu_wait_ratio{SEL} >= 0.5))[RANGE:])"
+           " / sum_over_time((phasescope_process_busiest_thread_cpu_ratio{SEL}"
+           " + phasescope_process_busiest_thread_cpu_wait_ratio{SEL} >= 0.5)[RANGE:]))",
+           "fraction", "of the time the server's busiest thread wanted a CPU (its busy samples), the share it waited"),
     Figure("busy_share", "phasescope_fleet:busiest_thread_busy:share",
            "max by (BY) (avg_over_time(((phasescope_process_busiest_thread_cpu_ratio{SEL}"
            " + phasescope_process_busiest_thread_cpu_wait_ratio{SEL}) >= bool 0.5)[RANGE:]))",

@@ -54,6 +54,9 @@ def _shape(n_pre: int, n_dec: int, pre: int, dec: int, ctx: int) -> StepShape:
     return StepShape(phase, n_pre + n_dec, pre, dec, ctx)
 
 
+_new = tuple.__new__
+
+
 def _any_resumed(cr: Any) -> bool:
     """Whether a CachedRequestData resumes a preempted request (vLLM 0.32: a set of ids; 0.24: per-request flags)."""
     resumed = getattr(cr, "resumed_req_ids", None)
@@ -99,10 +102,10 @@ class StepShaper:
         cr = so.scheduled_cached_reqs
         new = so.scheduled_new_reqs
         if not new and not prefilling and not _any_resumed(cr):
-            # a pure decode step: every scheduled request decodes
+            # a pure decode step: every scheduled request decodes (tuple.__new__: no namedtuple __new__ frame)
             n = len(nst)
-            return StepShape(PHASE_DECODE if n else PHASE_IDLE, n, 0, int(so.total_num_scheduled_tokens),
-                             sum(cr.num_computed_tokens))
+            return _new(StepShape, (PHASE_DECODE if n else PHASE_IDLE, n, 0, int(so.total_num_scheduled_tokens),
+                                    sum(cr.num_computed_tokens)))
         pre = n_pre = ctx = 0
         new_ids = []
         for nr in new:
@@ -223,11 +226,17 @@ class WorkerHooks:
         except AttributeError as exc:
             fail("execute_model/sample_tokens", exc)
             return
-        probe, begin = self.probe, self._begin
+        probe, shape, begin_shape = self.probe, self.shaper.shape, self.probe.begin_shape
 
         def execute_model(*a: Any, **k: Any) -> Any:  # any call form vLLM uses goes through unchanged
-            try:
-                begin(a[0] if a else k["scheduler_output"])
+            try:  # `_begin` written out: the every-step path keeps one frame of ours around vLLM's call
+                so = a[0] if a else k["scheduler_output"]
+                if self._open:  # the last step's sample_tokens never came
+                    self._open = False
+                    probe.end_step()
+                if so.total_num_scheduled_tokens > 0 and not (self._warmup and self._warming(so)):
+                    begin_shape(shape(so))
+                    self._open = True
             except Exception as exc:  # noqa: BLE001 - never into vLLM
                 probe._error(exc)
             result = execute(*a, **k)
@@ -248,16 +257,10 @@ class WorkerHooks:
         hook(worker, "execute_model", execute_model, "worker")
         hook(worker, "sample_tokens", sample_tokens, "worker")
 
-    def _begin(self, so: Any) -> None:
-        """Open the step of SchedulerOutput `so` (closing one whose sample_tokens never came)."""
-        if self._open:
-            self._open = False
-            self.probe.end_step()
-        if so.total_num_scheduled_tokens <= 0:
-            return
-        if self._warmup:
-            if str(next(iter(so.num_scheduled_tokens), "")).startswith(WARMUP_PREFIX):
-                return  # vLLM's own kernel warm-up at start (model runner V2), not an engine step
-            self._warmup = False
-        self.probe.begin_shape(self.shaper.shape(so))
-        self._open = True
+    def _warming(self, so: Any) -> bool:
+        """Whether `so` is vLLM's own kernel warm-up at start (model runner V2), not an engine step; the first
+        real step ends the warm-up."""
+        if str(next(iter(so.num_scheduled_tokens), "")).startswith(WARMUP_PREFIX):
+            return True
+        self._warmup = False
+        return False
