@@ -278,43 +278,8 @@ class StepTimer:
         self.sampler.account(phase, mono - last if last else 0, pre_cost + self._perf() - t1, timed)
 
     def _inspect(self, args: tuple, kwargs: dict) -> StepShape | tuple | None:
-        """Token counts of this forward: a StepShape, or a deferred tuple resolved later.
-
-        Deferred tuples that need a device readback carry the tensors to read
-        ("padded": the mask, "packed": cu_seq_lens); nothing is launched here, so
-        this is safe to call before knowing whether a capture is open.
-        """
-        cu_q = kwargs.get("cu_seq_lens_q")
-        if cu_q is not None:
-            cu_k = kwargs.get("cu_seq_lens_k")
-            if isinstance(cu_k, dict):  # HF continuous batching: one per attention type
-                cu_k = cu_k.get("full_attention", next(iter(cu_k.values()), None))
-            if cu_q.device.type == "cpu":
-                return classify_packed(cu_q.tolist(), cu_k.tolist() if cu_k is not None else None)
-            if self._pool is not None and self.exact_tokens:
-                return ("packed", int(cu_q.numel()), cu_k is not None, cu_q, cu_k)
-            n = int(cu_q.numel()) - 1
-            return StepShape(PHASE_IDLE, n, 0, 0, 0)  # counts unknown without a sync
-        ids = _first_tensor(args, kwargs, "input_ids", "inputs_embeds")
-        if ids is None or not hasattr(ids, "shape") or len(ids.shape) < 2:
-            return None
-        batch, new_len = int(ids.shape[0]), int(ids.shape[1])
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        cache_len = _cache_len(cache)
-        mask = kwargs.get("attention_mask")
-        if cache_len is None:
-            cache_len = 0 if new_len > 1 else 1
-        if mask is None or not hasattr(mask, "dim") or mask.dim() != 2:
-            return classify_padded(batch, new_len, cache_len, None)
-        if mask.device.type == "cpu":
-            return classify_padded(batch, new_len, cache_len, int(mask.sum()))
-        if self._pool is not None and self.exact_tokens:
-            if new_len == 1 and cache_len > 0:
-                # generate-style decode: the mask only grew by ones since the prefill,
-                # so the poller derives the real count from the prefill's; no readback
-                return ("padded_rel", batch, new_len, cache_len)
-            return ("padded", batch, new_len, cache_len, mask)
-        return classify_padded(batch, new_len, cache_len, None)
+        """Token counts of this forward (`inspect_forward`), deferred to a readback where CUDA events time it."""
+        return inspect_forward(args, kwargs, self._pool is not None and self.exact_tokens)
 
     # --- the poller (called by the outbox's background wake) -----------------
 
@@ -364,6 +329,46 @@ class StepTimer:
                     pool.give(slot)
             self._error(exc)
 
+
+
+def inspect_forward(args: tuple, kwargs: dict, readback: bool) -> StepShape | tuple | None:
+    """Token counts of this forward: a StepShape, or a deferred tuple resolved later.
+
+    Deferred tuples that need a device readback carry the tensors to read
+    ("padded": the mask, "packed": cu_seq_lens); nothing is launched here, so
+    this is safe to call before knowing whether a capture is open.
+    """
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if isinstance(cu_k, dict):  # HF continuous batching: one per attention type
+            cu_k = cu_k.get("full_attention", next(iter(cu_k.values()), None))
+        if cu_q.device.type == "cpu":
+            return classify_packed(cu_q.tolist(), cu_k.tolist() if cu_k is not None else None)
+        if readback:
+            return ("packed", int(cu_q.numel()), cu_k is not None, cu_q, cu_k)
+        n = int(cu_q.numel()) - 1
+        return StepShape(PHASE_IDLE, n, 0, 0, 0)  # counts unknown without a sync
+    ids = _first_tensor(args, kwargs, "input_ids", "inputs_embeds")
+    if ids is None or not hasattr(ids, "shape") or len(ids.shape) < 2:
+        return None
+    batch, new_len = int(ids.shape[0]), int(ids.shape[1])
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache_len = _cache_len(cache)
+    mask = kwargs.get("attention_mask")
+    if cache_len is None:
+        cache_len = 0 if new_len > 1 else 1
+    if mask is None or not hasattr(mask, "dim") or mask.dim() != 2:
+        return classify_padded(batch, new_len, cache_len, None)
+    if mask.device.type == "cpu":
+        return classify_padded(batch, new_len, cache_len, int(mask.sum()))
+    if readback:
+        if new_len == 1 and cache_len > 0:
+            # generate-style decode: the mask only grew by ones since the prefill,
+            # so the poller derives the real count from the prefill's; no readback
+            return ("padded_rel", batch, new_len, cache_len)
+        return ("padded", batch, new_len, cache_len, mask)
+    return classify_padded(batch, new_len, cache_len, None)
 
 class _StepScope:
     """The context manager `Probe.step()` returns (a class: cheaper than @contextmanager)."""

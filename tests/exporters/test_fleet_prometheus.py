@@ -22,6 +22,7 @@ import duckdb
 import pytest
 
 from conftest import T0, hello, send_workload
+from phasescope.agent.read.thresholds import T
 from hang import HANG_S, HTTP_S
 
 PROMETHEUS = shutil.which("prometheus")
@@ -67,6 +68,19 @@ def _export(db: str, root: str, host: str) -> None:
             con.execute(f"COPY (SELECT * FROM {t}) TO '{d}/part-0.parquet' (FORMAT parquet)")
     finally:
         con.close()
+
+
+def _store_host(db: str, run_id: str) -> dict:
+    """The host-bound analyzer's process figures (analyzers/host.py PROCESS_SQL) of `run_id` in the agent's store."""
+    from phasescope.analyzers.host import PROCESS_SQL
+    from phasescope.analyzers.sql import one
+
+    con = duckdb.connect(db, read_only=True)
+    try:
+        p = one(con, PROCESS_SQL, run_id)
+    finally:
+        con.close()
+    return {k: p[k] for k in ("process_samples", "busy_samples", "cpu_wait_ratio")}
 
 
 def _send_eviction_reuse(sock: str) -> None:
@@ -193,12 +207,20 @@ def test_prometheus_path_names_the_pods_and_causes_and_agrees_with_parquet(fleet
     assert pq.returncode == 0, pq.stderr
     parquet = json.loads(pq.stdout)
     per_pod = {pod: {f["id"] for f in fs} for pod, fs in parquet["host_findings"].items()}
-    print(json.dumps({"causes": causes, "parquet": per_pod, "prom_pods": report["pods"],
+    store_host = {pod: _store_host(os.path.join(fleet["tmp"], f"{pod}.duckdb"), fleet["runs"][pod]) for pod in PODS}
+    print(json.dumps({"causes": causes, "parquet": per_pod, "prom_pods": report["pods"], "store_host": store_host,
                       "signals": report["signals"], "parquet_hosts": parquet["hosts"]}, indent=1, default=str))
     # the designed causes, from Prometheus alone
     assert "kv-bound" in causes["pod-kv"]
     assert "host-bound" in causes["pod-host"]
-    assert "kv-bound" not in causes["pod-ok"] and "host-bound" not in causes["pod-ok"], causes
+    assert "kv-bound" not in causes["pod-ok"], causes
+    if "host-bound" in causes["pod-ok"]:
+        # the healthy pod starved for real: the other pytest worker beside it on a 2-core CI machine (CI of
+        # 2026-12-07: its busiest thread waited 46% of its busy samples, busy in 35% of the scrapes). Not a false
+        # alarm only where the pod's own store saw the same wait over its busy samples (analyzers/host.py's
+        # figure; Prometheus sees one process sample in five, the agent's handover, so its busy share may cross
+        # the 25% bar where the store's stays under it)
+        assert (store_host["pod-ok"]["cpu_wait_ratio"] or 0) >= T["min_cpu_wait_ratio"], (causes, store_host)
     # and the same causes as each pod's own store says (the Parquet path's per-host diagnosis)
     assert {"kv-near-cap", "preemption-recompute"} & per_pod["pod-kv"], per_pod
     assert "host-bound" in per_pod["pod-host"], per_pod
@@ -208,7 +230,10 @@ def test_prometheus_path_names_the_pods_and_causes_and_agrees_with_parquet(fleet
         # (near a threshold the two paths' samples - the gauges as scraped, the store's busy samples - may differ)
         sig = report["signals"][pod]
         if "host-bound" in causes[pod] and sig["cpu_wait_ratio"] >= 0.45 and sig["busy_share"] >= 0.35:
-            assert "host-bound" in per_pod[pod], (pod, causes, per_pod)
+            # the store names it, or its busy samples show the same wait and only its busy share stayed under the
+            # bar (it reads every sample; Prometheus one in five)
+            same_wait = (store_host[pod]["cpu_wait_ratio"] or 0) >= T["min_cpu_wait_ratio"]
+            assert "host-bound" in per_pod[pod] or same_wait, (pod, causes, per_pod, store_host)
         if "kv-bound" in causes[pod]:
             assert {"kv-near-cap", "preemption-recompute"} & per_pod[pod], (pod, causes, per_pod)
     # outliers: where a figure's ratio to the fleet median is clearly over (or under) the 1.5 threshold on one
