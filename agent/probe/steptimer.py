@@ -134,18 +134,7 @@ class StepTimer:
         try:
             t1 = self._perf()
             self._in_step = False
-            opened = self._open
-            if opened is None or opened[3] is not None or type(opened[2]) is not StepShape:
-                self._end(t1)  # an event-timed or deferred step
-                return
-            # `_end` written out for a host-timed step of known shape (the vLLM worker's every step): one frame less
-            self._open = None
-            t0, mono, shape, _, pre_cost, timed = opened
-            step_id = self.steps
-            self._push(_new(Step, (mono, step_id, self.rank) + shape + ((t1 - t0) / 1e6, NAN)))
-            self.steps = step_id + 1
-            last, self._last_mono = self._last_mono, mono
-            self.sampler.account(shape[0], mono - last if last else 0, pre_cost + self._perf() - t1, timed)
+            self._end(t1)
         except Exception as exc:  # noqa: BLE001
             self._error(exc)
 
@@ -330,7 +319,6 @@ class StepTimer:
             self._error(exc)
 
 
-
 def inspect_forward(args: tuple, kwargs: dict, readback: bool) -> StepShape | tuple | None:
     """Token counts of this forward: a StepShape, or a deferred tuple resolved later.
 
@@ -369,6 +357,7 @@ def inspect_forward(args: tuple, kwargs: dict, readback: bool) -> StepShape | tu
             return ("padded_rel", batch, new_len, cache_len)
         return ("padded", batch, new_len, cache_len, mask)
     return classify_padded(batch, new_len, cache_len, None)
+
 
 class _StepScope:
     """The context manager `Probe.step()` returns (a class: cheaper than @contextmanager)."""
