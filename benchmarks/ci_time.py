@@ -145,6 +145,14 @@ def parse(log: str) -> dict:
             "test_seconds_total": sum(tests.values())}
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, all) jiffies of every core since boot, from /proc/stat's first line (idle and iowait count as idle)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return sum(ticks) - idle, sum(ticks)
+
+
 def run(repo: str, fresh_cache: bool, poll_s: float, log_path: str) -> dict:
     clone = tempfile.mkdtemp(prefix="ci-time-clone.")
     os.chmod(clone, 0o755)  # the container test's probe runs as uid 10001 and imports from the clone
@@ -156,6 +164,7 @@ def run(repo: str, fresh_cache: bool, poll_s: float, log_path: str) -> dict:
     if fresh_cache:
         cache = env["PHASESCOPE_CI_CACHE"] = tempfile.mkdtemp(prefix="ci-time-cache.")
     counter = ProcessCounter(poll_s).start()
+    busy0, all0 = cpu_times()
     t0 = time.monotonic()
     first_pytest_line = None
     with open(log_path, "w", encoding="utf-8") as log:
@@ -167,6 +176,7 @@ def run(repo: str, fresh_cache: bool, poll_s: float, log_path: str) -> dict:
                 first_pytest_line = time.monotonic() - t0
         rc = p.wait()
     wall = time.monotonic() - t0
+    busy1, all1 = cpu_times()
     processes = counter.stop()
     with open(log_path, encoding="utf-8") as f:
         figures = parse(f.read())
@@ -176,7 +186,9 @@ def run(repo: str, fresh_cache: bool, poll_s: float, log_path: str) -> dict:
     if figures["pytest_s"] is not None:  # what came before pytest's own wall time (its first line may be late)
         first_pytest_line = wall - figures["pytest_s"]
     return {"commit": commit, "rc": rc, "wall_s": wall, "installs_s": first_pytest_line, "fresh_cache": fresh_cache,
-            "nproc": os.cpu_count(), "load_at_end": os.getloadavg()[0], "processes": processes, **figures}
+            "nproc": os.cpu_count(), "load_at_end": os.getloadavg()[0],
+            "cpu_busy_share": (busy1 - busy0) / max(1, all1 - all0), "workers": os.environ.get("PHASESCOPE_TEST_WORKERS", "2"),
+            "processes": processes, **figures}
 
 
 def markdown(res: dict) -> str:
@@ -188,6 +200,8 @@ def markdown(res: dict) -> str:
              f"total: {res['pytest_s']:.0f} s", f"tests: {c.get('passed', 0) + c.get('failed', 0)}", "",
              f"- exit code {res['rc']}; {', '.join(f'{v} {k}' for k, v in c.items())}",
              f"- wall {res['wall_s']:.0f} s: installs {res['installs_s'] or 0:.0f} s, then pytest {res['pytest_s']:.0f} s",
+             f"- pytest workers {res.get('workers', '2')}; the cores' busy share over the run "
+             f"{res.get('cpu_busy_share', float('nan')):.2f} (/proc/stat: 1 - idle and iowait)",
              "", "## Real processes the suite started (seen in /proc every 0.5 s; lower bounds)", "",
              "| process | starts |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in res["processes"].items()]
