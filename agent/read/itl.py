@@ -26,6 +26,7 @@ from typing import Any
 import duckdb
 
 from ..records import derived
+from . import wquantile
 from .base import STEP_MS, _dicts, _one, async_scheduling, latest_run, sql_text
 from .thresholds import T
 
@@ -99,11 +100,9 @@ def weighted_quantiles(value: str, weight: str, source: str, qs: dict[str, str])
               FROM {source} WHERE {weight} > 0)"""
 
 
-# over `gaps`: the samples, their median and tail quantile; DuckDB's own quantile when every gap is one sample
+# over `gaps`: the samples, their median and tail quantile, as one SQL statement: the query shown with a finding
+# (`attribution` computes the same figures by selection, wquantile.py)
 Q_SQL = f"q AS ({weighted_quantiles('itl_ms', 'tokens', 'gaps', {'p50': '0.5', 'p99': '$quantile'})})"
-Q_ONES_SQL = """q AS (SELECT n, p[1] AS p50, p[2] AS p99 FROM (
-        SELECT count(*) AS n, quantile_cont(itl_ms, [0.5, $quantile]) AS p FROM gaps))"""
-
 # over `gaps`: the samples, their median and tail quantile, and the gaps (one row); then the tail (>= the p99) with
 # those as parameters, per cause: its samples, their excess over the median, the largest prefill of their steps (the
 # summary's tail sums are these summed over the causes: two passes, where one per sum was five)
@@ -187,6 +186,14 @@ def _over_gaps(body: str) -> str:
     return head + ", " + body[5:] if body.lstrip().startswith("WITH ") else head + " " + body
 
 
+def _quantiles(con: duckdb.DuckDBPyConnection, quantile: float) -> dict[str, Any]:
+    """ITL_Q_SQL's row over the gaps' temp table, its quantiles by selection (wquantile.py: two streaming passes,
+    where a sort of every sample held them all: 25M gaps took seconds and GBs)."""
+    n, (p50, p99) = wquantile.quantiles(con, GAPS_TABLE, "itl_ms", "tokens", (0.5, quantile))
+    gaps = _one(con, _over_gaps("SELECT count(*) AS gaps FROM gaps"), {})["gaps"]
+    return {"itl_samples": n, "itl_p50_ms": p50, "itl_p99_ms": p99, "gaps": gaps}
+
+
 def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
                 long_prefill_tokens: int = int(T["long_prefill_tokens"]),
                 host_stall_ratio: float = T["host_stall_ratio"], tpot_slo_s: float = T["tpot_slo_s"],
@@ -202,8 +209,7 @@ def attribution(con: duckdb.DuckDBPyConnection, run_id: str | None = None,
         run_id = latest_run(con)
     params = {"long": long_prefill_tokens, "host_ratio": host_stall_ratio, "quantile": quantile}
     with ItlGaps(con, run_id, long_prefill_tokens, host_stall_ratio):
-        ones = _one(con, _over_gaps("SELECT coalesce(max(tokens), 0) <= 1 AS ones FROM gaps"), {})["ones"]
-        q = _one(con, _over_gaps(ITL_Q_SQL.format(q=Q_ONES_SQL if ones else Q_SQL)), {"quantile": quantile})
+        q = _quantiles(con, quantile)
         p = {"p50": q["itl_p50_ms"], "p99": q["itl_p99_ms"]}
         if min_spike_ratio is not None and (not p["p50"] or p["p99"] / p["p50"] < min_spike_ratio):
             return q

@@ -1,0 +1,90 @@
+"""Exact weighted quantiles over millions of rows without sorting them: a histogram pass, then one small bucket.
+
+DuckDB's `quantile_cont` and a window `sum(w) OVER (ORDER BY v)` both hold every value of the source at once (a
+run of 25M ITL gaps: GBs and seconds). The quantile is an order statistic, so it needs only the rows near it:
+
+1. one streaming aggregate gives the weight of each bucket of a monotone key of the value (`KEY`: 64 buckets
+   per e-fold of |v|, about 1.6% wide) and the total weight n;
+2. for each wanted position (h = (n - 1) q, as `quantile_cont`: its order statistics at floor(h) and ceil(h))
+   the bucket that holds it is found from the cumulative weights, and one filtered aggregate reads that bucket
+   and its two neighbours (a value's key is monotone in it up to one ulp of `ln`), grouped by value, in order.
+
+The answer is the same number `quantile_cont` gives over the multiset where each row counts `weight` times:
+lo (1 - d) + hi d with d = h - floor(h). Both passes stream (hash aggregates), so memory follows the distinct
+keys and the distinct values of a few buckets, not the rows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from itertools import accumulate
+from typing import Any, Sequence
+
+import duckdb
+
+from ..records.errors import ReadError
+
+# a monotone bucket key of a double v: 0 for 0, +-(100000 + floor(64 ln |v|)) by its sign (|64 ln v| < 45500
+# over the doubles, so the three ranges never meet)
+KEY = ("CASE WHEN {v} > 0 THEN 100000 + CAST(floor(ln({v}) * 64) AS BIGINT) WHEN {v} < 0 "
+       "THEN -100000 - CAST(floor(ln(-{v}) * 64) AS BIGINT) ELSE 0 END")
+
+
+def quantiles(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: str, qs: Sequence[float],
+              params: dict[str, Any] | None = None) -> tuple[int, list[float | None]]:
+    """(n, [quantile_cont of `value` at each q]) over `source` (a table, view or parenthesized SELECT, with
+    `params`), each row counting `weight` times (a non-negative integer expression; rows of weight 0 do not
+    count); quantiles are None when n is 0. Values must be finite."""
+    key = KEY.format(v=value)
+    rows = con.execute(f"SELECT {key} AS k, sum({weight}) AS w FROM {source} WHERE {weight} > 0 GROUP BY k ORDER BY k",
+                       params or {}).fetchall()
+    if not rows:
+        return 0, [None for _ in qs]
+    keys = [int(k) for k, _ in rows]
+    cum = list(accumulate(int(w) for _, w in rows))  # weight up to and including each bucket
+    n = cum[-1]
+    wanted: dict[int, None] = {}  # the 0-based ranks to find, in order of first need
+    for q in qs:
+        h = (n - 1) * float(q)
+        wanted[math.floor(h)] = None
+        wanted[math.ceil(h)] = None
+    value_at = _order_statistics(con, source, value, weight, key, keys, cum, list(wanted), params or {})
+    out: list[float | None] = []
+    for q in qs:
+        h = (n - 1) * float(q)
+        lo, hi = value_at[math.floor(h)], value_at[math.ceil(h)]
+        d = h - math.floor(h)
+        out.append(lo if d == 0 else lo * (1.0 - d) + hi * d)
+    return n, out
+
+
+def _order_statistics(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: str, key: str,
+                      keys: list[int], cum: list[int], ranks: list[int], params: dict[str, Any]) -> dict[int, float]:
+    """The value at each 0-based rank of `ranks` in the weighted order: one aggregate over the buckets that hold
+    them and their neighbours (adjacent buckets, by index, so a gap in the keys costs nothing)."""
+    spans: list[tuple[int, int]] = []  # bucket index ranges [a, b], merged when they touch
+    for r in sorted(ranks):
+        i = bisect.bisect_right(cum, r)  # the first bucket whose cumulative weight passes r
+        a, b = max(i - 1, 0), min(i + 1, len(keys) - 1)
+        if spans and a <= spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+        else:
+            spans.append((a, b))
+    out: dict[int, float] = {}
+    for a, b in spans:
+        before = cum[a - 1] if a > 0 else 0
+        vals = con.execute(f"""SELECT v, sum(w) FROM (SELECT {value} AS v, {weight} AS w, {key} AS k FROM {source})
+                               WHERE w > 0 AND k BETWEEN $ka AND $kb GROUP BY v ORDER BY v""",
+                           {**params, "ka": keys[a], "kb": keys[b]}).fetchall()
+        seen = before
+        todo = [r for r in sorted(ranks) if before <= r < cum[b] and r not in out]
+        j = 0
+        for v, w in vals:
+            seen += int(w)
+            while j < len(todo) and todo[j] < seen:
+                out[todo[j]] = float(v)
+                j += 1
+        if j < len(todo):  # the buckets' rows changed between the passes (a writer appended to the source)
+            raise ReadError(f"{source} changed between the two passes of a quantile (a writer appended): read again")
+    return out
