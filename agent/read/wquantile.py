@@ -3,11 +3,12 @@
 DuckDB's `quantile_cont` and a window `sum(w) OVER (ORDER BY v)` both hold every value of the source at once (a
 run of 25M ITL gaps: GBs and seconds). The quantile is an order statistic, so it needs only the rows near it:
 
-1. one streaming aggregate gives the weight of each bucket of a monotone key of the value (`KEY`: 64 buckets
-   per e-fold of |v|, about 1.6% wide) and the total weight n;
+1. one streaming aggregate gives the weight of each bucket of a monotone key of the value (`KEY`: 2048 buckets
+   per e-fold of |v|, about 0.05% wide) and the total weight n;
 2. for each wanted position (h = (n - 1) q, as `quantile_cont`: its order statistics at floor(h) and ceil(h))
-   the bucket that holds it is found from the cumulative weights, and one filtered aggregate reads that bucket
-   and its two neighbours (a value's key is monotone in it up to one ulp of `ln`), grouped by value, in order.
+   the bucket that holds it is found from the cumulative weights, and one filtered aggregate reads those
+   buckets and their neighbours (a value's key is monotone in it up to one ulp of `ln`), grouped by value, in
+   order.
 
 The answer is the same number `quantile_cont` gives over the multiset where each row counts `weight` times:
 lo (1 - d) + hi d with d = h - floor(h). Both passes stream (hash aggregates), so memory follows the distinct
@@ -25,10 +26,11 @@ import duckdb
 
 from ..records.errors import ReadError
 
-# a monotone bucket key of a double v: 0 for 0, +-(100000 + floor(64 ln |v|)) by its sign (|64 ln v| < 45500
+# a monotone bucket key of a double v: 0 for 0, +-(2^21 + floor(2048 ln |v|)) by its sign (|2048 ln v| < 1.53e6
 # over the doubles, so the three ranges never meet)
-KEY = ("CASE WHEN {v} > 0 THEN 100000 + CAST(floor(ln({v}) * 64) AS BIGINT) WHEN {v} < 0 "
-       "THEN -100000 - CAST(floor(ln(-{v}) * 64) AS BIGINT) ELSE 0 END")
+_OFFSET, _PER_E = 2097152, 2048
+KEY = ("CASE WHEN {v} > 0 THEN 2097152 + CAST(floor(ln({v}) * 2048) AS BIGINT) WHEN {v} < 0 "
+       "THEN -2097152 - CAST(floor(ln(-{v}) * 2048) AS BIGINT) ELSE 0 END")
 
 
 def quantiles(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: str, qs: Sequence[float],
@@ -59,10 +61,24 @@ def quantiles(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: s
     return n, out
 
 
+def _low(k: int) -> float:
+    """A value no larger than any of key k's (KEY), with room for `ln`'s last bit."""
+    if k == 0:
+        return 0.0
+    return math.exp((k - _OFFSET) / _PER_E) * (1 - 1e-9) if k > 0 else -math.exp((-k - _OFFSET + 1) / _PER_E) * (1 + 1e-9)
+
+
+def _high(k: int) -> float:
+    """A value no smaller than any of key k's (KEY), with room for `ln`'s last bit."""
+    if k == 0:
+        return 0.0
+    return math.exp((k - _OFFSET + 1) / _PER_E) * (1 + 1e-9) if k > 0 else -math.exp((-k - _OFFSET) / _PER_E) * (1 - 1e-9)
+
+
 def _order_statistics(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: str, key: str,
                       keys: list[int], cum: list[int], ranks: list[int], params: dict[str, Any]) -> dict[int, float]:
     """The value at each 0-based rank of `ranks` in the weighted order: one aggregate over the buckets that hold
-    them and their neighbours (adjacent buckets, by index, so a gap in the keys costs nothing)."""
+    them and their neighbours (adjacent buckets by index, so a gap in the keys costs nothing)."""
     spans: list[tuple[int, int]] = []  # bucket index ranges [a, b], merged when they touch
     for r in sorted(ranks):
         i = bisect.bisect_right(cum, r)  # the first bucket whose cumulative weight passes r
@@ -71,20 +87,23 @@ def _order_statistics(con: duckdb.DuckDBPyConnection, source: str, value: str, w
             spans[-1] = (spans[-1][0], max(spans[-1][1], b))
         else:
             spans.append((a, b))
+    # each span by its keys, and first by the values its keys can hold (widened by 1e-9: a comparison skips the
+    # `ln` of every row outside it); numbers of ours, written into the SQL
+    where = " OR ".join(f"(v BETWEEN {_low(keys[a])!r} AND {_high(keys[b])!r} AND k BETWEEN {keys[a]} AND {keys[b]})"
+                        for a, b in spans)
+    vals = con.execute(f"""SELECT k, v, sum(w) FROM (SELECT {value} AS v, {weight} AS w, {key} AS k FROM {source})
+                           WHERE w > 0 AND ({where}) GROUP BY k, v ORDER BY v""", params).fetchall()
     out: dict[int, float] = {}
-    for a, b in spans:
-        before = cum[a - 1] if a > 0 else 0
-        vals = con.execute(f"""SELECT v, sum(w) FROM (SELECT {value} AS v, {weight} AS w, {key} AS k FROM {source})
-                               WHERE w > 0 AND k BETWEEN $ka AND $kb GROUP BY v ORDER BY v""",
-                           {**params, "ka": keys[a], "kb": keys[b]}).fetchall()
-        seen = before
-        todo = [r for r in sorted(ranks) if before <= r < cum[b] and r not in out]
+    for a, b in spans:  # each span's rows in order of value, after the weight of every bucket before it
+        seen = cum[a - 1] if a > 0 else 0
+        todo = [r for r in sorted(ranks) if seen <= r < cum[b]]
         j = 0
-        for v, w in vals:
-            seen += int(w)
-            while j < len(todo) and todo[j] < seen:
-                out[todo[j]] = float(v)
-                j += 1
+        for k, v, w in vals:
+            if keys[a] <= k <= keys[b]:
+                seen += int(w)
+                while j < len(todo) and todo[j] < seen:
+                    out[todo[j]] = float(v)
+                    j += 1
         if j < len(todo):  # the buckets' rows changed between the passes (a writer appended to the source)
             raise ReadError(f"{source} changed between the two passes of a quantile (a writer appended): read again")
     return out
