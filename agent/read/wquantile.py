@@ -38,6 +38,24 @@ def quantiles(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: s
     """(n, [quantile_cont of `value` at each q]) over `source` (a table, view or parenthesized SELECT, with
     `params`), each row counting `weight` times (a non-negative integer expression; rows of weight 0 do not
     count); quantiles are None when n is 0. Values must be finite."""
+    if in_transaction(con):  # the caller's transaction is one snapshot already (agent/read/snapshot.py)
+        return _quantiles(con, source, value, weight, qs, params)
+    con.execute("BEGIN TRANSACTION")  # both passes in one snapshot of the store (a writer may append between them)
+    try:
+        return _quantiles(con, source, value, weight, qs, params)
+    finally:
+        con.execute("ROLLBACK")  # a reader: nothing to keep
+
+
+def in_transaction(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether `con` is inside an explicit transaction: two statements in a row share its id only there (a
+    BEGIN tried inside one would fail and abort the caller's transaction)."""
+    one = con.execute("SELECT txid_current()").fetchone()[0]
+    return con.execute("SELECT txid_current()").fetchone()[0] == one
+
+
+def _quantiles(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: str, qs: Sequence[float],
+               params: dict[str, Any] | None) -> tuple[int, list[float | None]]:
     key = KEY.format(v=value)
     rows = con.execute(f"SELECT {key} AS k, sum({weight}) AS w FROM {source} WHERE {weight} > 0 GROUP BY k ORDER BY k",
                        params or {}).fetchall()
@@ -104,6 +122,6 @@ def _order_statistics(con: duckdb.DuckDBPyConnection, source: str, value: str, w
                 while j < len(todo) and todo[j] < seen:
                     out[todo[j]] = float(v)
                     j += 1
-        if j < len(todo):  # the buckets' rows changed between the passes (a writer appended to the source)
-            raise ReadError(f"{source} changed between the two passes of a quantile (a writer appended): read again")
+        if seen != cum[b]:  # the buckets' rows changed between the passes (a writer outside the snapshot)
+            raise ReadError(f"{source} changed between the two passes of a quantile: read again")
     return out

@@ -64,3 +64,41 @@ def test_a_source_that_changes_between_the_passes_is_an_error_not_a_wrong_answer
     monkeypatch.setattr(wquantile, "_order_statistics", grown)
     with pytest.raises(ReadError, match="changed between the two passes"):
         wquantile.quantiles(con, "t", "v", "w", (0.5,))
+
+
+@pytest.mark.parametrize("change", ["DELETE FROM t WHERE v = 2.0", "INSERT INTO t VALUES (2.0, 5)"])
+def test_both_passes_read_one_snapshot_and_rows_added_or_lost_outside_it_are_an_error(monkeypatch, tmp_path, change):
+    """On a file another connection appends to, the two passes read one snapshot (the right answer); where they
+    cannot (the caller's transaction is not ours), a change between them in either direction is an error."""
+    path = str(tmp_path / "q.duckdb")
+    con = duckdb.connect(path)
+    con.execute("CREATE TABLE t AS SELECT unnest([1.0, 2.0, 3.0])::DOUBLE AS v, 1 AS w")
+    writer = con.cursor()  # another connection to the same database: commits of its own
+    real = wquantile._order_statistics
+
+    def between(con, source, *a, **k):
+        writer.execute(change)
+        return real(con, source, *a, **k)
+
+    monkeypatch.setattr(wquantile, "_order_statistics", between)
+    reader = con.cursor()
+    assert wquantile.quantiles(reader, "t", "v", "w", (0.5,)) == (3, [2.0])  # its snapshot: before the change
+    writer.execute("DELETE FROM t")
+    writer.execute("INSERT INTO t SELECT unnest([1.0, 2.0, 3.0]), 1")
+
+    monkeypatch.setattr(wquantile, "in_transaction", lambda con: True)  # as though the caller held one
+    with pytest.raises(ReadError, match="changed between the two passes"):
+        wquantile.quantiles(reader, "t", "v", "w", (0.5,))
+
+
+def test_inside_the_callers_transaction_it_reads_there_and_leaves_it_usable():
+    """A snapshot read (agent/read/snapshot.py) runs the quantiles inside its own transaction: no BEGIN of ours
+    (it would fail and abort the caller's), and the caller's transaction still reads after."""
+    con = _table([1.0, 2.0, 3.0], [1, 1, 1])
+    assert not wquantile.in_transaction(con)
+    con.execute("BEGIN TRANSACTION")
+    assert wquantile.in_transaction(con)
+    assert wquantile.quantiles(con, "t", "v", "w", (0.5,)) == (3, [2.0])
+    assert con.execute("SELECT count(*) FROM t").fetchone()[0] == 3
+    con.execute("ROLLBACK")
+    assert not wquantile.in_transaction(con)
