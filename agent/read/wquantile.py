@@ -75,7 +75,7 @@ def _quantiles(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: 
         h = (n - 1) * float(q)
         lo, hi = value_at[math.floor(h)], value_at[math.ceil(h)]
         d = h - math.floor(h)
-        out.append(lo if d == 0 else lo * (1.0 - d) + hi * d)
+        out.append(lo if d == 0 else lo + (hi - lo) * d)  # DuckDB's and numpy's form: lo itself where hi == lo
     return n, out
 
 
