@@ -11,7 +11,7 @@ run of 25M ITL gaps: GBs and seconds). The quantile is an order statistic, so it
    order.
 
 The answer is the same number `quantile_cont` gives over the multiset where each row counts `weight` times:
-lo (1 - d) + hi d with d = h - floor(h). Both passes stream (hash aggregates), so memory follows the distinct
+lo + (hi - lo) d with d = h - floor(h). Both passes stream (hash aggregates), so memory follows the distinct
 keys and the distinct values of a few buckets, not the rows.
 """
 
@@ -29,8 +29,8 @@ from ..records.errors import ReadError
 # a monotone bucket key of a double v: 0 for 0, +-(2^21 + floor(2048 ln |v|)) by its sign (|2048 ln v| < 1.53e6
 # over the doubles, so the three ranges never meet)
 _OFFSET, _PER_E = 2097152, 2048
-KEY = ("CASE WHEN {v} > 0 THEN 2097152 + CAST(floor(ln({v}) * 2048) AS BIGINT) WHEN {v} < 0 "
-       "THEN -2097152 - CAST(floor(ln(-{v}) * 2048) AS BIGINT) ELSE 0 END")
+KEY = (f"CASE WHEN {{v}} > 0 THEN {_OFFSET} + CAST(floor(ln({{v}}) * {_PER_E}) AS BIGINT) WHEN {{v}} < 0 "
+       f"THEN -{_OFFSET} - CAST(floor(ln(-{{v}}) * {_PER_E}) AS BIGINT) ELSE 0 END")
 
 
 def quantiles(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: str, qs: Sequence[float],
@@ -83,14 +83,18 @@ def _low(k: int) -> float:
     """A value no larger than any of key k's (KEY), with room for `ln`'s last bit."""
     if k == 0:
         return 0.0
-    return math.exp((k - _OFFSET) / _PER_E) * (1 - 1e-9) if k > 0 else -math.exp((-k - _OFFSET + 1) / _PER_E) * (1 + 1e-9)
+    if k > 0:
+        return math.exp((k - _OFFSET) / _PER_E) * (1 - 1e-9)
+    return -math.exp((-k - _OFFSET + 1) / _PER_E) * (1 + 1e-9)
 
 
 def _high(k: int) -> float:
     """A value no smaller than any of key k's (KEY), with room for `ln`'s last bit."""
     if k == 0:
         return 0.0
-    return math.exp((k - _OFFSET + 1) / _PER_E) * (1 + 1e-9) if k > 0 else -math.exp((-k - _OFFSET) / _PER_E) * (1 - 1e-9)
+    if k > 0:
+        return math.exp((k - _OFFSET + 1) / _PER_E) * (1 + 1e-9)
+    return -math.exp((-k - _OFFSET) / _PER_E) * (1 - 1e-9)
 
 
 def _order_statistics(con: duckdb.DuckDBPyConnection, source: str, value: str, weight: str, key: str,

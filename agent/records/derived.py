@@ -590,9 +590,8 @@ def _fold(con: Any, wm: int, top: int) -> None:
     cols = ", ".join(c for c, _, _ in TABLES["request_rows"])
     con.execute(f"INSERT INTO request_rows ({cols}) SELECT {cols} FROM merged")
     cols = ", ".join(c for c, _, _ in TABLES["token_gaps"])
-    # in time order within each run: a step's tokens share their ts_ns and most their prev_ns, so DuckDB stores
-    # those columns as runs, and a row group holds mostly one run (its zone map skips it for the others). In the
-    # order the stages make them (by request) the gap rows took 11.2 bytes a token; in this order 2.1
+    # in the order the stages make them (by request): 11.2 bytes a token. In time order they took 2.1, but a rolled
+    # run's reads then summed floats in another order (benchmarks/results/gpu_rate.md): not yet
     con.execute(f"INSERT INTO token_gaps ({cols}) SELECT {cols} FROM gaps")
     con.execute("INSERT INTO temp.fold_new_gaps SELECT run_id, request_id, ts_ns, prev_ns FROM gaps")
     _drop(con, STAGES)
